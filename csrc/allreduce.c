@@ -1,0 +1,283 @@
+/*
+ * allreduce.c - all_reduce: pipelined ring for large messages, recursive
+ * doubling for small ones.
+ *
+ * Ring (P ranks, buffer cut into P near-equal chunks, rank r):
+ *   step t = 0 .. 2P-3 sends chunk (r - t) mod P to the right neighbour and
+ *   receives chunk (r - t - 1) mod P from the left one.  Steps 0..P-2 are the
+ *   reduce-scatter: the received chunk is reduced into ours, and after them
+ *   rank r holds the fully reduced chunk (r + 1) mod P.  Steps P-1..2P-3 are
+ *   the all-gather: the received chunk overwrites ours.  The same index
+ *   formula serves both halves, so the whole algorithm is one stream of
+ *   frames in each direction.
+ *   Each chunk travels as segments (rl_tune.segment_bytes).  Segment k of
+ *   step t+1 is the segment k that step t received, so it may be sent as
+ *   soon as that one segment has arrived and been reduced: transfer and
+ *   reduction overlap, and no step waits for a whole chunk.
+ *   Bytes sent per rank: 2 (P-1)/P * N; reduction work: (P-1)/P * N.
+ *   Every chunk is reduced on exactly one rank and then copied around, so all
+ *   ranks end with bit-identical results.
+ *
+ * Recursive doubling (latency-optimal, any P):
+ *   Let Q be the largest power of two <= P and R = P - Q.  First the ranks
+ *   r < 2R pair up: even r sends its buffer to r+1 and drops out.  The Q
+ *   remaining ranks exchange whole buffers with partner (i xor 2^k) for
+ *   k = 0 .. log2(Q)-1, always reducing lower-ranked data first so both
+ *   partners compute the same bits.  Finally each odd r < 2R sends the
+ *   result back to r-1.  Steps: log2(Q) (+2 when P is not a power of two);
+ *   bytes sent per rank: N * log2(Q) (+N).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- ring --------------------------------------------------------------- */
+typedef struct {
+    char *buf;
+    size_t count, esz, seg_elems;
+    rl_dtype dt;
+    rl_redop op;
+    int P, r;
+    int nsteps;
+    int *send_off; /* first segment index of step t in the send stream */
+    int *recv_off; /* ... and in the receive stream (chunk sizes differ) */
+    char *scratch;
+    rl_stream *recv;
+} ring_ar;
+
+static int step_chunk(const ring_ar *a, int t, int sending) {
+    return rl_mod(a->r - t - (sending ? 0 : 1), a->P);
+}
+
+/* Map a stream-wide segment index to (step, segment within the chunk). */
+static void split_index(const int *off, int nsteps, int i, int *t, int *k) {
+    int lo = 0, hi = nsteps - 1;
+    while (lo < hi) { /* last step whose first index <= i */
+        int mid = (lo + hi + 1) / 2;
+        if (off[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    *t = lo;
+    *k = i - off[lo];
+}
+
+static void seg_span(const ring_ar *a, int chunk, int k, size_t *start, size_t *n) {
+    size_t cs = rl_block_start(a->count, a->P, chunk), cn = rl_block_count(a->count, a->P, chunk);
+    size_t s = (size_t)k * a->seg_elems;
+    *start = cs + s;
+    *n = s >= cn ? 0 : (cn - s < a->seg_elems ? cn - s : a->seg_elems);
+}
+
+static int ar_send_ready(void *alg, rl_stream *s, int i) {
+    ring_ar *a = alg;
+    int t, k;
+    (void)s;
+    split_index(a->send_off, a->nsteps, i, &t, &k);
+    if (t == 0) return 1;
+    /* Segment k of step t is what step t-1 received as its segment k. */
+    return a->recv->cur > a->recv_off[t - 1] + k;
+}
+
+static void ar_send_where(void *alg, rl_stream *s, int i, char **ptr, size_t *len) {
+    ring_ar *a = alg;
+    int t, k;
+    size_t st, n;
+    (void)s;
+    split_index(a->send_off, a->nsteps, i, &t, &k);
+    seg_span(a, step_chunk(a, t, 1), k, &st, &n);
+    *ptr = a->buf + st * a->esz;
+    *len = n * a->esz;
+}
+
+static void ar_recv_where(void *alg, rl_stream *s, int i, char **ptr, size_t *len) {
+    ring_ar *a = alg;
+    int t, k;
+    size_t st, n;
+    (void)s;
+    split_index(a->recv_off, a->nsteps, i, &t, &k);
+    seg_span(a, step_chunk(a, t, 0), k, &st, &n);
+    /* Reduce-scatter steps land in scratch and are reduced in done();
+     * all-gather steps land directly in the user's buffer. */
+    *ptr = t < a->P - 1 ? a->scratch : a->buf + st * a->esz;
+    *len = n * a->esz;
+}
+
+static int ar_recv_done(void *alg, rl_stream *s, int i) {
+    ring_ar *a = alg;
+    int t, k;
+    size_t st, n;
+    (void)s;
+    split_index(a->recv_off, a->nsteps, i, &t, &k);
+    if (t >= a->P - 1) return RL_OK;
+    seg_span(a, step_chunk(a, t, 0), k, &st, &n);
+    char *dst = a->buf + st * a->esz;
+    rl_reduce_kernel(dst, dst, a->scratch, n, a->dt, a->op);
+    /* The last reduce-scatter step completes this rank's chunk: finish AVG
+     * here, once, before the all-gather copies it everywhere. */
+    if (t == a->P - 2 && a->op == RL_AVG)
+        rl_scale_kernel(dst, n, a->dt, 1.0 / a->P);
+    return RL_OK;
+}
+
+static int ring_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
+                           rl_dtype dt, rl_redop rop) {
+    ring_ar a;
+    memset(&a, 0, sizeof a);
+    a.buf = buf;
+    a.count = count;
+    a.esz = rl_dtype_size(dt);
+    a.dt = dt;
+    a.op = rop;
+    a.P = c->size;
+    a.r = c->rank;
+    a.seg_elems = (size_t)rl_tune.segment_bytes / a.esz;
+    if (a.seg_elems == 0) a.seg_elems = 1;
+    a.nsteps = 2 * (a.P - 1);
+    int offs_small[128];
+    int *offs = 2 * (a.nsteps + 1) <= 128 ? offs_small
+                                         : malloc(sizeof(int) * 2 * (size_t)(a.nsteps + 1));
+    if (!offs) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory");
+    a.send_off = offs;
+    a.recv_off = offs + a.nsteps + 1;
+    int nsend = 0, nrecv = 0;
+    size_t segb = a.seg_elems * a.esz;
+    for (int t = 0; t < a.nsteps; t++) {
+        a.send_off[t] = nsend;
+        a.recv_off[t] = nrecv;
+        nsend += rl_nseg(rl_block_count(count, a.P, step_chunk(&a, t, 1)) * a.esz, segb);
+        nrecv += rl_nseg(rl_block_count(count, a.P, step_chunk(&a, t, 0)) * a.esz, segb);
+    }
+    a.send_off[a.nsteps] = nsend;
+    a.recv_off[a.nsteps] = nrecv;
+    int st = rl_scratch(c, op, a.seg_elems * a.esz, &a.scratch);
+    if (st == RL_OK) {
+        rl_stream s[2];
+        memset(s, 0, sizeof s);
+        s[0].peer = rl_mod(a.r + 1, a.P);
+        s[0].is_send = 1;
+        s[0].nseg = nsend;
+        s[0].ready = ar_send_ready;
+        s[0].where = ar_send_where;
+        s[1].peer = rl_mod(a.r - 1, a.P);
+        s[1].nseg = nrecv;
+        s[1].where = ar_recv_where;
+        s[1].done = ar_recv_done;
+        a.recv = &s[1];
+        st = rl_run_streams(c, op, s, 2, &a);
+    }
+    if (offs != offs_small) free(offs);
+    return st;
+}
+
+/* ---- recursive doubling ------------------------------------------------- */
+typedef struct {
+    char *send_ptr, *recv_ptr;
+    size_t len;
+} xchg;
+
+static void x_send_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    (void)s; (void)i;
+    *p = ((xchg *)alg)->send_ptr;
+    *l = ((xchg *)alg)->len;
+}
+static void x_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    (void)s; (void)i;
+    *p = ((xchg *)alg)->recv_ptr;
+    *l = ((xchg *)alg)->len;
+}
+
+/* One frame to `to` and/or one frame from `from` (-1: none), concurrently. */
+int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
+                int from, void *rbuf, size_t len, uint32_t tag);
+int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
+                int from, void *rbuf, size_t len, uint32_t tag) {
+    xchg x = {(char *)sbuf, (char *)rbuf, len};
+    rl_stream s[2];
+    int n = 0;
+    memset(s, 0, sizeof s);
+    if (to >= 0) {
+        s[n].peer = to;
+        s[n].is_send = 1;
+        s[n].nseg = 1;
+        s[n].tag_base = tag;
+        s[n].where = x_send_where;
+        n++;
+    }
+    if (from >= 0) {
+        s[n].peer = from;
+        s[n].nseg = 1;
+        s[n].tag_base = tag;
+        s[n].where = x_recv_where;
+        n++;
+    }
+    return n ? rl_run_streams(c, op, s, n, &x) : RL_OK;
+}
+
+static int rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
+                         rl_dtype dt, rl_redop rop) {
+    int P = c->size, r = c->rank;
+    size_t len = count * rl_dtype_size(dt);
+    char *tmp;
+    int st = rl_scratch(c, op, len, &tmp);
+    if (st != RL_OK) return st;
+    int Q = 1;
+    while (Q * 2 <= P) Q *= 2;
+    int R = P - Q;
+    int newrank;
+    uint32_t tag = 0;
+    if (r < 2 * R) {
+        if (r % 2 == 0) {
+            if ((st = rl_exchange(c, op, r + 1, buf, -1, NULL, len, tag)) != RL_OK) return st;
+            newrank = -1;
+        } else {
+            if ((st = rl_exchange(c, op, -1, NULL, r - 1, tmp, len, tag)) != RL_OK) return st;
+            rl_reduce_kernel(buf, tmp, buf, count, dt, rop); /* lower rank first */
+            newrank = r / 2;
+        }
+    } else {
+        newrank = r - R;
+    }
+    tag++;
+    if (newrank >= 0) {
+        for (int mask = 1; mask < Q; mask <<= 1, tag++) {
+            int pn = newrank ^ mask;
+            int partner = pn < R ? pn * 2 + 1 : pn + R;
+            if ((st = rl_exchange(c, op, partner, buf, partner, tmp, len, tag)) != RL_OK)
+                return st;
+            if (pn < newrank)
+                rl_reduce_kernel(buf, tmp, buf, count, dt, rop);
+            else
+                rl_reduce_kernel(buf, buf, tmp, count, dt, rop);
+        }
+    } else {
+        /* keep tags aligned with the ranks that stayed in */
+        for (int mask = 1; mask < Q; mask <<= 1) tag++;
+    }
+    if (rop == RL_AVG && newrank >= 0) rl_scale_kernel(buf, count, dt, 1.0 / P);
+    if (r < 2 * R) {
+        if (r % 2 == 1)
+            st = rl_exchange(c, op, r - 1, buf, -1, NULL, len, tag);
+        else
+            st = rl_exchange(c, op, -1, NULL, r + 1, buf, len, tag);
+    }
+    return st;
+}
+
+int rl_all_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop,
+                  int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || !rl_op_valid(dt, rop) || (!buf && count))
+        return RL_ERR_INVALID;
+    rl_opdesc op;
+    size_t bytes = count * rl_dtype_size(dt);
+    int st = rl_begin_op(c, &op, RL_OP_ALL_REDUCE, dt, rop, -1, bytes, timeout_ms);
+    if (st != RL_OK) return st;
+    if (c->size == 1 || count == 0) {
+        /* A world of one: the sum of one buffer is itself (AVG divides by 1). */
+        return RL_OK;
+    }
+    if ((int64_t)bytes <= rl_tune.allreduce_small_bytes || count < (size_t)c->size)
+        st = rd_all_reduce(c, &op, buf, count, dt, rop);
+    else
+        st = ring_all_reduce(c, &op, buf, count, dt, rop);
+    return rl_end_op(c, st);
+}

@@ -1,0 +1,306 @@
+/*
+ * engine.c - the progress engine: drives several frame streams at once over
+ * non-blocking sockets, checks every received header, and waits the way this
+ * machine rewards.
+ *
+ * Wait policy.  When no stream can move, the engine first spins for
+ * rl_tune.spin_us, retrying the sockets and calling sched_yield() between
+ * tries: a waiting rank that polls sees a reply in a few microseconds instead
+ * of paying a ~50 us wake-up, and the yield hands the core to another rank
+ * when ranks outnumber cores.  After the spin budget it blocks in poll(2) in
+ * slices of at most 100 ms, calling the interrupt hook between slices (so
+ * Ctrl-C works) and checking the operation's deadline.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "internal.h"
+
+void rl_fill_header(rl_hdr *h, const rl_comm *c, const rl_opdesc *op,
+                    uint32_t tag, uint64_t nbytes) {
+    h->magic = RL_MAGIC;
+    h->version = RL_PROTOCOL_VERSION;
+    h->opcode = (uint8_t)op->opcode;
+    h->dtype = (uint8_t)op->dtype;
+    h->redop = (uint8_t)op->redop;
+    h->comm_id = c->id;
+    h->root = op->root;
+    h->seq = op->seq;
+    h->total = op->total;
+    h->nbytes = nbytes;
+    h->tag = tag;
+    h->flags = 0;
+}
+
+static void describe(char *buf, size_t n, const rl_hdr *h) {
+    const char *dt = h->dtype < RL_NDTYPES ? rl_dtype_name((rl_dtype)h->dtype) : "?";
+    snprintf(buf, n, "%s(seq=%llu, dtype=%s, op=%s, root=%d, total=%llu bytes, frame %u of %llu bytes)",
+             rl_opcode_name(h->opcode), (unsigned long long)h->seq, dt,
+             h->redop < RL_NOPS ? rl_op_name((rl_redop)h->redop) : "?", h->root,
+             (unsigned long long)h->total, h->tag, (unsigned long long)h->nbytes);
+}
+
+int rl_handle_abort(rl_comm *c, const rl_opdesc *op, int peer, int fd,
+                    const rl_hdr *h, const char *have, size_t nhave) {
+    char reason[RL_ABORT_REASON_MAX + 1];
+    size_t want = h->nbytes < RL_ABORT_REASON_MAX ? (size_t)h->nbytes : RL_ABORT_REASON_MAX;
+    size_t got = nhave < want ? nhave : want;
+    memcpy(reason, have, got);
+    /* The rest of the reason is already in flight; give it a moment. */
+    int64_t until = rl_now_ns() + 200000000LL;
+    while (got < want && rl_now_ns() < until) {
+        ssize_t n = recv(fd, reason + got, want - got, MSG_DONTWAIT);
+        if (n > 0) { got += (size_t)n; continue; }
+        if (n == 0 || (errno != EAGAIN && errno != EINTR)) break;
+        struct pollfd p = {fd, POLLIN, 0};
+        (void)poll(&p, 1, 20);
+    }
+    reason[got] = 0;
+    int st = (int)h->flags;
+    /* Keep the class of the original failure so every rank raises the same
+     * kind of error; an unknown code becomes a plain abort. */
+    if (st != RL_ERR_TIMEOUT && st != RL_ERR_PEER_CLOSED && st != RL_ERR_DESYNC &&
+        st != RL_ERR_AUTH && st != RL_ERR_PROTOCOL)
+        st = RL_ERR_ABORTED;
+    return rl_fail(c, op, st, peer, 0, "peer aborted the operation: [%s]", reason);
+}
+
+int rl_check_header(rl_comm *c, const rl_opdesc *op, int peer,
+                    const rl_hdr *got, const rl_hdr *want) {
+    if (got->magic != RL_MAGIC || got->version != RL_PROTOCOL_VERSION)
+        return rl_fail(c, op, RL_ERR_PROTOCOL, peer, 0,
+                       "malformed frame header (magic 0x%08x, version %u)",
+                       got->magic, got->version);
+    if (got->comm_id != want->comm_id)
+        return rl_fail(c, op, RL_ERR_PROTOCOL, peer, 0,
+                       "frame for communicator %u arrived on communicator %u",
+                       got->comm_id, want->comm_id);
+    if (got->opcode != want->opcode || got->dtype != want->dtype ||
+        got->redop != want->redop || got->root != want->root ||
+        got->seq != want->seq || got->total != want->total ||
+        got->tag != want->tag || got->nbytes != want->nbytes) {
+        char a[256], b[256];
+        describe(a, sizeof a, want);
+        describe(b, sizeof b, got);
+        return rl_fail(c, op, RL_ERR_DESYNC, peer, 0,
+                       "desync: this rank expects %s but the peer sent %s", a, b);
+    }
+    if (got->nbytes > (uint64_t)rl_tune.max_frame_bytes)
+        return rl_fail(c, op, RL_ERR_PROTOCOL, peer, 0, "frame of %llu bytes exceeds the maximum",
+                       (unsigned long long)got->nbytes);
+    return RL_OK;
+}
+
+/* ---- waiting ----------------------------------------------------------- */
+typedef struct {
+    int64_t spin_until;
+    int spinning;
+} waiter;
+
+static void waiter_reset(waiter *w) { w->spinning = 0; }
+
+/* Called when nothing moved.  Returns RL_OK to retry the sockets. */
+static int wait_some(rl_comm *c, const rl_opdesc *op, waiter *w,
+                     struct pollfd *pfd, int n, int blame_peer) {
+    int64_t now = rl_now_ns();
+    if (!w->spinning) {
+        w->spinning = 1;
+        w->spin_until = now + rl_tune.spin_us * 1000LL;
+    }
+    if (now < w->spin_until) {
+        sched_yield();
+        return RL_OK;
+    }
+    if (now >= op->deadline_ns)
+        return rl_fail(c, op, RL_ERR_TIMEOUT, blame_peer, 0,
+                       "timed out (the peer is hung, stopped, or never called this op)");
+    int64_t left_ms = (op->deadline_ns - now + 999999) / 1000000LL;
+    int slice = left_ms > 100 ? 100 : (int)left_ms;
+    int r = poll(pfd, (nfds_t)n, slice);
+    if (r < 0 && errno != EINTR)
+        return rl_fail(c, op, RL_ERR_SYSTEM, blame_peer, errno, "poll: %s", strerror(errno));
+    if (r <= 0 && rl_call_interrupt_hook())
+        return rl_fail(c, op, RL_ERR_INTERRUPTED, blame_peer, 0, "interrupted");
+    if (r > 0) w->spinning = 0; /* data arrived: spin again next time */
+    return RL_OK;
+}
+
+static int io_error(rl_comm *c, const rl_opdesc *op, int peer, int err, int sending) {
+    if (err == EPIPE || err == ECONNRESET || err == ENOTCONN || err == ESHUTDOWN)
+        return rl_fail(c, op, RL_ERR_PEER_CLOSED, peer, err,
+                       "connection lost while %s (%s): the peer exited, crashed or aborted",
+                       sending ? "sending" : "receiving", strerror(err));
+    return rl_fail(c, op, RL_ERR_SYSTEM, peer, err, "%s: %s", sending ? "send" : "recv",
+                   strerror(err));
+}
+
+/* Move bytes of the active frame of s.  Returns RL_OK (maybe partial),
+ * sets *moved when bytes moved and *finished when the frame is complete. */
+static int stream_io(rl_comm *c, const rl_opdesc *op, rl_stream *s, void *alg,
+                     int *moved, int *finished) {
+    const size_t H = sizeof(rl_hdr);
+    size_t total = H + s->len;
+    *finished = 0;
+    while (s->off < total) {
+        struct iovec iov[2];
+        int niov = 0;
+        if (s->off < H) {
+            iov[niov].iov_base = (char *)&s->hdr + s->off;
+            iov[niov].iov_len = H - s->off;
+            niov++;
+            if (s->len) {
+                iov[niov].iov_base = s->ptr;
+                iov[niov].iov_len = s->len;
+                niov++;
+            }
+        } else {
+            iov[0].iov_base = s->ptr + (s->off - H);
+            iov[0].iov_len = total - s->off;
+            niov = 1;
+        }
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)niov;
+        ssize_t n = s->is_send ? sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT)
+                               : recvmsg(s->fd, &mh, MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return RL_OK;
+            if (errno == EINTR) continue;
+            return io_error(c, op, s->peer, errno, s->is_send);
+        }
+        if (n == 0 && !s->is_send)
+            return rl_fail(c, op, RL_ERR_PEER_CLOSED, s->peer, 0,
+                           "the peer closed the connection (it exited, crashed or aborted)");
+        size_t before = s->off;
+        s->off += (size_t)n;
+        *moved = 1;
+        if (!s->is_send && before < H && s->off >= H) {
+            /* Header complete: check it before trusting the payload. */
+            rl_hdr want;
+            if (s->hdr.opcode == RL_OP_ABORT && s->hdr.magic == RL_MAGIC)
+                return rl_handle_abort(c, op, s->peer, s->fd, &s->hdr, s->ptr,
+                                       s->off - H);
+            rl_fill_header(&want, c, op, s->tag_base + (uint32_t)s->cur, s->len);
+            int st = rl_check_header(c, op, s->peer, &s->hdr, &want);
+            if (st != RL_OK) return st;
+        }
+    }
+    (void)alg;
+    *finished = 1;
+    return RL_OK;
+}
+
+int rl_run_streams(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, void *alg) {
+    struct pollfd pfd_small[8];
+    struct pollfd *pfd = n <= 8 ? pfd_small : malloc(sizeof(struct pollfd) * (size_t)n);
+    if (!pfd) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory");
+    int st = RL_OK;
+    for (int i = 0; i < n; i++) {
+        s[i].cur = 0;
+        s[i].active = 0;
+        s[i].off = 0;
+        if ((st = rl_peer_fd(c, op, s[i].peer, &s[i].fd)) != RL_OK) goto out;
+    }
+    waiter w;
+    waiter_reset(&w);
+    for (;;) {
+        int moved = 0, unfinished = 0, npoll = 0, blame = -1;
+        for (int i = 0; i < n; i++) {
+            rl_stream *x = &s[i];
+            for (;;) {
+                if (!x->active) {
+                    if (x->cur >= x->nseg) break;
+                    if (x->ready && !x->ready(alg, x, x->cur)) break;
+                    x->where(alg, x, x->cur, &x->ptr, &x->len);
+                    if (x->is_send) rl_fill_header(&x->hdr, c, op, x->tag_base + (uint32_t)x->cur, x->len);
+                    x->off = 0;
+                    x->active = 1;
+                }
+                int fin = 0;
+                if ((st = stream_io(c, op, x, alg, &moved, &fin)) != RL_OK) goto out;
+                if (!fin) break;
+                x->active = 0;
+                if (x->done && (st = x->done(alg, x, x->cur)) != RL_OK) goto out;
+                x->cur++;
+                moved = 1;
+            }
+            if (x->cur < x->nseg) {
+                unfinished = 1;
+                if (x->active) {
+                    pfd[npoll].fd = x->fd;
+                    pfd[npoll].events = x->is_send ? POLLOUT : POLLIN;
+                    pfd[npoll].revents = 0;
+                    npoll++;
+                    if (blame < 0 || !x->is_send) blame = x->peer;
+                }
+            }
+        }
+        if (!unfinished) break;
+        if (moved) { waiter_reset(&w); continue; }
+        if (npoll == 0) {
+            st = rl_fail(c, op, RL_ERR_INVALID, -1, 0, "internal error: streams stalled");
+            goto out;
+        }
+        if ((st = wait_some(c, op, &w, pfd, npoll, blame)) != RL_OK) goto out;
+        if (c->poisoned) { st = RL_ERR_POISONED; goto out; }
+    }
+out:
+    if (pfd != pfd_small) free(pfd);
+    return st;
+}
+
+/* ---- blocking helpers for point to point ------------------------------- */
+static int one_stream(rl_comm *c, const rl_opdesc *op, int peer, void *buf,
+                      size_t len, int sending, rl_hdr *h) {
+    int fd;
+    int st = rl_peer_fd(c, op, peer, &fd);
+    if (st != RL_OK) return st;
+    size_t H = h ? sizeof(rl_hdr) : 0, off = 0, total = H + len;
+    waiter w;
+    waiter_reset(&w);
+    while (off < total) {
+        struct iovec iov[2];
+        int niov = 0;
+        if (off < H) {
+            iov[niov].iov_base = (char *)h + off;
+            iov[niov++].iov_len = H - off;
+            if (len) { iov[niov].iov_base = buf; iov[niov++].iov_len = len; }
+        } else {
+            iov[niov].iov_base = (char *)buf + (off - H);
+            iov[niov++].iov_len = total - off;
+        }
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)niov;
+        ssize_t n = sending ? sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT)
+                            : recvmsg(fd, &mh, MSG_DONTWAIT);
+        if (n > 0) { off += (size_t)n; waiter_reset(&w); continue; }
+        if (n == 0 && !sending)
+            return rl_fail(c, op, RL_ERR_PEER_CLOSED, peer, 0,
+                           "the peer closed the connection (it exited, crashed or aborted)");
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+            return io_error(c, op, peer, errno, sending);
+        struct pollfd p = {fd, (short)(sending ? POLLOUT : POLLIN), 0};
+        if ((st = wait_some(c, op, &w, &p, 1, peer)) != RL_OK) return st;
+        if (c->poisoned) return RL_ERR_POISONED;
+    }
+    return RL_OK;
+}
+
+int rl_send_frame(rl_comm *c, const rl_opdesc *op, int peer, rl_hdr *h,
+                  const void *payload, size_t len) {
+    return one_stream(c, op, peer, (void *)payload, len, 1, h);
+}
+
+int rl_recv_bytes(rl_comm *c, const rl_opdesc *op, int peer, void *buf, size_t len) {
+    return one_stream(c, op, peer, buf, len, 0, NULL);
+}

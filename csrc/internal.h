@@ -1,0 +1,206 @@
+/*
+ * internal.h - structures shared by the C files of the core; not installed.
+ */
+#ifndef RINGLET_INTERNAL_H
+#define RINGLET_INTERNAL_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "ringlet.h"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "ringlet's wire format is little-endian; big-endian hosts are not supported"
+#endif
+
+#define RL_MAGIC 0x31544c52u /* "RLT1" */
+#define RL_HANDSHAKE_MAGIC 0x48544c52u /* "RLTH" */
+#define RL_ABORT_REASON_MAX 512
+#define RL_HOST_MAX 64
+
+/* Every frame starts with this 48-byte header, then `nbytes` of payload.
+ * The receiver always knows what it expects and compares field by field
+ * (rl_check_header), so a peer in another op, dtype, size, root or step
+ * is reported at the first frame instead of corrupting data. */
+typedef struct {
+    uint32_t magic;
+    uint8_t version;
+    uint8_t opcode;
+    uint8_t dtype;
+    uint8_t redop;
+    uint32_t comm_id;
+    int32_t root;    /* root of rooted ops, else -1                          */
+    uint64_t seq;    /* per-comm op sequence number (p2p: per-peer counter)  */
+    uint64_t total;  /* op-level byte count as the sender sees it (0: n/a)   */
+    uint64_t nbytes; /* payload bytes of this frame                           */
+    uint32_t tag;    /* segment index (collectives) or user tag (p2p)        */
+    uint32_t flags;  /* ABORT: the rl_status that caused it                   */
+} rl_hdr;
+
+_Static_assert(sizeof(rl_hdr) == 48, "frame header must be 48 bytes");
+
+typedef struct {
+    char host[RL_HOST_MAX];
+    int port;
+} rl_endpoint;
+
+/* A connection the listener authenticated, waiting for its comm to claim it. */
+typedef struct rl_pending_conn {
+    uint32_t comm_id;
+    int src; /* world rank */
+    int fd;
+    struct rl_pending_conn *next;
+} rl_pending_conn;
+
+struct rl_ctx {
+    int rank, size;
+    int listen_fd;
+    int port;
+    int wake_pipe[2];
+    pthread_t thread;
+    int thread_started;
+    uint8_t key[32]; /* HMAC key: SHA-256 of the secret */
+    uint8_t job_id[16];
+    rl_endpoint *peers;
+
+    pthread_mutex_t lock; /* guards everything below */
+    pthread_cond_t cond;
+    rl_pending_conn *mailbox;
+    uint64_t *claimed; /* (comm_id << 32 | src) of every delivered connection */
+    size_t nclaimed, capclaimed;
+    int64_t rejected;
+    int stopping;
+};
+
+typedef struct rl_unexpected {
+    uint32_t tag;
+    uint8_t dtype;
+    uint64_t nbytes;
+    char *data;
+    struct rl_unexpected *next;
+} rl_unexpected;
+
+struct rl_comm {
+    rl_ctx *ctx;
+    uint32_t id;
+    int rank, size;
+    int *world; /* comm rank -> world rank */
+    int *fds;   /* comm rank -> socket, -1 until connected */
+    pthread_mutex_t *peer_locks; /* serialises connection set-up per peer */
+    uint64_t seq;
+
+    pthread_mutex_t err_lock;
+    volatile int poisoned;
+    rl_error err;
+
+    /* point to point */
+    pthread_mutex_t *send_locks, *recv_locks;
+    uint64_t *p2p_send_seq, *p2p_recv_seq;
+    rl_unexpected **unexpected;
+    uint64_t unexpected_bytes;
+
+    /* scratch for algorithms that need a staging area (grown on demand) */
+    char *scratch;
+    size_t scratch_len;
+};
+
+/* What the running operation is; used to build and check headers and to
+ * write error messages. */
+typedef struct {
+    int opcode;
+    int dtype;
+    int redop;
+    int root;
+    uint64_t seq;
+    uint64_t total;
+    int64_t deadline_ns; /* CLOCK_MONOTONIC */
+    int64_t start_ns;
+} rl_opdesc;
+
+/* A stream is an ordered sequence of frames to or from one peer.  An
+ * algorithm describes its data movement as a few streams plus callbacks; the
+ * engine (engine.c) drives all of them concurrently with non-blocking I/O,
+ * so a rank sends to one peer while receiving from another. */
+typedef struct rl_stream rl_stream;
+struct rl_stream {
+    int peer;     /* comm rank */
+    int is_send;
+    int nseg;     /* frames in this stream */
+    uint32_t tag_base; /* frame i carries tag tag_base + i */
+    /* May frame `seg` start now?  NULL = always. */
+    int (*ready)(void *alg, rl_stream *s, int seg);
+    /* Where frame `seg`'s payload lives (send) or lands (recv). */
+    void (*where)(void *alg, rl_stream *s, int seg, char **ptr, size_t *len);
+    /* Called once frame `seg` is fully sent / received.  NULL = nothing. */
+    int (*done)(void *alg, rl_stream *s, int seg);
+    /* engine state */
+    int fd;
+    int cur;
+    int active;
+    size_t off; /* bytes of header+payload moved for the current frame */
+    char *ptr;
+    size_t len;
+    rl_hdr hdr;
+};
+
+/* ---- time ---- */
+int64_t rl_now_ns(void);
+int64_t rl_deadline_ns(int64_t timeout_ms);
+
+/* ---- errors (transport.c) ---- */
+/* Record the first error on the comm (later ones are ignored) and return
+ * `status`.  Formats "rank R: <op> seq=S: <message>". */
+int rl_fail(rl_comm *c, const rl_opdesc *op, int status, int peer,
+            int sys_errno, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
+                int root, uint64_t total, int64_t timeout_ms);
+/* Abort peers and poison after a failed op. Returns status unchanged. */
+int rl_end_op(rl_comm *c, int status);
+const char *rl_peer_host(const rl_comm *c, int peer, int *port);
+
+/* ---- connections (transport.c) ---- */
+int rl_peer_fd(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out);
+
+/* ---- engine (engine.c) ---- */
+int rl_run_streams(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n,
+                   void *alg);
+/* Blocking helpers for p2p, on top of the same wait policy. */
+int rl_send_frame(rl_comm *c, const rl_opdesc *op, int peer, rl_hdr *h,
+                  const void *payload, size_t len);
+int rl_recv_bytes(rl_comm *c, const rl_opdesc *op, int peer, void *buf,
+                  size_t len);
+/* Check a received header against what this rank expects. */
+int rl_check_header(rl_comm *c, const rl_opdesc *op, int peer,
+                    const rl_hdr *got, const rl_hdr *want);
+/* Read the remainder of an ABORT frame and record it. */
+int rl_handle_abort(rl_comm *c, const rl_opdesc *op, int peer, int fd,
+                    const rl_hdr *h, const char *have, size_t nhave);
+void rl_fill_header(rl_hdr *h, const rl_comm *c, const rl_opdesc *op,
+                    uint32_t tag, uint64_t nbytes);
+
+/* ---- helpers for algorithms ---- */
+int rl_scratch(rl_comm *c, const rl_opdesc *op, size_t len, char **out);
+/* Split count elements into `parts` near-equal blocks: block i has
+ * count/parts elements, plus one for i < count%parts. */
+static inline size_t rl_block_count(size_t count, int parts, int i) {
+    size_t q = count / (size_t)parts, r = count % (size_t)parts;
+    return q + ((size_t)i < r ? 1 : 0);
+}
+static inline size_t rl_block_start(size_t count, int parts, int i) {
+    size_t q = count / (size_t)parts, r = count % (size_t)parts;
+    return q * (size_t)i + ((size_t)i < r ? (size_t)i : r);
+}
+/* Number of segments a block of `bytes` is cut into (at least 1, so an
+ * empty block still sends one header and stays in step). */
+static inline int rl_nseg(size_t bytes, size_t seg) {
+    if (bytes == 0) return 1;
+    return (int)((bytes + seg - 1) / seg);
+}
+static inline int rl_mod(int a, int n) { int m = a % n; return m < 0 ? m + n : m; }
+
+extern rl_tuning rl_tune;
+int rl_call_interrupt_hook(void);
+
+#endif

@@ -1,0 +1,159 @@
+/*
+ * reduce.c - reduce to a root: binomial tree for small messages, pipelined
+ * chain for large ones.  Only the root's buffer changes.
+ *
+ * Binomial tree (v = (r - root) mod P): for mask = 1, 2, 4, ...: if v has
+ * the mask bit, send the partial result to v - mask and stop; otherwise
+ * receive v + mask's partial result (when that rank exists) and reduce it
+ * in.  ceil(log2 P) steps, N bytes per message.  Non-roots accumulate in
+ * scratch so their input stays untouched.
+ *
+ * Chain: data flows from v = P-1 towards the root.  Rank v receives segment
+ * k of the partial result from v+1 into one of RL_NSLOT scratch slots,
+ * reduces its own segment k into it and forwards it to v-1 while the next
+ * segments arrive.  The root reduces into its buffer.  Each link carries N
+ * bytes once, pipelined.
+ */
+#include <string.h>
+
+#include "internal.h"
+
+#define RL_NSLOT 4
+
+typedef struct {
+    char *buf;     /* this rank's data (root: also the result) */
+    char *scratch; /* RL_NSLOT segments */
+    size_t len, seg, esz;
+    rl_dtype dt;
+    rl_redop op;
+    int is_root, is_tail, P;
+    rl_stream *send, *recv;
+} chain_rd;
+
+static size_t seg_len(const chain_rd *a, int i) {
+    size_t off = (size_t)i * a->seg;
+    return off >= a->len ? 0 : (a->len - off < a->seg ? a->len - off : a->seg);
+}
+static char *slot(const chain_rd *a, int i) { return a->scratch + (size_t)(i % RL_NSLOT) * a->seg; }
+
+static int rc_recv_ready(void *alg, rl_stream *s, int i) {
+    chain_rd *a = alg;
+    (void)s;
+    /* The slot is free once the segment that used it last was sent on. */
+    return a->is_root || i < RL_NSLOT || a->send->cur > i - RL_NSLOT;
+}
+static void rc_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    (void)s;
+    *p = slot(alg, i);
+    *l = seg_len(alg, i);
+}
+static int rc_recv_done(void *alg, rl_stream *s, int i) {
+    chain_rd *a = alg;
+    (void)s;
+    size_t l = seg_len(a, i);
+    char *mine = a->buf + (size_t)i * a->seg;
+    if (a->is_root) {
+        rl_reduce_kernel(mine, mine, slot(a, i), l / a->esz, a->dt, a->op);
+        if (a->op == RL_AVG) rl_scale_kernel(mine, l / a->esz, a->dt, 1.0 / a->P);
+    } else {
+        rl_reduce_kernel(slot(a, i), slot(a, i), mine, l / a->esz, a->dt, a->op);
+    }
+    return RL_OK;
+}
+static int rc_send_ready(void *alg, rl_stream *s, int i) {
+    chain_rd *a = alg;
+    (void)s;
+    return a->is_tail || a->recv->cur > i;
+}
+static void rc_send_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    chain_rd *a = alg;
+    (void)s;
+    *p = a->is_tail ? a->buf + (size_t)i * a->seg : slot(a, i);
+    *l = seg_len(a, i);
+}
+
+static int chain_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count,
+                        rl_dtype dt, rl_redop rop, int root) {
+    int P = c->size, v = rl_mod(c->rank - root, P);
+    chain_rd a;
+    memset(&a, 0, sizeof a);
+    a.buf = buf;
+    a.esz = rl_dtype_size(dt);
+    a.len = count * a.esz;
+    a.seg = ((size_t)rl_tune.segment_bytes / a.esz) * a.esz;
+    if (a.seg == 0) a.seg = a.esz;
+    a.dt = dt;
+    a.op = rop;
+    a.P = P;
+    a.is_root = v == 0;
+    a.is_tail = v == P - 1;
+    int st = rl_scratch(c, op, a.seg * RL_NSLOT, &a.scratch);
+    if (st != RL_OK) return st;
+    int nseg = rl_nseg(a.len, a.seg);
+    rl_stream s[2];
+    int n = 0;
+    memset(s, 0, sizeof s);
+    if (!a.is_tail) {
+        s[n].peer = rl_mod(v + 1 + root, P);
+        s[n].nseg = nseg;
+        s[n].ready = rc_recv_ready;
+        s[n].where = rc_recv_where;
+        s[n].done = rc_recv_done;
+        a.recv = &s[n];
+        n++;
+    }
+    if (!a.is_root) {
+        s[n].peer = rl_mod(v - 1 + root, P);
+        s[n].is_send = 1;
+        s[n].nseg = nseg;
+        s[n].ready = rc_send_ready;
+        s[n].where = rc_send_where;
+        a.send = &s[n];
+        n++;
+    }
+    return rl_run_streams(c, op, s, n, &a);
+}
+
+int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
+                int from, void *rbuf, size_t len, uint32_t tag);
+
+static int tree_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count,
+                       rl_dtype dt, rl_redop rop, int root) {
+    int P = c->size, v = rl_mod(c->rank - root, P);
+    size_t len = count * rl_dtype_size(dt);
+    char *scratch;
+    int st = rl_scratch(c, op, 2 * len, &scratch);
+    if (st != RL_OK) return st;
+    char *acc = v == 0 ? buf : scratch, *tmp = scratch + len;
+    if (v != 0) memcpy(acc, buf, len);
+    uint32_t tag = 0;
+    for (int mask = 1; mask < P; mask <<= 1, tag++) {
+        if (v & mask) {
+            return rl_exchange(c, op, rl_mod(v - mask + root, P), acc, -1, NULL, len, tag);
+        }
+        if (v + mask < P) {
+            st = rl_exchange(c, op, -1, NULL, rl_mod(v + mask + root, P), tmp, len, tag);
+            if (st != RL_OK) return st;
+            rl_reduce_kernel(acc, acc, tmp, count, dt, rop);
+        }
+    }
+    if (v == 0 && rop == RL_AVG) rl_scale_kernel(buf, count, dt, 1.0 / P);
+    return RL_OK;
+}
+
+int rl_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop,
+              int root, int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || !rl_op_valid(dt, rop) || root < 0 ||
+        root >= c->size || (!buf && count))
+        return RL_ERR_INVALID;
+    rl_opdesc op;
+    size_t len = count * rl_dtype_size(dt);
+    int st = rl_begin_op(c, &op, RL_OP_REDUCE, dt, rop, root, len, timeout_ms);
+    if (st != RL_OK) return st;
+    if (c->size == 1 || count == 0) return RL_OK;
+    if ((int64_t)len <= rl_tune.reduce_small_bytes)
+        st = tree_reduce(c, &op, buf, count, dt, rop, root);
+    else
+        st = chain_reduce(c, &op, buf, count, dt, rop, root);
+    return rl_end_op(c, st);
+}

@@ -1,0 +1,184 @@
+/*
+ * ring.c - all_gather and reduce_scatter on a ring, pipelined by segment.
+ *
+ * all_gather (P ranks, each contributing a block of n elements): rank r puts
+ * its block in slot r of the output, then for step t = 0 .. P-2 sends block
+ * (r - t) mod P to the right and receives block (r - t - 1) mod P from the
+ * left straight into the output.  Segment k of step t+1 is forwarded as soon
+ * as segment k of step t has arrived.  Bytes sent per rank: (P-1) * n.
+ *
+ * reduce_scatter (input of P blocks, output block r): for step t = 0 .. P-2
+ * rank r sends the partial sum of block (r - t - 1) mod P and receives the
+ * partial sum of block (r - t - 2) mod P, adding its own input block to it.
+ * At step P-2 the received block is r itself, and the sum lands in the
+ * output.  Partial sums live in RL_NSLOT segment slots of scratch: the input
+ * is never modified and no full-size temporary is needed.  Bytes sent per
+ * rank: (P-1) * n.
+ */
+#include <string.h>
+
+#include "internal.h"
+
+#define RL_NSLOT 4
+
+typedef struct {
+    char *out;
+    const char *in;
+    size_t blk;    /* bytes per block */
+    size_t seg;    /* bytes per segment */
+    int S;         /* segments per block */
+    int P, r;
+    rl_dtype dt;
+    rl_redop op;
+    char *scratch;
+    rl_stream *send, *recv;
+} ring_sg;
+
+static size_t seg_len(const ring_sg *a, int k) {
+    size_t off = (size_t)k * a->seg;
+    return off >= a->blk ? 0 : (a->blk - off < a->seg ? a->blk - off : a->seg);
+}
+
+/* ---- all_gather ---- */
+static int ag_send_ready(void *alg, rl_stream *s, int i) {
+    ring_sg *a = alg;
+    (void)s;
+    return i < a->S || a->recv->cur > i - a->S;
+}
+static void ag_send_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    ring_sg *a = alg;
+    (void)s;
+    int t = i / a->S, k = i % a->S;
+    *p = a->out + (size_t)rl_mod(a->r - t, a->P) * a->blk + (size_t)k * a->seg;
+    *l = seg_len(a, k);
+}
+static void ag_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    ring_sg *a = alg;
+    (void)s;
+    int t = i / a->S, k = i % a->S;
+    *p = a->out + (size_t)rl_mod(a->r - t - 1, a->P) * a->blk + (size_t)k * a->seg;
+    *l = seg_len(a, k);
+}
+
+int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype dt,
+                  int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || (count && (!out || !in))) return RL_ERR_INVALID;
+    rl_opdesc op;
+    size_t blk = count * rl_dtype_size(dt);
+    int st = rl_begin_op(c, &op, RL_OP_ALL_GATHER, dt, 0, -1, blk, timeout_ms);
+    if (st != RL_OK) return st;
+    char *mine = (char *)out + (size_t)c->rank * blk;
+    if (mine != (const char *)in) memmove(mine, in, blk);
+    if (c->size == 1 || count == 0) return RL_OK;
+    ring_sg a;
+    memset(&a, 0, sizeof a);
+    a.out = out;
+    a.blk = blk;
+    a.seg = (size_t)rl_tune.segment_bytes;
+    a.S = rl_nseg(blk, a.seg);
+    a.P = c->size;
+    a.r = c->rank;
+    rl_stream s[2];
+    memset(s, 0, sizeof s);
+    s[0].peer = rl_mod(a.r + 1, a.P);
+    s[0].is_send = 1;
+    s[0].nseg = (a.P - 1) * a.S;
+    s[0].ready = ag_send_ready;
+    s[0].where = ag_send_where;
+    s[1].peer = rl_mod(a.r - 1, a.P);
+    s[1].nseg = (a.P - 1) * a.S;
+    s[1].where = ag_recv_where;
+    a.recv = &s[1];
+    st = rl_run_streams(c, &op, s, 2, &a);
+    return rl_end_op(c, st);
+}
+
+/* ---- reduce_scatter ---- */
+static char *rs_slot(const ring_sg *a, int i) {
+    return a->scratch + (size_t)(i % RL_NSLOT) * a->seg;
+}
+static int rs_recv_ready(void *alg, rl_stream *s, int i) {
+    ring_sg *a = alg;
+    (void)s;
+    int p = i - RL_NSLOT; /* the receive that used this slot before */
+    if (p < 0 || p / a->S == a->P - 2) return 1;
+    return a->send->cur > p + a->S; /* ... and was forwarded as send p+S */
+}
+static void rs_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    ring_sg *a = alg;
+    (void)s;
+    *p = rs_slot(a, i);
+    *l = seg_len(a, i % a->S);
+}
+static int rs_recv_done(void *alg, rl_stream *s, int i) {
+    ring_sg *a = alg;
+    (void)s;
+    int t = i / a->S, k = i % a->S;
+    size_t esz = rl_dtype_size(a->dt), l = seg_len(a, k);
+    int blk = rl_mod(a->r - t - 2, a->P);
+    const char *own = a->in + (size_t)blk * a->blk + (size_t)k * a->seg;
+    char *dst = t == a->P - 2 ? a->out + (size_t)k * a->seg : rs_slot(a, i);
+    rl_reduce_kernel(dst, rs_slot(a, i), own, l / esz, a->dt, a->op);
+    if (t == a->P - 2 && a->op == RL_AVG) rl_scale_kernel(dst, l / esz, a->dt, 1.0 / a->P);
+    return RL_OK;
+}
+static int rs_send_ready(void *alg, rl_stream *s, int i) {
+    ring_sg *a = alg;
+    (void)s;
+    return i < a->S || a->recv->cur > i - a->S;
+}
+static void rs_send_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    ring_sg *a = alg;
+    (void)s;
+    int t = i / a->S, k = i % a->S;
+    if (t == 0)
+        *p = (char *)a->in + (size_t)rl_mod(a->r - 1, a->P) * a->blk + (size_t)k * a->seg;
+    else
+        *p = rs_slot(a, i - a->S);
+    *l = seg_len(a, k);
+}
+
+int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
+                      rl_dtype dt, rl_redop rop, int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || !rl_op_valid(dt, rop) || (count && (!out || !in)))
+        return RL_ERR_INVALID;
+    rl_opdesc op;
+    size_t blk = count * rl_dtype_size(dt);
+    int st = rl_begin_op(c, &op, RL_OP_REDUCE_SCATTER, dt, rop, -1, blk, timeout_ms);
+    if (st != RL_OK) return st;
+    if (c->size == 1) {
+        if (out != in) memmove(out, in, blk);
+        return RL_OK;
+    }
+    if (count == 0) return RL_OK;
+    ring_sg a;
+    memset(&a, 0, sizeof a);
+    a.out = out;
+    a.in = in;
+    a.blk = blk;
+    a.seg = ((size_t)rl_tune.segment_bytes / rl_dtype_size(dt)) * rl_dtype_size(dt);
+    a.S = rl_nseg(blk, a.seg);
+    a.P = c->size;
+    a.r = c->rank;
+    a.dt = dt;
+    a.op = rop;
+    size_t slots = (size_t)RL_NSLOT * (a.seg < blk ? a.seg : blk);
+    if ((st = rl_scratch(c, &op, slots, &a.scratch)) != RL_OK) return rl_end_op(c, st);
+    if (a.seg > blk) a.seg = blk; /* one segment per block: slots sized to fit */
+    rl_stream s[2];
+    memset(s, 0, sizeof s);
+    s[0].peer = rl_mod(a.r + 1, a.P);
+    s[0].is_send = 1;
+    s[0].nseg = (a.P - 1) * a.S;
+    s[0].ready = rs_send_ready;
+    s[0].where = rs_send_where;
+    s[1].peer = rl_mod(a.r - 1, a.P);
+    s[1].nseg = (a.P - 1) * a.S;
+    s[1].ready = rs_recv_ready;
+    s[1].where = rs_recv_where;
+    s[1].done = rs_recv_done;
+    a.recv = &s[1];
+    a.send = &s[0];
+    st = rl_run_streams(c, &op, s, 2, &a);
+    return rl_end_op(c, st);
+}

@@ -1,0 +1,214 @@
+/*
+ * ringlet.h - the C API of ringlet's core.
+ *
+ * Plain C11, no Python.h: everything here can be built, tested and profiled as
+ * ordinary C.  The Cython layer (src/ringlet/_core.pyx) is the only caller.
+ *
+ * Objects:
+ *   rl_ctx   one per process-rank: the listening socket, the thread that
+ *            authenticates incoming connections, the table of every world
+ *            rank's endpoint, and the job secret.
+ *   rl_comm  a communicator: a set of ranks (a subset of the world), an id
+ *            that every frame carries, a sequence number per operation, and
+ *            lazily opened TCP connections to its peers.  A comm is used by
+ *            one thread at a time for collectives; point-to-point calls on a
+ *            comm may come from one sender and one receiver thread per peer.
+ *
+ * Every blocking call takes a timeout in milliseconds (<= 0: no deadline is
+ * not allowed; callers always pass one), returns an rl_status, and on failure
+ * records a human-readable message in the comm's rl_error.  After a failure a
+ * comm is poisoned: later calls return RL_ERR_POISONED at once and the first
+ * error stays readable through rl_comm_error().
+ */
+#ifndef RINGLET_H
+#define RINGLET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RL_PROTOCOL_VERSION 1
+#define RL_ERRMSG_MAX 768
+
+/* ---- status codes ---------------------------------------------------- */
+typedef enum {
+    RL_OK = 0,
+    RL_ERR_INVALID = 1,      /* bad argument (caller bug)                      */
+    RL_ERR_SYSTEM = 2,       /* a system call failed; errno is recorded        */
+    RL_ERR_TIMEOUT = 3,      /* the operation's deadline passed                */
+    RL_ERR_PEER_CLOSED = 4,  /* a peer closed its connection or reset it       */
+    RL_ERR_DESYNC = 5,       /* a peer is in a different op / dtype / size     */
+    RL_ERR_AUTH = 6,         /* handshake failed                               */
+    RL_ERR_PROTOCOL = 7,     /* malformed or oversized frame                   */
+    RL_ERR_POISONED = 8,     /* an earlier failure poisoned the communicator  */
+    RL_ERR_INTERRUPTED = 9,  /* the interrupt hook asked to stop (Ctrl-C)      */
+    RL_ERR_NOMEM = 10,
+    RL_ERR_ABORTED = 11      /* a peer aborted; its reason is in the message   */
+} rl_status;
+
+/* ---- element types and reduction operations ------------------------- */
+typedef enum {
+    RL_F16 = 0, RL_BF16 = 1, RL_F32 = 2, RL_F64 = 3,
+    RL_I8 = 4, RL_U8 = 5, RL_I32 = 6, RL_I64 = 7, RL_BOOL = 8,
+    RL_NDTYPES = 9
+} rl_dtype;
+
+typedef enum {
+    RL_SUM = 0, RL_PROD = 1, RL_MIN = 2, RL_MAX = 3, RL_AVG = 4,
+    RL_BAND = 5, RL_BOR = 6, RL_BXOR = 7,
+    RL_NOPS = 8
+} rl_redop;
+
+/* Operation codes carried in every frame header. */
+typedef enum {
+    RL_OP_NONE = 0,
+    RL_OP_ALL_REDUCE = 1, RL_OP_BROADCAST = 2, RL_OP_REDUCE = 3,
+    RL_OP_ALL_GATHER = 4, RL_OP_REDUCE_SCATTER = 5, RL_OP_ALL_TO_ALL = 6,
+    RL_OP_GATHER = 7, RL_OP_SCATTER = 8, RL_OP_BARRIER = 9,
+    RL_OP_P2P = 10,
+    RL_OP_ABORT = 15
+} rl_opcode;
+
+typedef struct {
+    int status;          /* rl_status of the first failure               */
+    int peer;            /* comm rank of the peer involved, or -1        */
+    int sys_errno;       /* errno for RL_ERR_SYSTEM, else 0              */
+    char msg[RL_ERRMSG_MAX];
+} rl_error;
+
+/* ---- reduction kernels (kernels.c) ----------------------------------- */
+size_t rl_dtype_size(rl_dtype dt);
+const char *rl_dtype_name(rl_dtype dt);
+const char *rl_op_name(rl_redop op);
+const char *rl_opcode_name(int opcode);
+/* 1 when op is defined for dt (bitwise ops: integers and bool only). */
+int rl_op_valid(rl_dtype dt, rl_redop op);
+/* dst[i] = a[i] op b[i] for i < n.  dst may alias a or b.  AVG reduces as SUM
+ * (the caller scales once at the end).  float16 / bfloat16 are computed in
+ * float32 and rounded to nearest-even once per call. */
+void rl_reduce_kernel(void *dst, const void *a, const void *b, size_t n,
+                      rl_dtype dt, rl_redop op);
+/* buf[i] *= factor for floating types (used to finish AVG). */
+void rl_scale_kernel(void *buf, size_t n, rl_dtype dt, double factor);
+/* Names of the SIMD paths the running CPU selected, e.g. "avx2". */
+const char *rl_simd_info(void);
+
+/* ---- SHA-256 / HMAC (sha256.c) --------------------------------------- */
+void rl_sha256(const void *msg, size_t len, uint8_t out[32]);
+void rl_hmac_sha256(const uint8_t *key, size_t keylen,
+                    const void *msg, size_t len, uint8_t out[32]);
+/* Constant-time comparison: 1 when equal. */
+int rl_ct_equal(const void *a, const void *b, size_t n);
+/* Fill buf with n bytes from the OS CSPRNG (getrandom). 0 on success. */
+int rl_random_bytes(void *buf, size_t n);
+
+/* ---- tuning (process-wide; set before creating communicators) ------- */
+typedef struct {
+    int64_t segment_bytes;         /* pipeline segment size for ring/chain   */
+    int64_t allreduce_small_bytes; /* <= this: recursive doubling            */
+    int64_t bcast_small_bytes;     /* <= this: binomial tree, else chain     */
+    int64_t reduce_small_bytes;    /* <= this: binomial tree, else chain     */
+    int64_t spin_us;               /* busy-poll this long before blocking    */
+    int64_t sockbuf_bytes;         /* SO_SNDBUF / SO_RCVBUF, 0 = OS default  */
+    int64_t max_frame_bytes;       /* global ceiling on any frame's payload  */
+    int64_t handshake_ms;          /* deadline for one connection handshake */
+    int64_t p2p_unexpected_bytes;  /* cap on buffered unmatched p2p frames  */
+} rl_tuning;
+
+void rl_tuning_defaults(rl_tuning *t);
+void rl_set_tuning(const rl_tuning *t);
+void rl_get_tuning(rl_tuning *t);
+
+/* Interrupt hook: called about every 100 ms while a call is blocked, without
+ * any ringlet lock held.  A nonzero return aborts the call with
+ * RL_ERR_INTERRUPTED (and poisons the comm).  Set once per process. */
+typedef int (*rl_interrupt_fn)(void);
+void rl_set_interrupt_hook(rl_interrupt_fn fn);
+
+/* ---- context: listener, endpoints, secret (transport.c) -------------- */
+typedef struct rl_ctx rl_ctx;
+typedef struct rl_comm rl_comm;
+
+/* Create a context for world rank `rank` of `size`, listening on bind_host
+ * (numeric IPv4/IPv6 address) port 0.  The secret keys the HMAC handshake;
+ * job_id (16 bytes) binds it to this job.  Starts the listener thread. */
+int rl_ctx_create(rl_ctx **out, int rank, int size, const char *bind_host,
+                  const uint8_t *secret, size_t secret_len,
+                  const uint8_t job_id[16], rl_error *err);
+/* The port the listener bound. */
+int rl_ctx_port(const rl_ctx *ctx);
+/* Record the endpoint of world rank `rank` (numeric host, port). */
+int rl_ctx_set_peer(rl_ctx *ctx, int rank, const char *host, int port);
+/* Stop the listener, close every pending connection, free.  Comms created
+ * from ctx must be destroyed first. */
+void rl_ctx_destroy(rl_ctx *ctx);
+/* Number of connections the listener refused (bad magic, wrong secret,
+ * duplicate claims, garbage).  For tests and diagnostics. */
+int64_t rl_ctx_rejected(const rl_ctx *ctx);
+
+/* ---- communicators ---------------------------------------------------- */
+/* A communicator of `size` ranks; this process is comm rank `rank`;
+ * world_ranks[i] is the world rank of comm rank i (copied).  comm_id must be
+ * the same on every member and unique in the job.  No connection is opened
+ * here: the lower comm rank of a pair connects when the pair first talks. */
+int rl_comm_create(rl_comm **out, rl_ctx *ctx, uint32_t comm_id, int rank,
+                   int size, const int *world_ranks, rl_error *err);
+void rl_comm_destroy(rl_comm *c);
+/* Poison the comm with `reason`, send an ABORT frame to every connected
+ * peer (best effort, non-blocking) and close the connections, so peers
+ * blocked on this rank fail fast.  Idempotent. */
+void rl_comm_abort(rl_comm *c, int status, const char *reason);
+/* Poison the comm from ANY thread (e.g. a watcher that learned another rank
+ * failed) and shut its sockets down so a call blocked in it returns at once.
+ * Sends nothing: another thread may be in the middle of a frame. */
+void rl_comm_cancel(rl_comm *c, int status, const char *reason);
+const rl_error *rl_comm_error(const rl_comm *c);
+uint64_t rl_comm_seq(const rl_comm *c);
+/* Open (or wait for) the connection to comm rank `peer` now. */
+int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms);
+
+/* ---- collectives (algorithms in allreduce.c, bcast.c, ...) ----------- */
+/* All buffers are contiguous.  `count` is in elements of dt. */
+int rl_all_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt,
+                  rl_redop op, int64_t timeout_ms);
+int rl_broadcast(rl_comm *c, void *buf, size_t count, rl_dtype dt, int root,
+                 int64_t timeout_ms);
+/* The result lands in buf on root; other ranks' buf is left unchanged. */
+int rl_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop op,
+              int root, int64_t timeout_ms);
+/* out holds size*count elements in rank order; in holds count (may point at
+ * this rank's slot of out). */
+int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count,
+                  rl_dtype dt, int64_t timeout_ms);
+/* in holds size*count elements (left unchanged); out receives this rank's
+ * reduced chunk of count elements. */
+int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
+                      rl_dtype dt, rl_redop op, int64_t timeout_ms);
+/* Per-peer element counts and displacements (in elements). */
+int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
+                    const size_t *out_displs, const void *in,
+                    const size_t *in_counts, const size_t *in_displs,
+                    rl_dtype dt, int64_t timeout_ms);
+/* out (size*count elements) is used on root only. */
+int rl_gather(rl_comm *c, void *out, const void *in, size_t count,
+              rl_dtype dt, int root, int64_t timeout_ms);
+/* in (size*count elements) is used on root only. */
+int rl_scatter(rl_comm *c, void *out, const void *in, size_t count,
+               rl_dtype dt, int root, int64_t timeout_ms);
+int rl_barrier(rl_comm *c, int64_t timeout_ms);
+
+/* ---- point to point (p2p.c) ------------------------------------------- */
+/* Frames are matched on (source, tag) in send order; a frame with another
+ * tag is buffered (up to rl_tuning.p2p_unexpected_bytes) until asked for. */
+int rl_send(rl_comm *c, const void *buf, size_t count, rl_dtype dt, int dst,
+            uint32_t tag, int64_t timeout_ms);
+int rl_recv(rl_comm *c, void *buf, size_t count, rl_dtype dt, int src,
+            uint32_t tag, int64_t timeout_ms);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* RINGLET_H */

@@ -1,0 +1,88 @@
+/*
+ * rooted.c - gather and scatter, direct.
+ *
+ * The root talks to every other rank at once (one stream each, driven
+ * concurrently by the engine); every other rank sends or receives one frame
+ * of n elements.  The root moves (P-1) * n elements; a tree would not move
+ * fewer bytes through the root's link, only hide latency for tiny
+ * messages, which these ops rarely carry in training.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct {
+    char *base;
+    size_t blk;
+} rooted;
+
+static void rt_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    rooted *a = alg;
+    (void)i;
+    *p = a->base + (size_t)s->peer * a->blk;
+    *l = a->blk;
+}
+static void one_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    rooted *a = alg;
+    (void)s; (void)i;
+    *p = a->base;
+    *l = a->blk;
+}
+
+static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count,
+                     rl_dtype dt, int root, int64_t timeout_ms) {
+    rl_opdesc op;
+    size_t blk = count * rl_dtype_size(dt);
+    int st = rl_begin_op(c, &op, opcode, dt, 0, root, blk, timeout_ms);
+    if (st != RL_OK) return st;
+    int gather = opcode == RL_OP_GATHER;
+    if (c->rank == root) {
+        char *mine = (char *)many + (size_t)root * blk;
+        if (mine != (char *)one) {
+            if (gather) memmove(mine, one, blk); else memmove(one, mine, blk);
+        }
+    }
+    if (c->size == 1 || count == 0) return RL_OK;
+    if (c->rank != root) {
+        rooted a = {one, blk};
+        rl_stream s;
+        memset(&s, 0, sizeof s);
+        s.peer = root;
+        s.is_send = gather;
+        s.nseg = 1;
+        s.where = one_where;
+        return rl_end_op(c, rl_run_streams(c, &op, &s, 1, &a));
+    }
+    rl_stream *s = calloc((size_t)c->size - 1, sizeof *s);
+    if (!s) return rl_end_op(c, rl_fail(c, &op, RL_ERR_NOMEM, -1, 0, "out of memory"));
+    rooted a = {many, blk};
+    int n = 0;
+    for (int p = 0; p < c->size; p++) {
+        if (p == root) continue;
+        s[n].peer = p;
+        s[n].is_send = !gather;
+        s[n].nseg = 1;
+        s[n].where = rt_where;
+        n++;
+    }
+    st = rl_run_streams(c, &op, s, n, &a);
+    free(s);
+    return rl_end_op(c, st);
+}
+
+int rl_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype dt,
+              int root, int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || root < 0 || root >= c->size ||
+        (count && (!in || (c->rank == root && !out))))
+        return RL_ERR_INVALID;
+    return rooted_op(c, RL_OP_GATHER, out, (void *)in, count, dt, root, timeout_ms);
+}
+
+int rl_scatter(rl_comm *c, void *out, const void *in, size_t count, rl_dtype dt,
+               int root, int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || root < 0 || root >= c->size ||
+        (count && (!out || (c->rank == root && !in))))
+        return RL_ERR_INVALID;
+    return rooted_op(c, RL_OP_SCATTER, (void *)in, out, count, dt, root, timeout_ms);
+}

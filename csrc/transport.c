@@ -1,0 +1,783 @@
+/*
+ * transport.c - sockets, the listener thread, the authentication handshake,
+ * lazily opened connections, communicators and their error state.
+ *
+ * Connection model: every rank listens on one ephemeral port.  A
+ * communicator opens a connection to a peer the first time the pair talks;
+ * the lower comm rank of the pair connects, the higher one takes the
+ * connection from its listener's mailbox.  Set-up therefore costs O(peers
+ * actually used) per rank: a ring touches two, recursive doubling log2(P).
+ *
+ * Handshake (fixed-size frames, HMAC-SHA256 keyed by SHA-256(secret)):
+ *   connector -> acceptor  HELLO  magic, version, kind, job_id[16], comm_id,
+ *                                 src, dst, nonce_a[32]          (68 bytes)
+ *   acceptor  -> connector nonce_b[32], HMAC(key, "ringlet/acc" | HELLO | nonce_b)
+ *   connector -> acceptor  HMAC(key, "ringlet/con" | HELLO | nonce_b)
+ *   acceptor  -> connector status u32 (0 ok, 1 bad proof, 2 duplicate claim)
+ * Both sides prove the secret over both nonces, the job id, the comm id and
+ * both ranks, so a recorded handshake cannot be replayed and a connection
+ * cannot be moved to another comm or rank.  The listener parses nothing but
+ * the fixed HELLO before the proof, drops anything malformed, and handles
+ * many pending handshakes at once with a per-connection deadline, so a
+ * stalled or hostile client cannot block the job.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define HELLO_LEN 68
+#define REPLY_LEN 64
+#define MAX_PENDING 256
+
+/* ------------------------------------------------------------------ */
+/* tuning, time, interrupt hook                                        */
+/* ------------------------------------------------------------------ */
+rl_tuning rl_tune = {
+    .segment_bytes = 512 << 10,
+    .allreduce_small_bytes = 64 << 10,
+    .bcast_small_bytes = 64 << 10,
+    .reduce_small_bytes = 64 << 10,
+    .spin_us = 50,
+    .sockbuf_bytes = 4 << 20,
+    .max_frame_bytes = (int64_t)1 << 40,
+    .handshake_ms = 5000,
+    .p2p_unexpected_bytes = (int64_t)256 << 20,
+};
+static const rl_tuning rl_tune_default_copy = {
+    .segment_bytes = 512 << 10,
+    .allreduce_small_bytes = 64 << 10,
+    .bcast_small_bytes = 64 << 10,
+    .reduce_small_bytes = 64 << 10,
+    .spin_us = 50,
+    .sockbuf_bytes = 4 << 20,
+    .max_frame_bytes = (int64_t)1 << 40,
+    .handshake_ms = 5000,
+    .p2p_unexpected_bytes = (int64_t)256 << 20,
+};
+
+void rl_tuning_defaults(rl_tuning *t) { *t = rl_tune_default_copy; }
+void rl_set_tuning(const rl_tuning *t) {
+    rl_tune = *t;
+    if (rl_tune.segment_bytes < 4096) rl_tune.segment_bytes = 4096;
+    if (rl_tune.handshake_ms < 100) rl_tune.handshake_ms = 100;
+}
+void rl_get_tuning(rl_tuning *t) { *t = rl_tune; }
+
+static rl_interrupt_fn interrupt_hook = NULL;
+void rl_set_interrupt_hook(rl_interrupt_fn fn) { interrupt_hook = fn; }
+int rl_call_interrupt_hook(void) { return interrupt_hook ? interrupt_hook() : 0; }
+
+int64_t rl_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int64_t rl_deadline_ns(int64_t timeout_ms) {
+    if (timeout_ms <= 0) timeout_ms = 1;
+    return rl_now_ns() + timeout_ms * 1000000LL;
+}
+
+const char *rl_opcode_name(int opcode) {
+    switch (opcode) {
+    case RL_OP_ALL_REDUCE: return "all_reduce";
+    case RL_OP_BROADCAST: return "broadcast";
+    case RL_OP_REDUCE: return "reduce";
+    case RL_OP_ALL_GATHER: return "all_gather";
+    case RL_OP_REDUCE_SCATTER: return "reduce_scatter";
+    case RL_OP_ALL_TO_ALL: return "all_to_all";
+    case RL_OP_GATHER: return "gather";
+    case RL_OP_SCATTER: return "scatter";
+    case RL_OP_BARRIER: return "barrier";
+    case RL_OP_P2P: return "send/recv";
+    case RL_OP_ABORT: return "abort";
+    default: return "unknown-op";
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* socket helpers                                                      */
+/* ------------------------------------------------------------------ */
+static void tune_socket(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (rl_tune.sockbuf_bytes > 0) {
+        int sz = (int)rl_tune.sockbuf_bytes;
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+    }
+}
+
+static int set_nonblock(int fd) {
+    int fl = fcntl(fd, F_GETFL);
+    return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+static int resolve(const char *host, int port, struct sockaddr_storage *ss,
+                   socklen_t *len) {
+    struct addrinfo hints, *res = NULL;
+    char portstr[16];
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+    snprintf(portstr, sizeof portstr, "%d", port);
+    if (getaddrinfo(host, portstr, &hints, &res) != 0 || !res) return -1;
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    *len = res->ai_addrlen;
+    freeaddrinfo(res);
+    return 0;
+}
+
+static int ms_left(int64_t deadline_ns) {
+    int64_t left = (deadline_ns - rl_now_ns()) / 1000000LL;
+    if (left < 0) return 0;
+    return left > 100 ? 100 : (int)left; /* wake at least every 100 ms */
+}
+
+/* ------------------------------------------------------------------ */
+/* error recording                                                     */
+/* ------------------------------------------------------------------ */
+const char *rl_peer_host(const rl_comm *c, int peer, int *port) {
+    if (peer < 0 || peer >= c->size) { if (port) *port = 0; return "?"; }
+    const rl_endpoint *ep = &c->ctx->peers[c->world[peer]];
+    if (port) *port = ep->port;
+    return ep->host[0] ? ep->host : "?";
+}
+
+int rl_fail(rl_comm *c, const rl_opdesc *op, int status, int peer,
+            int sys_errno, const char *fmt, ...) {
+    pthread_mutex_lock(&c->err_lock);
+    if (!c->poisoned) {
+        char detail[RL_ERRMSG_MAX];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(detail, sizeof detail, fmt, ap);
+        va_end(ap);
+        double waited = op ? (rl_now_ns() - op->start_ns) / 1e9 : 0.0;
+        char peerbuf[128] = "";
+        if (peer >= 0) {
+            int port;
+            const char *host = rl_peer_host(c, peer, &port);
+            snprintf(peerbuf, sizeof peerbuf, " peer %d (%s:%d)", peer, host, port);
+        }
+        if (op)
+            snprintf(c->err.msg, sizeof c->err.msg,
+                     "rank %d: %s seq=%llu%s after %.3fs: %s", c->rank,
+                     rl_opcode_name(op->opcode), (unsigned long long)op->seq,
+                     peerbuf, waited, detail);
+        else
+            snprintf(c->err.msg, sizeof c->err.msg, "rank %d:%s %s", c->rank,
+                     peerbuf, detail);
+        c->err.status = status;
+        c->err.peer = peer;
+        c->err.sys_errno = sys_errno;
+        c->poisoned = 1;
+    }
+    pthread_mutex_unlock(&c->err_lock);
+    return status;
+}
+
+const rl_error *rl_comm_error(const rl_comm *c) { return &c->err; }
+uint64_t rl_comm_seq(const rl_comm *c) { return c->seq; }
+
+int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
+                int root, uint64_t total, int64_t timeout_ms) {
+    if (c->poisoned) return RL_ERR_POISONED;
+    memset(op, 0, sizeof *op);
+    op->opcode = opcode;
+    op->dtype = dtype;
+    op->redop = redop;
+    op->root = root;
+    op->total = total;
+    op->start_ns = rl_now_ns();
+    op->deadline_ns = rl_deadline_ns(timeout_ms);
+    if (opcode != RL_OP_P2P) op->seq = ++c->seq;
+    return RL_OK;
+}
+
+int rl_end_op(rl_comm *c, int status) {
+    if (status != RL_OK && status != RL_ERR_POISONED && status != RL_ERR_INVALID)
+        rl_comm_abort(c, status, NULL);
+    return status;
+}
+
+/* Tell every connected peer why we stop, then shut the sockets down so peers
+ * blocked on us wake with an error instead of waiting for their timeout. */
+void rl_comm_abort(rl_comm *c, int status, const char *reason) {
+    if (reason) rl_fail(c, NULL, status ? status : RL_ERR_ABORTED, -1, 0, "%s", reason);
+    char msg[RL_ABORT_REASON_MAX];
+    snprintf(msg, sizeof msg, "%s", c->err.msg);
+    size_t mlen = strlen(msg);
+    for (int p = 0; p < c->size; p++) {
+        int fd = c->fds[p];
+        if (fd < 0) continue;
+        rl_hdr h;
+        memset(&h, 0, sizeof h);
+        h.magic = RL_MAGIC;
+        h.version = RL_PROTOCOL_VERSION;
+        h.opcode = RL_OP_ABORT;
+        h.comm_id = c->id;
+        h.root = -1;
+        h.nbytes = mlen;
+        h.flags = (uint32_t)c->err.status;
+        struct iovec iov[2] = {{&h, sizeof h}, {msg, mlen}};
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = iov;
+        mh.msg_iovlen = 2;
+        /* Best effort: a peer whose buffer is full simply sees the close.
+         * The abort may land in the middle of a frame we were sending; the
+         * peer then reports a protocol error, which is still a fast failure. */
+        (void)sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        shutdown(fd, SHUT_RDWR);
+    }
+}
+
+void rl_comm_cancel(rl_comm *c, int status, const char *reason) {
+    rl_fail(c, NULL, status ? status : RL_ERR_ABORTED, -1, 0, "%s", reason ? reason : "cancelled");
+    for (int p = 0; p < c->size; p++) {
+        int fd = __atomic_load_n(&c->fds[p], __ATOMIC_ACQUIRE);
+        if (fd >= 0) shutdown(fd, SHUT_RDWR);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* handshake                                                            */
+/* ------------------------------------------------------------------ */
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+static void proof(const rl_ctx *ctx, const char *label, const uint8_t *hello,
+                  const uint8_t *nonce_b, uint8_t out[32]) {
+    uint8_t msg[16 + HELLO_LEN + 32];
+    size_t ll = strlen(label);
+    memcpy(msg, label, ll);
+    memcpy(msg + ll, hello, HELLO_LEN);
+    memcpy(msg + ll + HELLO_LEN, nonce_b, 32);
+    rl_hmac_sha256(ctx->key, sizeof ctx->key, msg, ll + HELLO_LEN + 32, out);
+}
+
+typedef struct {
+    int fd;
+    int state; /* 0: reading HELLO, 1: reading proof */
+    size_t got;
+    uint8_t hello[HELLO_LEN];
+    uint8_t nonce_b[32];
+    uint8_t mac[32];
+    int64_t deadline;
+} hs_state;
+
+static int claimed(rl_ctx *ctx, uint64_t key) {
+    for (size_t i = 0; i < ctx->nclaimed; i++)
+        if (ctx->claimed[i] == key) return 1;
+    return 0;
+}
+
+static void hs_reject(rl_ctx *ctx, hs_state *h, uint32_t status) {
+    if (status) {
+        uint8_t b[4];
+        put32(b, status);
+        (void)send(h->fd, b, 4, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    close(h->fd);
+    h->fd = -1;
+    pthread_mutex_lock(&ctx->lock);
+    ctx->rejected++;
+    pthread_mutex_unlock(&ctx->lock);
+}
+
+/* Advance one pending handshake after poll said it is readable. */
+static void hs_step(rl_ctx *ctx, hs_state *h) {
+    uint8_t *dst = h->state == 0 ? h->hello : h->mac;
+    size_t want = h->state == 0 ? HELLO_LEN : 32;
+    ssize_t n = recv(h->fd, dst + h->got, want - h->got, MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        hs_reject(ctx, h, 0);
+        return;
+    }
+    if (n < 0) return;
+    h->got += (size_t)n;
+    if (h->got < want) return;
+    if (h->state == 0) {
+        uint32_t src = get32(h->hello + 28), dst_rank = get32(h->hello + 32);
+        if (get32(h->hello) != RL_HANDSHAKE_MAGIC ||
+            get16(h->hello + 4) != RL_PROTOCOL_VERSION || get16(h->hello + 6) != 1 ||
+            !rl_ct_equal(h->hello + 8, ctx->job_id, 16) ||
+            dst_rank != (uint32_t)ctx->rank || src >= (uint32_t)ctx->size ||
+            src == (uint32_t)ctx->rank) {
+            hs_reject(ctx, h, 0);
+            return;
+        }
+        uint8_t reply[REPLY_LEN];
+        if (rl_random_bytes(h->nonce_b, 32) != 0) { hs_reject(ctx, h, 0); return; }
+        memcpy(reply, h->nonce_b, 32);
+        proof(ctx, "ringlet/acc", h->hello, h->nonce_b, reply + 32);
+        /* 64 bytes into a fresh socket's empty send buffer never block. */
+        if (send(h->fd, reply, REPLY_LEN, MSG_NOSIGNAL | MSG_DONTWAIT) != REPLY_LEN) {
+            hs_reject(ctx, h, 0);
+            return;
+        }
+        h->state = 1;
+        h->got = 0;
+        return;
+    }
+    uint8_t expect[32];
+    proof(ctx, "ringlet/con", h->hello, h->nonce_b, expect);
+    if (!rl_ct_equal(expect, h->mac, 32)) {
+        hs_reject(ctx, h, 1);
+        return;
+    }
+    uint32_t comm_id = get32(h->hello + 24), src = get32(h->hello + 28);
+    uint64_t key = ((uint64_t)comm_id << 32) | src;
+    pthread_mutex_lock(&ctx->lock);
+    if (claimed(ctx, key)) {
+        pthread_mutex_unlock(&ctx->lock);
+        hs_reject(ctx, h, 2);
+        return;
+    }
+    rl_pending_conn *pc = malloc(sizeof *pc);
+    if (!pc || (ctx->nclaimed == ctx->capclaimed &&
+                !(ctx->claimed = realloc(ctx->claimed,
+                                         (ctx->capclaimed = ctx->capclaimed * 2 + 64) *
+                                             sizeof(uint64_t))))) {
+        pthread_mutex_unlock(&ctx->lock);
+        free(pc);
+        hs_reject(ctx, h, 0);
+        return;
+    }
+    ctx->claimed[ctx->nclaimed++] = key;
+    uint8_t ok[4];
+    put32(ok, 0);
+    if (send(h->fd, ok, 4, MSG_NOSIGNAL | MSG_DONTWAIT) != 4) {
+        ctx->nclaimed--;
+        pthread_mutex_unlock(&ctx->lock);
+        free(pc);
+        hs_reject(ctx, h, 0);
+        return;
+    }
+    pc->comm_id = comm_id;
+    pc->src = (int)src;
+    pc->fd = h->fd;
+    pc->next = ctx->mailbox;
+    ctx->mailbox = pc;
+    pthread_cond_broadcast(&ctx->cond);
+    pthread_mutex_unlock(&ctx->lock);
+    h->fd = -1;
+}
+
+static void *listener_main(void *arg) {
+    rl_ctx *ctx = arg;
+    hs_state *hs = calloc(MAX_PENDING, sizeof *hs);
+    struct pollfd *pfd = calloc(MAX_PENDING + 2, sizeof *pfd);
+    int npend = 0;
+    if (!hs || !pfd) { free(hs); free(pfd); return NULL; }
+    for (;;) {
+        int64_t now = rl_now_ns();
+        /* Drop handshakes past their deadline, compact the table. */
+        int w = 0;
+        for (int i = 0; i < npend; i++) {
+            if (hs[i].fd >= 0 && hs[i].deadline < now) hs_reject(ctx, &hs[i], 0);
+            if (hs[i].fd >= 0) hs[w++] = hs[i];
+        }
+        npend = w;
+        pfd[0].fd = ctx->wake_pipe[0];
+        pfd[0].events = POLLIN;
+        pfd[1].fd = npend < MAX_PENDING ? ctx->listen_fd : -1;
+        pfd[1].events = POLLIN;
+        for (int i = 0; i < npend; i++) {
+            pfd[2 + i].fd = hs[i].fd;
+            pfd[2 + i].events = POLLIN;
+            pfd[2 + i].revents = 0;
+        }
+        int r = poll(pfd, (nfds_t)(2 + npend), 100);
+        if (r < 0 && errno != EINTR) break;
+        if (pfd[0].revents) break; /* woken by rl_ctx_destroy */
+        for (int i = 0; i < npend; i++)
+            if (pfd[2 + i].revents) hs_step(ctx, &hs[i]);
+        if (pfd[1].revents & POLLIN) {
+            for (int k = 0; k < 16 && npend < MAX_PENDING; k++) {
+                int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+                if (fd < 0) break;
+                tune_socket(fd);
+                memset(&hs[npend], 0, sizeof hs[npend]);
+                hs[npend].fd = fd;
+                hs[npend].deadline = rl_now_ns() + rl_tune.handshake_ms * 1000000LL;
+                npend++;
+            }
+        }
+    }
+    for (int i = 0; i < npend; i++)
+        if (hs[i].fd >= 0) close(hs[i].fd);
+    free(hs);
+    free(pfd);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* context                                                              */
+/* ------------------------------------------------------------------ */
+int rl_ctx_create(rl_ctx **out, int rank, int size, const char *bind_host,
+                  const uint8_t *secret, size_t secret_len,
+                  const uint8_t job_id[16], rl_error *err) {
+    *out = NULL;
+    memset(err, 0, sizeof *err);
+    if (size < 1 || rank < 0 || rank >= size) {
+        err->status = RL_ERR_INVALID;
+        snprintf(err->msg, sizeof err->msg, "invalid rank %d for world size %d", rank, size);
+        return RL_ERR_INVALID;
+    }
+    rl_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) { err->status = RL_ERR_NOMEM; snprintf(err->msg, sizeof err->msg, "out of memory"); return RL_ERR_NOMEM; }
+    ctx->rank = rank;
+    ctx->size = size;
+    ctx->listen_fd = -1;
+    ctx->wake_pipe[0] = ctx->wake_pipe[1] = -1;
+    ctx->peers = calloc((size_t)size, sizeof *ctx->peers);
+    rl_sha256(secret, secret_len, ctx->key);
+    memcpy(ctx->job_id, job_id, 16);
+    pthread_mutex_init(&ctx->lock, NULL);
+    pthread_cond_init(&ctx->cond, NULL);
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    int status = RL_ERR_SYSTEM;
+    if (!ctx->peers) { status = RL_ERR_NOMEM; goto fail; }
+    if (resolve(bind_host, 0, &ss, &sl) != 0) {
+        status = RL_ERR_INVALID;
+        snprintf(err->msg, sizeof err->msg, "cannot parse bind address '%s' (need a numeric IPv4/IPv6 address)", bind_host);
+        goto fail_msg;
+    }
+    ctx->listen_fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (ctx->listen_fd < 0) goto fail;
+    tune_socket(ctx->listen_fd);
+    if (bind(ctx->listen_fd, (struct sockaddr *)&ss, sl) != 0) goto fail;
+    if (listen(ctx->listen_fd, 1024) != 0) goto fail;
+    sl = sizeof ss;
+    if (getsockname(ctx->listen_fd, (struct sockaddr *)&ss, &sl) != 0) goto fail;
+    ctx->port = ss.ss_family == AF_INET ? ntohs(((struct sockaddr_in *)&ss)->sin_port)
+                                        : ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+    if (pipe2(ctx->wake_pipe, O_CLOEXEC | O_NONBLOCK) != 0) goto fail;
+    if (pthread_create(&ctx->thread, NULL, listener_main, ctx) != 0) goto fail;
+    ctx->thread_started = 1;
+    *out = ctx;
+    return RL_OK;
+fail:
+    err->sys_errno = errno;
+    snprintf(err->msg, sizeof err->msg, "cannot listen on %s: %s", bind_host, strerror(errno));
+fail_msg:
+    err->status = status;
+    rl_ctx_destroy(ctx);
+    return status;
+}
+
+int rl_ctx_port(const rl_ctx *ctx) { return ctx->port; }
+
+int rl_ctx_set_peer(rl_ctx *ctx, int rank, const char *host, int port) {
+    if (rank < 0 || rank >= ctx->size || !host || strlen(host) >= RL_HOST_MAX ||
+        port <= 0 || port > 65535)
+        return RL_ERR_INVALID;
+    snprintf(ctx->peers[rank].host, RL_HOST_MAX, "%s", host);
+    ctx->peers[rank].port = port;
+    return RL_OK;
+}
+
+int64_t rl_ctx_rejected(const rl_ctx *ctx) {
+    rl_ctx *m = (rl_ctx *)ctx;
+    pthread_mutex_lock(&m->lock);
+    int64_t r = m->rejected;
+    pthread_mutex_unlock(&m->lock);
+    return r;
+}
+
+void rl_ctx_destroy(rl_ctx *ctx) {
+    if (!ctx) return;
+    if (ctx->thread_started) {
+        char b = 1;
+        (void)!write(ctx->wake_pipe[1], &b, 1);
+        pthread_join(ctx->thread, NULL);
+    }
+    if (ctx->listen_fd >= 0) close(ctx->listen_fd);
+    if (ctx->wake_pipe[0] >= 0) close(ctx->wake_pipe[0]);
+    if (ctx->wake_pipe[1] >= 0) close(ctx->wake_pipe[1]);
+    for (rl_pending_conn *p = ctx->mailbox, *n; p; p = n) {
+        n = p->next;
+        close(p->fd);
+        free(p);
+    }
+    pthread_mutex_destroy(&ctx->lock);
+    pthread_cond_destroy(&ctx->cond);
+    free(ctx->claimed);
+    free(ctx->peers);
+    free(ctx);
+}
+
+/* ------------------------------------------------------------------ */
+/* communicators and their connections                                  */
+/* ------------------------------------------------------------------ */
+int rl_comm_create(rl_comm **out, rl_ctx *ctx, uint32_t comm_id, int rank,
+                   int size, const int *world_ranks, rl_error *err) {
+    *out = NULL;
+    memset(err, 0, sizeof *err);
+    if (size < 1 || rank < 0 || rank >= size) {
+        err->status = RL_ERR_INVALID;
+        snprintf(err->msg, sizeof err->msg, "invalid comm rank %d of size %d", rank, size);
+        return RL_ERR_INVALID;
+    }
+    for (int i = 0; i < size; i++) {
+        if (world_ranks[i] < 0 || world_ranks[i] >= ctx->size ||
+            (i == rank && world_ranks[i] != ctx->rank)) {
+            err->status = RL_ERR_INVALID;
+            snprintf(err->msg, sizeof err->msg,
+                     "comm rank %d maps to invalid world rank %d", i, world_ranks[i]);
+            return RL_ERR_INVALID;
+        }
+    }
+    rl_comm *c = calloc(1, sizeof *c);
+    if (!c) return RL_ERR_NOMEM;
+    c->ctx = ctx;
+    c->id = comm_id;
+    c->rank = rank;
+    c->size = size;
+    c->world = malloc(sizeof(int) * (size_t)size);
+    c->fds = malloc(sizeof(int) * (size_t)size);
+    c->peer_locks = malloc(sizeof(pthread_mutex_t) * (size_t)size);
+    c->send_locks = malloc(sizeof(pthread_mutex_t) * (size_t)size);
+    c->recv_locks = malloc(sizeof(pthread_mutex_t) * (size_t)size);
+    c->p2p_send_seq = calloc((size_t)size, sizeof(uint64_t));
+    c->p2p_recv_seq = calloc((size_t)size, sizeof(uint64_t));
+    c->unexpected = calloc((size_t)size, sizeof(rl_unexpected *));
+    if (!c->world || !c->fds || !c->peer_locks || !c->send_locks || !c->recv_locks ||
+        !c->p2p_send_seq || !c->p2p_recv_seq || !c->unexpected) {
+        free(c->world); free(c->fds); free(c->peer_locks); free(c->send_locks);
+        free(c->recv_locks); free(c->p2p_send_seq); free(c->p2p_recv_seq);
+        free(c->unexpected); free(c);
+        err->status = RL_ERR_NOMEM;
+        snprintf(err->msg, sizeof err->msg, "out of memory");
+        return RL_ERR_NOMEM;
+    }
+    for (int i = 0; i < size; i++) {
+        c->world[i] = world_ranks[i];
+        c->fds[i] = -1;
+        pthread_mutex_init(&c->peer_locks[i], NULL);
+        pthread_mutex_init(&c->send_locks[i], NULL);
+        pthread_mutex_init(&c->recv_locks[i], NULL);
+    }
+    pthread_mutex_init(&c->err_lock, NULL);
+    *out = c;
+    return RL_OK;
+}
+
+void rl_comm_destroy(rl_comm *c) {
+    if (!c) return;
+    for (int i = 0; i < c->size; i++) {
+        if (c->fds[i] >= 0) close(c->fds[i]);
+        pthread_mutex_destroy(&c->peer_locks[i]);
+        pthread_mutex_destroy(&c->send_locks[i]);
+        pthread_mutex_destroy(&c->recv_locks[i]);
+        for (rl_unexpected *u = c->unexpected[i], *n; u; u = n) {
+            n = u->next;
+            free(u->data);
+            free(u);
+        }
+    }
+    pthread_mutex_destroy(&c->err_lock);
+    free(c->world); free(c->fds); free(c->peer_locks); free(c->send_locks);
+    free(c->recv_locks); free(c->p2p_send_seq); free(c->p2p_recv_seq);
+    free(c->unexpected); free(c->scratch);
+    free(c);
+}
+
+/* Blocking (poll-driven, deadline-bounded) exchange of handshake bytes. */
+static int hs_io(int fd, void *buf, size_t len, int sending, int64_t deadline) {
+    size_t done = 0;
+    while (done < len) {
+        ssize_t n = sending ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
+                            : recv(fd, (char *)buf + done, len - done, 0);
+        if (n > 0) { done += (size_t)n; continue; }
+        if (n == 0) return RL_ERR_PEER_CLOSED;
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return RL_ERR_SYSTEM;
+        if (rl_now_ns() >= deadline) return RL_ERR_TIMEOUT;
+        struct pollfd p = {fd, (short)(sending ? POLLOUT : POLLIN), 0};
+        (void)poll(&p, 1, ms_left(deadline));
+        if (rl_call_interrupt_hook()) return RL_ERR_INTERRUPTED;
+    }
+    return RL_OK;
+}
+
+static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
+    rl_ctx *ctx = c->ctx;
+    int wr = c->world[peer];
+    rl_endpoint *ep = &ctx->peers[wr];
+    if (!ep->port)
+        return rl_fail(c, op, RL_ERR_INVALID, peer, 0, "no endpoint known for world rank %d", wr);
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (resolve(ep->host, ep->port, &ss, &sl) != 0)
+        return rl_fail(c, op, RL_ERR_INVALID, peer, 0, "bad endpoint address %s", ep->host);
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return rl_fail(c, op, RL_ERR_SYSTEM, peer, errno, "socket: %s", strerror(errno));
+    tune_socket(fd);
+    int64_t hs_deadline = rl_now_ns() + rl_tune.handshake_ms * 1000000LL;
+    int64_t deadline = op->deadline_ns < hs_deadline ? op->deadline_ns : hs_deadline;
+    int st = RL_OK;
+    if (connect(fd, (struct sockaddr *)&ss, sl) != 0) {
+        if (errno != EINPROGRESS) {
+            int e = errno;
+            close(fd);
+            return rl_fail(c, op, e == ECONNREFUSED ? RL_ERR_PEER_CLOSED : RL_ERR_SYSTEM,
+                           peer, e, "connect: %s (is the peer process alive?)", strerror(e));
+        }
+        for (;;) {
+            struct pollfd p = {fd, POLLOUT, 0};
+            int r = poll(&p, 1, ms_left(deadline));
+            if (r > 0) break;
+            if (rl_call_interrupt_hook()) { close(fd); return rl_fail(c, op, RL_ERR_INTERRUPTED, peer, 0, "interrupted while connecting"); }
+            if (rl_now_ns() >= deadline) {
+                close(fd);
+                return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0, "timed out connecting");
+            }
+        }
+        int soerr = 0;
+        socklen_t el = sizeof soerr;
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &el);
+        if (soerr) {
+            close(fd);
+            return rl_fail(c, op, soerr == ECONNREFUSED ? RL_ERR_PEER_CLOSED : RL_ERR_SYSTEM,
+                           peer, soerr, "connect: %s (is the peer process alive?)", strerror(soerr));
+        }
+    }
+    uint8_t hello[HELLO_LEN], reply[REPLY_LEN], mac[32], status[4];
+    put32(hello, RL_HANDSHAKE_MAGIC);
+    put16(hello + 4, RL_PROTOCOL_VERSION);
+    put16(hello + 6, 1);
+    memcpy(hello + 8, ctx->job_id, 16);
+    put32(hello + 24, c->id);
+    put32(hello + 28, (uint32_t)ctx->rank);
+    put32(hello + 32, (uint32_t)wr);
+    if (rl_random_bytes(hello + 36, 32) != 0) { close(fd); return rl_fail(c, op, RL_ERR_SYSTEM, peer, errno, "getrandom failed"); }
+    if ((st = hs_io(fd, hello, HELLO_LEN, 1, deadline)) != RL_OK) goto hs_fail;
+    if ((st = hs_io(fd, reply, REPLY_LEN, 0, deadline)) != RL_OK) goto hs_fail;
+    proof(ctx, "ringlet/acc", hello, reply, mac);
+    if (!rl_ct_equal(mac, reply + 32, 32)) {
+        close(fd);
+        return rl_fail(c, op, RL_ERR_AUTH, peer, 0,
+                       "peer failed to prove the job secret (different secret or not a ringlet rank of this job)");
+    }
+    proof(ctx, "ringlet/con", hello, reply, mac);
+    if ((st = hs_io(fd, mac, 32, 1, deadline)) != RL_OK) goto hs_fail;
+    if ((st = hs_io(fd, status, 4, 0, deadline)) != RL_OK) goto hs_fail;
+    if (get32(status) != 0) {
+        close(fd);
+        return rl_fail(c, op, RL_ERR_AUTH, peer, 0, "%s",
+                       get32(status) == 2 ? "peer refused the connection: this rank already has one (duplicate rank claim)"
+                                          : "peer rejected our proof of the job secret (wrong secret?)");
+    }
+    *fd_out = fd;
+    return RL_OK;
+hs_fail:
+    close(fd);
+    if (st == RL_ERR_PEER_CLOSED)
+        return rl_fail(c, op, RL_ERR_AUTH, peer, 0,
+                       "peer closed the connection during the handshake (job id, rank or secret mismatch)");
+    if (st == RL_ERR_TIMEOUT)
+        return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0, "handshake timed out");
+    if (st == RL_ERR_INTERRUPTED)
+        return rl_fail(c, op, RL_ERR_INTERRUPTED, peer, 0, "interrupted during handshake");
+    return rl_fail(c, op, st, peer, errno, "handshake failed: %s", strerror(errno));
+}
+
+/* Wait for the higher-ranked side of a pair: the peer connects to us. */
+static int await_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
+    rl_ctx *ctx = c->ctx;
+    int wr = c->world[peer];
+    pthread_mutex_lock(&ctx->lock);
+    for (;;) {
+        for (rl_pending_conn **pp = &ctx->mailbox; *pp; pp = &(*pp)->next) {
+            if ((*pp)->comm_id == c->id && (*pp)->src == wr) {
+                rl_pending_conn *pc = *pp;
+                *pp = pc->next;
+                pthread_mutex_unlock(&ctx->lock);
+                *fd_out = pc->fd;
+                free(pc);
+                return RL_OK;
+            }
+        }
+        int64_t now = rl_now_ns();
+        if (now >= op->deadline_ns) {
+            pthread_mutex_unlock(&ctx->lock);
+            return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0,
+                           "timed out waiting for the peer to connect (it never reached this op, or is hung)");
+        }
+        int64_t until = op->deadline_ns - now < 100000000LL ? op->deadline_ns : now + 100000000LL;
+        struct timespec rt, ts;
+        clock_gettime(CLOCK_REALTIME, &rt);
+        int64_t abs_ns = (int64_t)rt.tv_sec * 1000000000LL + rt.tv_nsec + (until - now);
+        ts.tv_sec = abs_ns / 1000000000LL;
+        ts.tv_nsec = abs_ns % 1000000000LL;
+        pthread_cond_timedwait(&ctx->cond, &ctx->lock, &ts);
+        pthread_mutex_unlock(&ctx->lock);
+        if (rl_call_interrupt_hook())
+            return rl_fail(c, op, RL_ERR_INTERRUPTED, peer, 0, "interrupted while waiting for the peer to connect");
+        if (c->poisoned) return RL_ERR_POISONED;
+        pthread_mutex_lock(&ctx->lock);
+    }
+}
+
+int rl_peer_fd(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
+    int fd = __atomic_load_n(&c->fds[peer], __ATOMIC_ACQUIRE);
+    if (fd >= 0) { *fd_out = fd; return RL_OK; }
+    if (peer == c->rank)
+        return rl_fail(c, op, RL_ERR_INVALID, peer, 0, "internal error: connection to self");
+    pthread_mutex_lock(&c->peer_locks[peer]);
+    int st = RL_OK;
+    fd = c->fds[peer];
+    if (fd < 0) {
+        st = c->rank < peer ? connect_peer(c, op, peer, &fd) : await_peer(c, op, peer, &fd);
+        if (st == RL_OK) {
+            set_nonblock(fd);
+            __atomic_store_n(&c->fds[peer], fd, __ATOMIC_RELEASE);
+        }
+    }
+    pthread_mutex_unlock(&c->peer_locks[peer]);
+    *fd_out = fd;
+    return st;
+}
+
+int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms) {
+    if (peer < 0 || peer >= c->size || peer == c->rank) return RL_ERR_INVALID;
+    if (c->poisoned) return RL_ERR_POISONED;
+    rl_opdesc op;
+    memset(&op, 0, sizeof op);
+    op.opcode = RL_OP_NONE;
+    op.start_ns = rl_now_ns();
+    op.deadline_ns = rl_deadline_ns(timeout_ms);
+    int fd;
+    return rl_peer_fd(c, &op, peer, &fd);
+}
+
+int rl_scratch(rl_comm *c, const rl_opdesc *op, size_t len, char **out) {
+    if (c->scratch_len < len) {
+        char *p = realloc(c->scratch, len);
+        if (!p) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "cannot allocate %zu bytes of scratch", len);
+        c->scratch = p;
+        c->scratch_len = len;
+    }
+    *out = c->scratch;
+    return RL_OK;
+}

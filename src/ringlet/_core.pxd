@@ -1,0 +1,85 @@
+# Declarations of the C API (csrc/ringlet.h) for Cython.
+from libc.stdint cimport uint8_t, uint32_t, int64_t, uint64_t
+
+cdef extern from "ringlet.h" nogil:
+    enum: RL_PROTOCOL_VERSION
+    enum: RL_ERRMSG_MAX
+    ctypedef enum rl_status:
+        RL_OK, RL_ERR_INVALID, RL_ERR_SYSTEM, RL_ERR_TIMEOUT, RL_ERR_PEER_CLOSED,
+        RL_ERR_DESYNC, RL_ERR_AUTH, RL_ERR_PROTOCOL, RL_ERR_POISONED,
+        RL_ERR_INTERRUPTED, RL_ERR_NOMEM, RL_ERR_ABORTED
+    ctypedef enum rl_dtype:
+        RL_F16, RL_BF16, RL_F32, RL_F64, RL_I8, RL_U8, RL_I32, RL_I64, RL_BOOL, RL_NDTYPES
+    ctypedef enum rl_redop:
+        RL_SUM, RL_PROD, RL_MIN, RL_MAX, RL_AVG, RL_BAND, RL_BOR, RL_BXOR, RL_NOPS
+
+    ctypedef struct rl_error:
+        int status
+        int peer
+        int sys_errno
+        char msg[RL_ERRMSG_MAX]
+
+    ctypedef struct rl_tuning:
+        int64_t segment_bytes
+        int64_t allreduce_small_bytes
+        int64_t bcast_small_bytes
+        int64_t reduce_small_bytes
+        int64_t spin_us
+        int64_t sockbuf_bytes
+        int64_t max_frame_bytes
+        int64_t handshake_ms
+        int64_t p2p_unexpected_bytes
+
+    size_t rl_dtype_size(rl_dtype dt)
+    const char *rl_dtype_name(rl_dtype dt)
+    const char *rl_op_name(rl_redop op)
+    int rl_op_valid(rl_dtype dt, rl_redop op)
+    void rl_reduce_kernel(void *dst, const void *a, const void *b, size_t n, rl_dtype dt, rl_redop op)
+    void rl_scale_kernel(void *buf, size_t n, rl_dtype dt, double factor)
+    const char *rl_simd_info()
+
+    void rl_tuning_defaults(rl_tuning *t)
+    void rl_set_tuning(const rl_tuning *t)
+    void rl_get_tuning(rl_tuning *t)
+    ctypedef int (*rl_interrupt_fn)() noexcept nogil
+    void rl_set_interrupt_hook(rl_interrupt_fn fn)
+
+    ctypedef struct rl_ctx:
+        pass
+    ctypedef struct rl_comm:
+        pass
+    int rl_ctx_create(rl_ctx **out, int rank, int size, const char *bind_host,
+                      const uint8_t *secret, size_t secret_len, const uint8_t *job_id,
+                      rl_error *err)
+    int rl_ctx_port(const rl_ctx *ctx)
+    int rl_ctx_set_peer(rl_ctx *ctx, int rank, const char *host, int port)
+    void rl_ctx_destroy(rl_ctx *ctx)
+    int64_t rl_ctx_rejected(const rl_ctx *ctx)
+
+    int rl_comm_create(rl_comm **out, rl_ctx *ctx, uint32_t comm_id, int rank, int size,
+                       const int *world_ranks, rl_error *err)
+    void rl_comm_destroy(rl_comm *c)
+    void rl_comm_abort(rl_comm *c, int status, const char *reason)
+    void rl_comm_cancel(rl_comm *c, int status, const char *reason)
+    const rl_error *rl_comm_error(const rl_comm *c)
+    uint64_t rl_comm_seq(const rl_comm *c)
+    int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms)
+
+    int rl_all_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop op, int64_t timeout_ms)
+    int rl_broadcast(rl_comm *c, void *buf, size_t count, rl_dtype dt, int root, int64_t timeout_ms)
+    int rl_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop op, int root, int64_t timeout_ms)
+    int rl_all_gather(rl_comm *c, void *out, const void *inp, size_t count, rl_dtype dt, int64_t timeout_ms)
+    int rl_reduce_scatter(rl_comm *c, void *out, const void *inp, size_t count, rl_dtype dt,
+                          rl_redop op, int64_t timeout_ms)
+    int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts, const size_t *out_displs,
+                        const void *inp, const size_t *in_counts, const size_t *in_displs,
+                        rl_dtype dt, int64_t timeout_ms)
+    int rl_gather(rl_comm *c, void *out, const void *inp, size_t count, rl_dtype dt, int root,
+                  int64_t timeout_ms)
+    int rl_scatter(rl_comm *c, void *out, const void *inp, size_t count, rl_dtype dt, int root,
+                   int64_t timeout_ms)
+    int rl_barrier(rl_comm *c, int64_t timeout_ms)
+    int rl_send(rl_comm *c, const void *buf, size_t count, rl_dtype dt, int dst, uint32_t tag,
+                int64_t timeout_ms)
+    int rl_recv(rl_comm *c, void *buf, size_t count, rl_dtype dt, int src, uint32_t tag,
+                int64_t timeout_ms)

@@ -1,0 +1,442 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Thin binding of the C core (csrc/ringlet.h).
+
+Each method takes numpy arrays, checks that C may write/read them, calls the
+C function with the GIL released, and turns a failed status into exactly one
+Python exception (``_raise``).  Argument policy (dtype mapping, sizes, which
+group, async execution) lives in the Python modules; what is checked here is
+only what keeps C memory-safe.
+"""
+cimport numpy as cnp
+from cpython.exc cimport PyErr_CheckSignals, PyErr_Occurred
+from libc.stdint cimport int64_t, uint8_t, uint32_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+
+from ringlet._core cimport *
+
+cdef extern from *:
+    # Set by setup.py (-DRL_BUILD_FLAGS=...) and by the compiler.
+    const char *RL_BUILD_FLAGS
+    const char *RL_COMPILER_VERSION "__VERSION__"
+
+from ringlet import errors as _errors
+
+cnp.import_array()
+
+PROTOCOL_VERSION = RL_PROTOCOL_VERSION
+
+# status -> exception class; the single place where C failures become Python ones
+_STATUS_CLASS = {
+    RL_ERR_INVALID: ValueError,
+    RL_ERR_SYSTEM: _errors.RingletError,
+    RL_ERR_TIMEOUT: _errors.CollectiveTimeout,
+    RL_ERR_PEER_CLOSED: _errors.PeerClosedError,
+    RL_ERR_DESYNC: _errors.DesyncError,
+    RL_ERR_AUTH: _errors.AuthenticationError,
+    RL_ERR_PROTOCOL: _errors.ProtocolError,
+    RL_ERR_POISONED: _errors.GroupPoisonedError,
+    RL_ERR_NOMEM: MemoryError,
+    RL_ERR_ABORTED: _errors.RingletError,
+}
+
+STATUS = {
+    "OK": RL_OK, "INVALID": RL_ERR_INVALID, "SYSTEM": RL_ERR_SYSTEM, "TIMEOUT": RL_ERR_TIMEOUT,
+    "PEER_CLOSED": RL_ERR_PEER_CLOSED, "DESYNC": RL_ERR_DESYNC, "AUTH": RL_ERR_AUTH,
+    "PROTOCOL": RL_ERR_PROTOCOL, "POISONED": RL_ERR_POISONED,
+    "INTERRUPTED": RL_ERR_INTERRUPTED, "NOMEM": RL_ERR_NOMEM, "ABORTED": RL_ERR_ABORTED,
+}
+
+
+def exception_class(int status):
+    """The exception class ringlet raises for a C status code."""
+    return _STATUS_CLASS.get(status, _errors.RingletError)
+
+
+cdef int _interrupt_hook() noexcept nogil:
+    # Called by C about every 100 ms while blocked.  In the main thread this
+    # runs Python signal handlers; a handler that raises (Ctrl-C) leaves its
+    # exception set and makes C return RL_ERR_INTERRUPTED, which _check then
+    # re-raises.  Other threads never see signals, so this is cheap there.
+    with gil:
+        return 1 if PyErr_CheckSignals() != 0 else 0
+
+
+rl_set_interrupt_hook(_interrupt_hook)
+
+
+cdef inline void *_wptr(cnp.ndarray a, str what) except NULL:
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        raise ValueError(f"{what} must be C-contiguous")
+    if not cnp.PyArray_ISWRITEABLE(a):
+        raise ValueError(f"{what} is read-only")
+    cdef void *p = cnp.PyArray_DATA(a)
+    return p if p != NULL else <void *>a  # any non-NULL for empty arrays
+
+
+cdef inline const void *_rptr(cnp.ndarray a, str what) except NULL:
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        raise ValueError(f"{what} must be C-contiguous")
+    cdef void *p = cnp.PyArray_DATA(a)
+    return p if p != NULL else <void *>a
+
+
+def dtype_size(int dt):
+    return rl_dtype_size(<rl_dtype>dt)
+
+
+def op_valid(int dt, int op):
+    return bool(rl_op_valid(<rl_dtype>dt, <rl_redop>op))
+
+
+def simd_info():
+    return rl_simd_info().decode()
+
+
+def build_info():
+    """Facts about this build, for ``ringlet info`` and benchmark reports."""
+    return {
+        "protocol_version": RL_PROTOCOL_VERSION,
+        "simd": rl_simd_info().decode(),
+        "compile_flags": RL_BUILD_FLAGS.decode(),
+        "compiler": "gcc-compatible " + RL_COMPILER_VERSION.decode(),
+        "tuning": get_tuning(),
+    }
+
+
+_TUNING_FIELDS = ("segment_bytes", "allreduce_small_bytes", "bcast_small_bytes",
+                  "reduce_small_bytes", "spin_us", "sockbuf_bytes", "max_frame_bytes",
+                  "handshake_ms", "p2p_unexpected_bytes")
+
+
+def get_tuning():
+    cdef rl_tuning t
+    rl_get_tuning(&t)
+    return {"segment_bytes": t.segment_bytes, "allreduce_small_bytes": t.allreduce_small_bytes,
+            "bcast_small_bytes": t.bcast_small_bytes, "reduce_small_bytes": t.reduce_small_bytes,
+            "spin_us": t.spin_us, "sockbuf_bytes": t.sockbuf_bytes,
+            "max_frame_bytes": t.max_frame_bytes, "handshake_ms": t.handshake_ms,
+            "p2p_unexpected_bytes": t.p2p_unexpected_bytes}
+
+
+def set_tuning(**kw):
+    """Set process-wide knobs (see docs/algorithms.md); unknown names raise."""
+    cdef rl_tuning t
+    rl_get_tuning(&t)
+    for k, v in kw.items():
+        if k not in _TUNING_FIELDS:
+            raise TypeError(f"unknown tuning knob {k!r}; known: {', '.join(_TUNING_FIELDS)}")
+        if int(v) < 0:
+            raise ValueError(f"tuning knob {k} must be >= 0, got {v}")
+    if "segment_bytes" in kw: t.segment_bytes = kw["segment_bytes"]
+    if "allreduce_small_bytes" in kw: t.allreduce_small_bytes = kw["allreduce_small_bytes"]
+    if "bcast_small_bytes" in kw: t.bcast_small_bytes = kw["bcast_small_bytes"]
+    if "reduce_small_bytes" in kw: t.reduce_small_bytes = kw["reduce_small_bytes"]
+    if "spin_us" in kw: t.spin_us = kw["spin_us"]
+    if "sockbuf_bytes" in kw: t.sockbuf_bytes = kw["sockbuf_bytes"]
+    if "max_frame_bytes" in kw: t.max_frame_bytes = kw["max_frame_bytes"]
+    if "handshake_ms" in kw: t.handshake_ms = kw["handshake_ms"]
+    if "p2p_unexpected_bytes" in kw: t.p2p_unexpected_bytes = kw["p2p_unexpected_bytes"]
+    rl_set_tuning(&t)
+
+
+def reduce_kernel(cnp.ndarray dst, cnp.ndarray a, cnp.ndarray b, int dt, int op):
+    """dst = a (op) b elementwise with the C kernels (for tests and `bench limits`)."""
+    cdef size_t n = a.size
+    if b.size != n or dst.size != n:
+        raise ValueError("reduce_kernel: arrays must have equal sizes")
+    if not rl_op_valid(<rl_dtype>dt, <rl_redop>op):
+        raise ValueError("reduce_kernel: op not valid for dtype")
+    cdef void *d = _wptr(dst, "dst")
+    cdef const void *pa = _rptr(a, "a")
+    cdef const void *pb = _rptr(b, "b")
+    with nogil:
+        rl_reduce_kernel(d, pa, pb, n, <rl_dtype>dt, <rl_redop>op)
+
+
+cdef class Context:
+    """A rank's listener and endpoint table (one per rank, shared by its comms)."""
+    cdef rl_ctx *ctx
+    cdef readonly int rank, size
+
+    def __cinit__(self, int rank, int size, str bind_host, bytes secret, bytes job_id):
+        cdef rl_error err
+        if len(job_id) != 16:
+            raise ValueError("job_id must be 16 bytes")
+        cdef bytes host = bind_host.encode()
+        cdef const char *h = host
+        cdef const uint8_t *s = <const uint8_t *>(<const char *>secret)
+        cdef size_t sl = len(secret)
+        cdef const uint8_t *j = <const uint8_t *>(<const char *>job_id)
+        cdef int st
+        with nogil:
+            st = rl_ctx_create(&self.ctx, rank, size, h, s, sl, j, &err)
+        if st != RL_OK:
+            raise exception_class(st)(err.msg.decode(errors="replace"))
+        self.rank = rank
+        self.size = size
+
+    def __dealloc__(self):
+        if self.ctx != NULL:
+            rl_ctx_destroy(self.ctx)
+            self.ctx = NULL
+
+    @property
+    def port(self):
+        self._live()
+        return rl_ctx_port(self.ctx)
+
+    cdef _live(self):
+        if self.ctx == NULL:
+            raise _errors.RingletError("context is closed")
+
+    def set_peer(self, int rank, str host, int port):
+        self._live()
+        if rl_ctx_set_peer(self.ctx, rank, host.encode(), port) != RL_OK:
+            raise ValueError(f"bad endpoint for rank {rank}: {host}:{port}")
+
+    def rejected(self):
+        """How many incoming connections the listener refused so far."""
+        self._live()
+        return rl_ctx_rejected(self.ctx)
+
+    def close(self):
+        cdef rl_ctx *c = self.ctx
+        self.ctx = NULL
+        if c != NULL:
+            with nogil:
+                rl_ctx_destroy(c)
+
+
+cdef class Comm:
+    """A communicator: the C object behind a ProcessGroup (collective or p2p side)."""
+    cdef rl_comm *c
+    cdef Context owner
+    cdef readonly int rank, size
+    cdef readonly unsigned int comm_id
+
+    def __cinit__(self, Context ctx, unsigned int comm_id, int rank, world_ranks):
+        cdef rl_error err
+        cdef int n = len(world_ranks)
+        cdef int *w = <int *>malloc(sizeof(int) * max(n, 1))
+        if w == NULL:
+            raise MemoryError()
+        cdef int i, st
+        try:
+            for i in range(n):
+                w[i] = world_ranks[i]
+            ctx._live()
+            st = rl_comm_create(&self.c, ctx.ctx, comm_id, rank, n, w, &err)
+        finally:
+            free(w)
+        if st != RL_OK:
+            raise exception_class(st)(err.msg.decode(errors="replace"))
+        self.owner = ctx
+        self.rank = rank
+        self.size = n
+        self.comm_id = comm_id
+
+    def __dealloc__(self):
+        if self.c != NULL:
+            rl_comm_destroy(self.c)
+            self.c = NULL
+
+    def close(self):
+        cdef rl_comm *c = self.c
+        self.c = NULL
+        if c != NULL:
+            rl_comm_destroy(c)
+
+    cdef inline rl_comm *_h(self) except NULL:
+        if self.c == NULL:
+            raise _errors.RingletError("communicator is closed")
+        return self.c
+
+    cdef int _check(self, int st, str op) except -1:
+        if st == RL_OK:
+            return 0
+        if st == RL_ERR_INTERRUPTED and PyErr_Occurred() != NULL:
+            return -1  # re-raise the KeyboardInterrupt the signal handler set
+        cdef const rl_error *e = rl_comm_error(self.c)
+        status = e.status if e.status else st
+        if st == RL_ERR_INVALID and not e.status:
+            raise ValueError(f"{op}: invalid arguments passed to the C core")
+        msg = e.msg.decode(errors="replace") if e.status else f"rank {self.rank}: {op} failed"
+        if status == RL_ERR_INTERRUPTED:
+            raise KeyboardInterrupt(msg)
+        exc = exception_class(status)(msg)
+        if isinstance(exc, _errors.RingletError):
+            exc.rank = self.rank
+            exc.peer = e.peer if e.peer >= 0 else None
+            exc.op = op
+            exc.seq = rl_comm_seq(self.c)
+        raise exc
+
+    def error(self):
+        """(status, peer, errno, message) of the first failure, or None."""
+        cdef const rl_error *e = rl_comm_error(self._h())
+        if not e.status:
+            return None
+        return (e.status, e.peer, e.sys_errno, e.msg.decode(errors="replace"))
+
+    def cancel(self, int status, str reason):
+        """Poison from any thread and wake a call blocked in this comm."""
+        cdef rl_comm *c = self._h()
+        cdef bytes r = reason.encode()[:500]
+        cdef const char *rp = r
+        with nogil:
+            rl_comm_cancel(c, status, rp)
+
+    def abort(self, int status, str reason):
+        """Poison, tell connected peers (ABORT frames) and close the sockets."""
+        cdef rl_comm *c = self._h()
+        cdef bytes r = reason.encode()[:500]
+        cdef const char *rp = r
+        with nogil:
+            rl_comm_abort(c, status, rp)
+
+    @property
+    def seq(self):
+        return rl_comm_seq(self._h())
+
+    def connect(self, int peer, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef int st
+        with nogil:
+            st = rl_comm_connect(c, peer, timeout_ms)
+        self._check(st, "connect")
+
+    def all_reduce(self, cnp.ndarray buf, int dt, int op, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef void *p = _wptr(buf, "array")
+        cdef size_t n = buf.size
+        cdef int st
+        with nogil:
+            st = rl_all_reduce(c, p, n, <rl_dtype>dt, <rl_redop>op, timeout_ms)
+        self._check(st, "all_reduce")
+
+    def broadcast(self, cnp.ndarray buf, int dt, int root, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef void *p = _wptr(buf, "array")
+        cdef size_t n = buf.size
+        cdef int st
+        with nogil:
+            st = rl_broadcast(c, p, n, <rl_dtype>dt, root, timeout_ms)
+        self._check(st, "broadcast")
+
+    def reduce(self, cnp.ndarray buf, int dt, int op, int root, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef void *p = _wptr(buf, "array")
+        cdef size_t n = buf.size
+        cdef int st
+        with nogil:
+            st = rl_reduce(c, p, n, <rl_dtype>dt, <rl_redop>op, root, timeout_ms)
+        self._check(st, "reduce")
+
+    def all_gather(self, cnp.ndarray out, cnp.ndarray inp, int dt, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef size_t n = inp.size
+        if <size_t>out.size != n * <size_t>self.size:
+            raise ValueError("all_gather: output size mismatch")
+        cdef void *po = _wptr(out, "output")
+        cdef const void *pi = _rptr(inp, "input")
+        cdef int st
+        with nogil:
+            st = rl_all_gather(c, po, pi, n, <rl_dtype>dt, timeout_ms)
+        self._check(st, "all_gather")
+
+    def reduce_scatter(self, cnp.ndarray out, cnp.ndarray inp, int dt, int op, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef size_t n = out.size
+        if <size_t>inp.size != n * <size_t>self.size:
+            raise ValueError("reduce_scatter: input size mismatch")
+        cdef void *po = _wptr(out, "output")
+        cdef const void *pi = _rptr(inp, "input")
+        cdef int st
+        with nogil:
+            st = rl_reduce_scatter(c, po, pi, n, <rl_dtype>dt, <rl_redop>op, timeout_ms)
+        self._check(st, "reduce_scatter")
+
+    def all_to_all_v(self, cnp.ndarray out, out_counts, cnp.ndarray inp, in_counts,
+                     int dt, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef int P = self.size, i
+        if len(out_counts) != P or len(in_counts) != P:
+            raise ValueError("all_to_all_v: count lists must have one entry per rank")
+        cdef size_t *buf = <size_t *>malloc(sizeof(size_t) * 4 * P)
+        if buf == NULL:
+            raise MemoryError()
+        cdef size_t *oc = buf
+        cdef size_t *od = buf + P
+        cdef size_t *ic = buf + 2 * P
+        cdef size_t *idp = buf + 3 * P
+        cdef size_t so = 0, si = 0
+        cdef void *po
+        cdef const void *pi
+        cdef int st
+        try:
+            for i in range(P):
+                oc[i] = out_counts[i]; od[i] = so; so += oc[i]
+                ic[i] = in_counts[i]; idp[i] = si; si += ic[i]
+            if so > <size_t>out.size or si > <size_t>inp.size:
+                raise ValueError("all_to_all_v: counts exceed the arrays")
+            po = _wptr(out, "output")
+            pi = _rptr(inp, "input")
+            with nogil:
+                st = rl_all_to_all_v(c, po, oc, od, pi, ic, idp, <rl_dtype>dt, timeout_ms)
+        finally:
+            free(buf)
+        self._check(st, "all_to_all")
+
+    def gather(self, out, cnp.ndarray inp, int dt, int root, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef size_t n = inp.size
+        cdef void *po = NULL
+        if self.rank == root:
+            if (<cnp.ndarray>out).size != n * <size_t>self.size:
+                raise ValueError("gather: output size mismatch")
+            po = _wptr(<cnp.ndarray>out, "output")
+        cdef const void *pi = _rptr(inp, "input")
+        cdef int st
+        with nogil:
+            st = rl_gather(c, po, pi, n, <rl_dtype>dt, root, timeout_ms)
+        self._check(st, "gather")
+
+    def scatter(self, cnp.ndarray out, inp, int dt, int root, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef size_t n = out.size
+        cdef const void *pi = NULL
+        if self.rank == root:
+            if (<cnp.ndarray>inp).size != n * <size_t>self.size:
+                raise ValueError("scatter: input size mismatch")
+            pi = _rptr(<cnp.ndarray>inp, "input")
+        cdef void *po = _wptr(out, "output")
+        cdef int st
+        with nogil:
+            st = rl_scatter(c, po, pi, n, <rl_dtype>dt, root, timeout_ms)
+        self._check(st, "scatter")
+
+    def barrier(self, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef int st
+        with nogil:
+            st = rl_barrier(c, timeout_ms)
+        self._check(st, "barrier")
+
+    def send(self, cnp.ndarray buf, int dt, int dst, unsigned int tag, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef const void *p = _rptr(buf, "array")
+        cdef size_t n = buf.size
+        cdef int st
+        with nogil:
+            st = rl_send(c, p, n, <rl_dtype>dt, dst, tag, timeout_ms)
+        self._check(st, "send")
+
+    def recv(self, cnp.ndarray buf, int dt, int src, unsigned int tag, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef void *p = _wptr(buf, "array")
+        cdef size_t n = buf.size
+        cdef int st
+        with nogil:
+            st = rl_recv(c, p, n, <rl_dtype>dt, src, tag, timeout_ms)
+        self._check(st, "recv")

@@ -1,0 +1,452 @@
+"""Initialisation, the default group, sub-groups and job-wide failure propagation.
+
+Rendezvous (see docs/launching.md):
+  1. Work out rank, world size and the store's address: explicit arguments,
+     then RINGLET_*, torchrun, Open MPI, MPICH/Hydra and Slurm variables; under
+     MPI without an address, bootstrap through mpi4py.
+  2. Rank 0 serves the key-value store (unless the launcher already does);
+     every rank connects to it with the HMAC handshake.
+  3. Every rank opens its listener on an ephemeral port of the chosen
+     interface and publishes "host:port"; rank 0 assembles the table once and
+     every rank reads it with one request.  No data connection is opened yet.
+  4. A watcher thread per rank waits on the store's "abort" key: when any rank
+     fails an operation it publishes why, and every rank cancels its groups, so
+     no rank waits for a timeout on a peer that already knows the job failed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import hmac
+import json
+import os
+import threading
+import warnings
+import weakref
+from typing import Any, List, Optional, Sequence
+
+from . import _core
+from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, PeerClosedError,
+                     ProtocolError, RendezvousError, RingletError)
+from .group import ProcessGroup
+
+_INSECURE_KEY = b"ringlet/no-secret/loopback-only"
+_STATUS_OF = [  # most specific first
+    (CollectiveTimeout, "TIMEOUT"), (PeerClosedError, "PEER_CLOSED"), (DesyncError, "DESYNC"),
+    (AuthenticationError, "AUTH"), (ProtocolError, "PROTOCOL"),
+]
+
+
+def _status_of(exc: BaseException) -> int:
+    for cls, name in _STATUS_OF:
+        if isinstance(exc, cls):
+            return _core.STATUS[name]
+    return _core.STATUS["ABORTED"]
+
+
+class World:
+    """Everything one rank holds for one initialised job."""
+
+    def __init__(self, rank: int, size: int, *, timeout: float) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self.secret = b""
+        self.job_id = b"\0" * 16
+        self.host = "127.0.0.1"
+        self.ctx: Optional[_core.Context] = None
+        self.store = None
+        self.server = None
+        self.group: Optional[ProcessGroup] = None
+        self._groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+        self._watch_stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+        self._store_args: Optional[tuple] = None
+        self._failed = False
+        self._closed = False
+
+    # ---- groups ------------------------------------------------------------
+    def make_group(self, comm_id: int, ranks: Sequence[int]) -> ProcessGroup:
+        ranks = list(ranks)
+        rank = ranks.index(self.rank) if self.rank in ranks else -1
+        coll = p2p = None
+        if rank >= 0:
+            coll = _core.Comm(self.ctx, comm_id, rank, ranks)
+            p2p = _core.Comm(self.ctx, comm_id + 1, rank, ranks)
+        g = ProcessGroup(self, comm_id, ranks, rank, coll, p2p, self.timeout)
+        self._groups.add(g)
+        return g
+
+    def job_key(self, purpose: str) -> bytes:
+        return hmac.new(self.secret or _INSECURE_KEY,
+                        b"ringlet/derived/" + self.job_id + purpose.encode(),
+                        hashlib.sha256).digest()
+
+    # ---- failure propagation ----------------------------------------------
+    def _publish_failure(self, group: ProcessGroup, exc: BaseException) -> None:
+        """Tell every rank that this rank's operation failed (first failure only)."""
+        if self._failed or self.store is None or self.size == 1:
+            return
+        self._failed = True
+        record = json.dumps({"rank": self.rank, "status": _status_of(exc),
+                             "group": group.comm_id, "message": str(exc)[:600]}).encode()
+        try:
+            if self.store.add("ringlet/abort_count", 1) == 1:
+                self.store.set("ringlet/abort", record)
+        except (RingletError, OSError):
+            pass  # the store is gone too; peers notice through their sockets
+
+    def _cancel_all(self, status: int, reason: str) -> None:
+        for g in list(self._groups):
+            if g._failure is None and not g._closed:
+                g._cancel(status, reason)
+
+    def _watch(self) -> None:
+        from .store import Store
+
+        try:
+            host, port, secret = self._store_args
+            store = Store(host, port, secret=secret, timeout=self.timeout)
+        except (RingletError, OSError):
+            return
+        try:
+            while not self._watch_stop.is_set():
+                try:
+                    raw = store.get("ringlet/abort", timeout=1.0)
+                except RendezvousError as exc:
+                    if self._watch_stop.is_set():
+                        return
+                    if "timed out" in str(exc) or "waited" in str(exc):
+                        continue
+                    self._cancel_all(_core.STATUS["PEER_CLOSED"],
+                                     f"lost the rendezvous store ({exc}); the rank or launcher "
+                                     f"hosting it exited")
+                    return
+                except OSError as exc:
+                    if not self._watch_stop.is_set():
+                        self._cancel_all(_core.STATUS["PEER_CLOSED"],
+                                         f"lost the rendezvous store ({exc})")
+                    return
+                rec = json.loads(raw.decode())
+                if rec.get("rank") != self.rank:
+                    self._failed = True
+                    self._cancel_all(int(rec["status"]),
+                                     f"rank {rec['rank']} failed: {rec['message']}")
+                return
+        finally:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+
+    def start_watcher(self) -> None:
+        if self.size == 1 or self._store_args is None:
+            return
+        self._watcher = threading.Thread(target=self._watch, name=f"ringlet-watch{self.rank}",
+                                         daemon=True)
+        self._watcher.start()
+
+    # ---- teardown ------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for g in list(self._groups):
+            g._drain(min(self.timeout, 30.0))
+        self._watch_stop.set()
+        if self.store is not None:
+            try:
+                # Check out; the rank serving the store keeps it up until every
+                # rank has, so no rank loses the store while still shutting down.
+                self.store.set(f"ringlet/exited/{self.rank}", b"1")
+                if self.server is not None:
+                    self.store.wait([f"ringlet/exited/{r}" for r in range(self.size)],
+                                    timeout=30.0)
+            except (RingletError, OSError):
+                pass
+        for g in list(self._groups):
+            g._close()
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.server is not None:
+            self.server.close()
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+
+
+# ---- the default group ---------------------------------------------------------
+_lock = threading.Lock()
+_default: Optional[World] = None
+_tls = threading.local()  # thread-mode ranks (ringlet.testing) keep their own
+
+
+def _current() -> Optional[World]:
+    w = getattr(_tls, "world", None)
+    if w is not None or getattr(_tls, "scoped", False):
+        return w
+    return _default
+
+
+def _require(group: Optional[ProcessGroup]) -> ProcessGroup:
+    if group is not None:
+        if not isinstance(group, ProcessGroup):
+            raise TypeError(f"group must be a ringlet.ProcessGroup, got {type(group).__name__}")
+        return group
+    w = _current()
+    if w is None or w.group is None:
+        raise RuntimeError("ringlet is not initialised: call ringlet.init() first")
+    return w.group
+
+
+def is_initialized() -> bool:
+    """True when this rank has called ``ringlet.init()`` (and not ``shutdown()``)."""
+    return _current() is not None
+
+
+def _secret_from(arg) -> Optional[bytes]:
+    if arg is None:
+        from .environment import load_secret
+
+        return load_secret()
+    return arg.encode() if isinstance(arg, str) else bytes(arg)
+
+
+def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
+         master_addr: Optional[str] = None, master_port: Optional[int] = None,
+         timeout: float = 300.0, secret: Optional[bytes] = None,
+         bind_addr: Optional[str] = None, _external_store: Optional[bool] = None) -> ProcessGroup:
+    """Join the job and return the world ``ProcessGroup`` (also the default group).
+
+    Rank, world size and the rendezvous address come from the arguments, else
+    from the launcher's environment (``ringlet run``, torchrun, Open MPI,
+    MPICH/Hydra, Slurm).  Under ``mpirun`` with no address set, the job
+    bootstraps through mpi4py.  A process with nothing set is a world of one.
+
+    Args:
+        rank, world_size: this process's rank and the number of ranks.
+        master_addr, master_port: where rank 0 serves (or the launcher serves)
+            the rendezvous store.
+        timeout: seconds any operation may block before ``CollectiveTimeout``;
+            also the rendezvous deadline.
+        secret: the job secret (default: RINGLET_SECRET / RINGLET_SECRET_FILE,
+            or the one MPI bootstrap distributes).
+        bind_addr: listen address (default: RINGLET_IFNAME, else the address
+            that routes to the master).
+    Returns:
+        The world group.
+    Raises:
+        RendezvousError: ranks could not meet before ``timeout``.
+        AuthenticationError: no secret on a non-loopback job, or a wrong one.
+
+    Example::
+
+        group = ringlet.init()
+        ringlet.all_reduce(grads)
+    """
+    global _default
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if _current() is not None:
+        raise RuntimeError("ringlet is already initialised in this process; call "
+                           "ringlet.shutdown() first")
+    from . import environment as envmod
+
+    env = None
+    source = "args"
+    if rank is None or world_size is None:
+        env = envmod.detect()
+        if env is None:
+            if rank is not None or world_size is not None:
+                raise ValueError("give both rank and world_size, or neither")
+            rank, world_size, source = 0, 1, "single"
+        else:
+            rank = env.rank if rank is None else rank
+            world_size = env.world_size if world_size is None else world_size
+            master_addr = master_addr or env.master_addr
+            master_port = master_port or env.master_port
+            source = env.source
+    if isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(world_size, int) \
+            or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank {rank!r} for world_size {world_size!r}")
+
+    secret_b = _secret_from(secret)
+    server = None
+    if world_size > 1 and not master_addr and source in ("openmpi", "mpich", "slurm"):
+        # mpirun/srun with no address: rank 0 serves the store, MPI tells everyone.
+        _r, _s, master_addr, master_port, mpi_secret, server = envmod.mpi_bootstrap(timeout)
+        secret_b = secret_b or mpi_secret
+        _external_store = True
+    if world_size > 1 and (not master_addr or not master_port):
+        raise RendezvousError(
+            f"rank {rank}: world size {world_size} needs a rendezvous address: set "
+            f"RINGLET_MASTER_ADDR and RINGLET_MASTER_PORT (or MASTER_ADDR/MASTER_PORT), pass "
+            f"master_addr=/master_port=, or launch with `ringlet run` or mpirun")
+    if master_addr and master_addr == "localhost":
+        master_addr = "127.0.0.1"
+
+    host = bind_addr or envmod.select_bind_address(master_addr, os.environ.get("RINGLET_IFNAME"))
+    if secret_b is None:
+        loop = envmod.is_loopback(host) and (not master_addr or envmod.is_loopback(master_addr))
+        if not loop and os.environ.get("RINGLET_ALLOW_INSECURE") != "1":
+            raise AuthenticationError(
+                "no job secret: ringlet refuses unauthenticated connections off loopback. "
+                "Launch with `ringlet run` (it generates one), set RINGLET_SECRET (16+ bytes, the "
+                "same on every rank) or RINGLET_SECRET_FILE, or set RINGLET_ALLOW_INSECURE=1 on a "
+                "trusted network", rank=rank)
+        if world_size > 1:
+            warnings.warn("ringlet: no job secret set; connections are not authenticated "
+                          + ("(loopback only)" if loop else "(RINGLET_ALLOW_INSECURE=1)"),
+                          RuntimeWarning, stacklevel=2)
+    key = secret_b or _INSECURE_KEY
+
+    world = World(rank, world_size, timeout=timeout)
+    world.secret = key
+    world.host = host
+    try:
+        if world_size > 1:
+            from .store import Store, StoreServer
+
+            if _external_store is None:
+                _external_store = os.environ.get("RINGLET_EXTERNAL_STORE") == "1"
+            if rank == 0 and not _external_store and server is None:
+                try:
+                    server = StoreServer(host if not envmod.is_loopback(master_addr) else
+                                         master_addr, int(master_port), secret=key)
+                except OSError as exc:
+                    raise RendezvousError(f"rank 0 cannot serve the store on "
+                                          f"{master_addr}:{master_port}: {exc}", rank=0) from exc
+            world.server = server
+            world.store = Store(master_addr, int(master_port), secret=key, timeout=timeout)
+            world._store_args = (master_addr, int(master_port), key)
+            world.job_id = world.store.job_id
+        else:
+            world.job_id = os.urandom(16)
+        world.ctx = _core.Context(rank, world_size, host, key, world.job_id)
+        if world_size > 1:
+            _exchange_endpoints(world, timeout)
+        world.group = world.make_group(0, range(world_size))
+        world.start_watcher()
+    except BaseException:
+        world.close()
+        raise
+    with _lock:
+        if getattr(_tls, "scoped", False):
+            _tls.world = world
+        else:
+            _default = world
+    return world.group
+
+
+def _exchange_endpoints(world: World, timeout: float) -> None:
+    store, ctx = world.store, world.ctx
+    store.set(f"ringlet/ep/{world.rank}", f"{world.host}:{ctx.port}".encode())
+    if world.rank == 0:
+        table = []
+        for r in range(world.size):
+            try:
+                table.append(store.get(f"ringlet/ep/{r}", timeout=timeout).decode())
+            except RendezvousError as exc:
+                raise RendezvousError(f"rank 0: rank {r} never joined the job within "
+                                      f"{timeout}s ({exc})", rank=0, peer=r) from exc
+        store.set("ringlet/ep/all", json.dumps(table).encode())
+    else:
+        try:
+            table = json.loads(store.get("ringlet/ep/all", timeout=timeout).decode())
+        except RendezvousError as exc:
+            raise RendezvousError(f"rank {world.rank}: the endpoint table never appeared within "
+                                  f"{timeout}s: some rank never joined ({exc})",
+                                  rank=world.rank) from exc
+    for r, ep in enumerate(table):
+        h, _, p = ep.rpartition(":")
+        ctx.set_peer(r, h.strip("[]"), int(p))
+
+
+def shutdown() -> None:
+    """Finish pending async work, close every group and leave the job."""
+    global _default
+    with _lock:
+        w = _current()
+        if w is None:
+            return
+        if getattr(_tls, "scoped", False):
+            _tls.world = None
+        else:
+            _default = None
+    w.close()
+
+
+atexit.register(shutdown)
+
+
+def get_rank(group: Optional[ProcessGroup] = None) -> int:
+    """This process's rank in ``group`` (default: the world)."""
+    return _require(group).rank
+
+
+def get_world_size(group: Optional[ProcessGroup] = None) -> int:
+    """Number of ranks in ``group`` (default: the world)."""
+    return _require(group).size
+
+
+def job_key(purpose: str) -> bytes:
+    """A 32-byte key derived from the job secret for ``purpose`` (same on every rank).
+
+    For authenticating other channels of the job (RPC uses ``job_key("rpc")``);
+    the secret itself is never exposed.
+    """
+    w = _current()
+    if w is None:
+        raise RuntimeError("ringlet is not initialised: call ringlet.init() first")
+    return w.job_key(purpose)
+
+
+def new_group(ranks: Sequence[int], *, timeout: Optional[float] = None,
+              group: Optional[ProcessGroup] = None) -> ProcessGroup:
+    """Create a sub-group of world ranks ``ranks``.
+
+    Every member of the parent group (default: the world) must call this, in
+    the same order, with the same ranks, as with torch.distributed.  Ranks
+    outside ``ranks`` get a non-member handle (``rank == -1``) whose
+    collectives raise ``ValueError``.  The group gets fresh communicator ids,
+    so its traffic never mixes with any other group's.
+
+    Example::
+
+        evens = ringlet.new_group([0, 2])
+    """
+    parent = _require(group)
+    parent._usable()
+    world = parent._world
+    rl = [int(r) for r in ranks]
+    if not rl:
+        raise ValueError("new_group: ranks must not be empty")
+    if len(set(rl)) != len(rl):
+        raise ValueError(f"new_group: duplicate ranks in {rl}")
+    missing = [r for r in rl if r not in parent.ranks]
+    if missing:
+        raise ValueError(f"new_group: ranks {missing} are not in the parent group {parent.ranks}")
+    rl.sort()
+    key = f"ringlet/group/{parent.comm_id}/{parent._ngroups}"
+    parent._ngroups += 1
+    t = world.timeout if timeout is None else timeout
+    if world.size == 1:
+        comm_id = 2 * (parent._ngroups + 1)
+    elif parent.rank == 0:
+        comm_id = 2 * world.store.add("ringlet/next_comm", 1)
+        world.store.set(key, json.dumps({"id": comm_id, "ranks": rl}).encode())
+    else:
+        rec = json.loads(world.store.get(key, timeout=t).decode())
+        if rec["ranks"] != rl:
+            raise DesyncError(f"rank {parent.rank}: new_group({rl}) but parent rank 0 created "
+                              f"new_group({rec['ranks']})", rank=parent.rank)
+        comm_id = int(rec["id"])
+    return world.make_group(comm_id, rl)
+
+
+def default_world() -> Optional[World]:
+    return _current()

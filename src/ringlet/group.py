@@ -1,0 +1,409 @@
+"""``ProcessGroup``: a set of ranks and the collectives that run over it.
+
+Every method validates its arguments before a byte is sent (``TypeError`` /
+``ValueError`` naming the problem), then runs the C collective with the GIL
+released, inline or, with ``async_op=True``, on the group's progress thread.
+Collectives of one group run in the order they were issued.  A group keeps
+two C communicators with distinct ids, one for collectives and one for
+point-to-point traffic, so tagged messages never interleave with collective
+frames.  After any failure the group is poisoned: later calls raise
+``GroupPoisonedError`` whose ``__cause__`` is the original error.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+
+import numpy as np
+
+from . import _objser
+from ._dtypes import ReduceOp, check_op, dtype_code
+from .errors import GroupPoisonedError, RingletError
+from .work import SerialExecutor, Work, completed_work
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._world import World
+
+__all__ = ["ProcessGroup"]
+
+_MAX_TAG = 2**32 - 1
+
+
+def _array(x: Any, what: str, *, writable: bool) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray, got {type(x).__name__}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (use numpy.ascontiguousarray)")
+    if writable and not x.flags.writeable:
+        raise ValueError(f"{what} is read-only; ringlet writes the result into it")
+    dtype_code(x.dtype, what)
+    return x
+
+
+class ProcessGroup:
+    """A group of ranks.  Created by ``ringlet.init`` (the world) or ``ringlet.new_group``.
+
+    Attributes:
+        rank: this process's rank in the group (-1 when not a member).
+        size: number of ranks in the group.
+        ranks: the world ranks of the members, in group-rank order.
+    """
+
+    def __init__(self, world: "World", comm_id: int, ranks: Sequence[int], rank: int,
+                 coll: Any = None, p2p: Any = None, timeout: float = 300.0) -> None:
+        self._world = world
+        self.comm_id = comm_id
+        self.ranks: List[int] = list(ranks)
+        self.rank = rank
+        self.size = len(self.ranks)
+        self.timeout = timeout
+        self._coll = coll
+        self._p2p = p2p
+        self._failure: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._exec = SerialExecutor(f"ringlet-group{comm_id}")
+        self._p2p_exec: dict = {}
+        self._p2p_exec_lock = threading.Lock()
+        self._ngroups = 0
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<ringlet.ProcessGroup id={self.comm_id} rank={self.rank} size={self.size}>"
+
+    # ---- plumbing ----------------------------------------------------------
+    def _usable(self) -> None:
+        if self._closed:
+            raise RingletError("this process group was shut down; call ringlet.init() again")
+        if self.rank < 0:
+            raise ValueError(f"this rank (world rank {self._world.rank}) is not a member of "
+                             f"the group of world ranks {self.ranks}")
+
+    def _ms(self, timeout: Optional[float]) -> int:
+        t = self.timeout if timeout is None else timeout
+        if not t > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return max(1, int(t * 1000))
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        if self._failure is not None:
+            raise GroupPoisonedError(
+                f"rank {self.rank}: group {self.comm_id} is poisoned by an earlier failure "
+                f"({self._failure}); call ringlet.shutdown() and ringlet.init() to recover",
+                rank=self.rank) from self._failure
+        try:
+            return fn()
+        except (RingletError, KeyboardInterrupt) as exc:
+            if not isinstance(exc, GroupPoisonedError) and self._failure is None:
+                self._failure = exc
+                self._world._publish_failure(self, exc)
+            raise
+
+    def _run(self, op: str, fn: Callable[[], Any], keep: tuple, async_op: bool) -> Any:
+        self._usable()
+
+        def locked() -> Any:
+            with self._lock:
+                return self._guard(fn)
+
+        if async_op:
+            return self._exec.submit(locked, Work(op, keep))
+        if self._exec.busy:  # keep issue order behind queued async ops
+            return self._exec.submit(locked, Work(op, keep)).result()
+        return locked()
+
+    def _p2p_executor(self, kind: str, peer: int) -> SerialExecutor:
+        with self._p2p_exec_lock:
+            ex = self._p2p_exec.get((kind, peer))
+            if ex is None:
+                ex = self._p2p_exec[(kind, peer)] = SerialExecutor(
+                    f"ringlet-group{self.comm_id}-{kind}{peer}")
+            return ex
+
+    def _peer(self, r: Any, what: str) -> int:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+            raise TypeError(f"{what} must be an int rank, got {type(r).__name__}")
+        r = int(r)
+        if not 0 <= r < self.size:
+            raise ValueError(f"{what}={r} is out of range for a group of size {self.size}")
+        return r
+
+    # ---- collectives -------------------------------------------------------
+    def all_reduce(self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM, *,
+                   async_op: bool = False, timeout: Optional[float] = None):
+        """Reduce ``array`` over the group in place; every rank gets the result.
+
+        Args:
+            array: C-contiguous, writable numpy array, same shape and dtype everywhere.
+            op: a ``ReduceOp`` (AVG: floating dtypes; BAND/BOR/BXOR: integers and bool).
+        Returns:
+            None, or a ``Work`` when ``async_op``.
+        Raises:
+            TypeError/ValueError on bad arguments; a ``RingletError`` subclass on failure.
+
+        Example::
+
+            g = np.full(4, ringlet.get_rank(), np.float32)
+            ringlet.all_reduce(g)  # every rank: sum of all ranks
+        """
+        a = _array(array, "array", writable=True)
+        code = dtype_code(a.dtype)
+        op = check_op(op, code, a.dtype)
+        ms = self._ms(timeout)
+        return self._run("all_reduce", lambda: self._coll.all_reduce(a, code, int(op), ms),
+                         (a,), async_op)
+
+    def broadcast(self, array: np.ndarray, src: int = 0, *, async_op: bool = False,
+                  timeout: Optional[float] = None):
+        """Copy ``array`` from group rank ``src`` into ``array`` on every rank."""
+        a = _array(array, "array", writable=True)
+        code = dtype_code(a.dtype)
+        src = self._peer(src, "src")
+        ms = self._ms(timeout)
+        return self._run("broadcast", lambda: self._coll.broadcast(a, code, src, ms), (a,),
+                         async_op)
+
+    def reduce(self, array: np.ndarray, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
+               async_op: bool = False, timeout: Optional[float] = None):
+        """Reduce ``array`` over the group into ``array`` on rank ``dst`` (others unchanged)."""
+        a = _array(array, "array", writable=True)
+        code = dtype_code(a.dtype)
+        op = check_op(op, code, a.dtype)
+        dst = self._peer(dst, "dst")
+        ms = self._ms(timeout)
+        return self._run("reduce", lambda: self._coll.reduce(a, code, int(op), dst, ms), (a,),
+                         async_op)
+
+    def all_gather(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
+                   timeout: Optional[float] = None):
+        """Concatenate every rank's ``input`` into ``output`` (size × input.size), rank order."""
+        o = _array(output, "output", writable=True)
+        i = _array(input, "input", writable=False)
+        if o.dtype != i.dtype:
+            raise TypeError(f"all_gather: output dtype {o.dtype} differs from input dtype {i.dtype}")
+        if o.size != i.size * self.size:
+            raise ValueError(f"all_gather: output has {o.size} elements but needs group size "
+                             f"{self.size} x input size {i.size} = {i.size * self.size}")
+        code = dtype_code(o.dtype)
+        ms = self._ms(timeout)
+        return self._run("all_gather", lambda: self._coll.all_gather(o, i, code, ms), (o, i),
+                         async_op)
+
+    def reduce_scatter(self, output: np.ndarray, input: np.ndarray,
+                       op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+                       timeout: Optional[float] = None):
+        """Reduce ``input`` (size × output.size) over ranks; rank r gets block r in ``output``."""
+        o = _array(output, "output", writable=True)
+        i = _array(input, "input", writable=False)
+        if o.dtype != i.dtype:
+            raise TypeError(f"reduce_scatter: output dtype {o.dtype} differs from input dtype "
+                            f"{i.dtype}")
+        if i.size != o.size * self.size:
+            raise ValueError(f"reduce_scatter: input has {i.size} elements but needs group size "
+                             f"{self.size} x output size {o.size} = {o.size * self.size}")
+        if np.shares_memory(o, i):
+            raise ValueError("reduce_scatter: output must not overlap input")
+        code = dtype_code(o.dtype)
+        op = check_op(op, code, o.dtype)
+        ms = self._ms(timeout)
+        return self._run("reduce_scatter",
+                         lambda: self._coll.reduce_scatter(o, i, code, int(op), ms), (o, i),
+                         async_op)
+
+    def all_to_all(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
+                   timeout: Optional[float] = None):
+        """Rank r sends block j of ``input`` to rank j, which stores it as block r of ``output``."""
+        i = _array(input, "input", writable=False)
+        o = _array(output, "output", writable=True)
+        if i.size % self.size:
+            raise ValueError(f"all_to_all: input size {i.size} is not divisible by the group "
+                             f"size {self.size}")
+        if o.size != i.size:
+            raise ValueError(f"all_to_all: output has {o.size} elements, input {i.size}; "
+                             f"they must be equal")
+        n = i.size // self.size
+        return self.all_to_all_v(o, [n] * self.size, i, [n] * self.size, async_op=async_op,
+                                 timeout=timeout)
+
+    def all_to_all_v(self, output: np.ndarray, output_counts: Sequence[int], input: np.ndarray,
+                     input_counts: Sequence[int], *, async_op: bool = False,
+                     timeout: Optional[float] = None):
+        """All-to-all with per-rank element counts (blocks laid out back to back, rank order)."""
+        i = _array(input, "input", writable=False)
+        o = _array(output, "output", writable=True)
+        if o.dtype != i.dtype:
+            raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
+        oc = [int(c) for c in output_counts]
+        ic = [int(c) for c in input_counts]
+        for name, counts, arr in (("output_counts", oc, o), ("input_counts", ic, i)):
+            if len(counts) != self.size:
+                raise ValueError(f"all_to_all_v: {name} has {len(counts)} entries, the group "
+                                 f"has {self.size} ranks")
+            if any(c < 0 for c in counts):
+                raise ValueError(f"all_to_all_v: {name} has a negative count: {counts}")
+            if sum(counts) > arr.size:
+                raise ValueError(f"all_to_all_v: {name} sum to {sum(counts)} elements but the "
+                                 f"array has {arr.size}")
+        if oc[self.rank] != ic[self.rank]:
+            raise ValueError(f"all_to_all_v: this rank sends itself {ic[self.rank]} elements "
+                             f"but expects {oc[self.rank]}")
+        if np.shares_memory(o, i):
+            raise ValueError("all_to_all: output must not overlap input")
+        code = dtype_code(o.dtype)
+        ms = self._ms(timeout)
+        return self._run("all_to_all",
+                         lambda: self._coll.all_to_all_v(o, oc, i, ic, code, ms), (o, i), async_op)
+
+    def gather(self, output: Optional[np.ndarray], input: np.ndarray, dst: int = 0, *,
+               async_op: bool = False, timeout: Optional[float] = None):
+        """Collect every rank's ``input`` into ``output`` on ``dst`` (output may be None elsewhere)."""
+        i = _array(input, "input", writable=False)
+        dst = self._peer(dst, "dst")
+        o = None
+        if self.rank == dst:
+            if output is None:
+                raise ValueError(f"gather: the destination rank {dst} needs an output array")
+            o = _array(output, "output", writable=True)
+            if o.dtype != i.dtype:
+                raise TypeError(f"gather: output dtype {o.dtype} differs from input dtype {i.dtype}")
+            if o.size != i.size * self.size:
+                raise ValueError(f"gather: output has {o.size} elements but needs group size "
+                                 f"{self.size} x input size {i.size} = {i.size * self.size}")
+        code = dtype_code(i.dtype)
+        ms = self._ms(timeout)
+        return self._run("gather", lambda: self._coll.gather(o, i, code, dst, ms), (o, i),
+                         async_op)
+
+    def scatter(self, output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *,
+                async_op: bool = False, timeout: Optional[float] = None):
+        """Rank ``src`` sends block r of ``input`` to rank r's ``output`` (input may be None elsewhere)."""
+        o = _array(output, "output", writable=True)
+        src = self._peer(src, "src")
+        i = None
+        if self.rank == src:
+            if input is None:
+                raise ValueError(f"scatter: the source rank {src} needs an input array")
+            i = _array(input, "input", writable=False)
+            if o.dtype != i.dtype:
+                raise TypeError(f"scatter: output dtype {o.dtype} differs from input dtype {i.dtype}")
+            if i.size != o.size * self.size:
+                raise ValueError(f"scatter: input has {i.size} elements but needs group size "
+                                 f"{self.size} x output size {o.size} = {o.size * self.size}")
+        code = dtype_code(o.dtype)
+        ms = self._ms(timeout)
+        return self._run("scatter", lambda: self._coll.scatter(o, i, code, src, ms), (o, i),
+                         async_op)
+
+    def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
+        """Return once every rank of the group has entered the barrier."""
+        ms = self._ms(timeout)
+        return self._run("barrier", lambda: self._coll.barrier(ms), (), async_op)
+
+    # ---- point to point -----------------------------------------------------
+    def _p2p_args(self, array, peer, tag, what, writable):
+        a = _array(array, "array", writable=writable)
+        peer = self._peer(peer, what)
+        if peer == self.rank:
+            raise ValueError(f"{what}={peer} is this rank; a rank cannot message itself")
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= _MAX_TAG:
+            raise ValueError(f"tag must be an int in [0, 2**32), got {tag!r}")
+        return a, dtype_code(a.dtype), peer, int(tag)
+
+    def _p2p(self, kind: str, a, code, peer, tag, timeout, async_op) -> Any:
+        self._usable()
+        ms = self._ms(timeout)
+        comm = self._p2p
+        fn = (lambda: comm.send(a, code, peer, tag, ms)) if kind == "send" else \
+             (lambda: comm.recv(a, code, peer, tag, ms))
+        ex = self._p2p_executor(kind, peer)
+        if async_op or ex.busy:
+            w = ex.submit(lambda: self._guard(fn), Work(kind, (a,)))
+            return w if async_op else w.result()
+        return self._guard(fn)
+
+    def send(self, array: np.ndarray, dst: int, tag: int = 0, *,
+             timeout: Optional[float] = None) -> None:
+        """Send ``array`` to group rank ``dst``; matched by the receiver on (source, tag)."""
+        a, code, dst, tag = self._p2p_args(array, dst, tag, "dst", False)
+        self._p2p("send", a, code, dst, tag, timeout, False)
+
+    def recv(self, array: np.ndarray, src: int, tag: int = 0, *,
+             timeout: Optional[float] = None) -> None:
+        """Receive into ``array`` the next message from ``src`` carrying ``tag``.
+
+        Size and dtype must match the sender's (else ``DesyncError``)."""
+        a, code, src, tag = self._p2p_args(array, src, tag, "src", True)
+        self._p2p("recv", a, code, src, tag, timeout, False)
+
+    def isend(self, array: np.ndarray, dst: int, tag: int = 0, *,
+              timeout: Optional[float] = None) -> Work:
+        """Asynchronous ``send``; the ``Work`` keeps ``array`` alive until sent."""
+        a, code, dst, tag = self._p2p_args(array, dst, tag, "dst", False)
+        return self._p2p("send", a, code, dst, tag, timeout, True)
+
+    def irecv(self, array: np.ndarray, src: int, tag: int = 0, *,
+              timeout: Optional[float] = None) -> Work:
+        """Asynchronous ``recv``."""
+        a, code, src, tag = self._p2p_args(array, src, tag, "src", True)
+        return self._p2p("recv", a, code, src, tag, timeout, True)
+
+    # ---- small Python objects ----------------------------------------------
+    def broadcast_object(self, obj: Any = None, src: int = 0, *,
+                         timeout: Optional[float] = None) -> Any:
+        """Send a small Python object from ``src`` to every rank; returns it everywhere.
+
+        Objects travel in ringlet's bounded binary format (no pickle): None, bool,
+        int, float, str, bytes, list, tuple, dict and numpy arrays.
+        """
+        src = self._peer(src, "src")
+        if self.rank == src:
+            payload = np.frombuffer(_objser.dumps(obj), dtype=np.uint8)
+            n = np.array([payload.size], dtype=np.int64)
+        else:
+            n = np.zeros(1, dtype=np.int64)
+        self.broadcast(n, src, timeout=timeout)
+        if self.rank != src:
+            payload = np.empty(int(n[0]), dtype=np.uint8)
+        else:
+            payload = payload.copy()
+        self.broadcast(payload, src, timeout=timeout)
+        return obj if self.rank == src else _objser.loads(payload.tobytes())
+
+    def all_gather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
+        """Gather a small Python object from every rank; returns the list in rank order."""
+        mine = np.frombuffer(_objser.dumps(obj), dtype=np.uint8)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        self.all_gather(sizes, np.array([mine.size], dtype=np.int64), timeout=timeout)
+        width = int(sizes.max()) if self.size else 0
+        padded = np.zeros(width, dtype=np.uint8)
+        padded[: mine.size] = mine
+        out = np.empty(width * self.size, dtype=np.uint8)
+        self.all_gather(out, padded, timeout=timeout)
+        return [_objser.loads(out[r * width: r * width + int(sizes[r])].tobytes())
+                for r in range(self.size)]
+
+    # ---- lifecycle -----------------------------------------------------------
+    def _drain(self, timeout: float) -> None:
+        self._exec.drain(timeout)
+        for ex in list(self._p2p_exec.values()):
+            ex.drain(timeout)
+
+    def _cancel(self, status: int, reason: str) -> None:
+        for comm in (self._coll, self._p2p):
+            if comm is not None:
+                try:
+                    comm.cancel(status, reason)
+                except RingletError:
+                    pass
+
+    def _close(self) -> None:
+        self._closed = True
+        self._exec.close()
+        for ex in self._p2p_exec.values():
+            ex.close()
+        for comm in (self._coll, self._p2p):
+            if comm is not None:
+                comm.close()
+        self._coll = self._p2p = None
+
+

@@ -1,0 +1,184 @@
+"""Correctness matrix of every collective against numpy.
+
+World sizes 1, 2, 3, 4, 5, 8; counts 0, 1, P-1, P+1 and 3001 (not divisible by
+P); every dtype and op; every root of rooted ops.  The tuning knobs are
+lowered so that small counts take the latency algorithms (recursive doubling,
+binomial trees) and 3001 elements take the pipelined ones with several
+segments per chunk.  One world per size runs the whole matrix inside the
+ranks, each rank checking its own result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import ReduceOp, _core
+from ringlet.testing import run_world
+
+from _oracle import DTYPES, close, counts_for, data, ops_for, reduce_np
+
+SMALL_TUNING = dict(segment_bytes=4096, allreduce_small_bytes=256, bcast_small_bytes=256,
+                    reduce_small_bytes=256)
+
+
+@pytest.fixture
+def small_segments():
+    saved = _core.get_tuning()
+    _core.set_tuning(**SMALL_TUNING)
+    yield
+    _core.set_tuning(**saved)
+
+
+def _matrix(rank, P, dtypes, counts, full_roots=True):
+    bad = []
+
+    def check(name, got, want, op=ReduceOp.SUM):
+        if not close(got, want, op):
+            bad.append(f"rank {rank}: {name}: got {got[:8]} want {want[:8]}")
+
+    for dt in dtypes:
+        dt = np.dtype(dt)
+        for n in counts:
+            for op in ops_for(dt):
+                ins = [data(r, n, dt, op) for r in range(P)]
+                # all_reduce
+                x = ins[rank].copy()
+                ringlet.all_reduce(x, op)
+                check(f"all_reduce {dt} {op.name} n={n}", x, reduce_np(ins, op, dt), op)
+                # reduce to every root
+                for root in (range(P) if full_roots else [P - 1]):
+                    x = ins[rank].copy()
+                    ringlet.reduce(x, dst=root, op=op)
+                    want = reduce_np(ins, op, dt) if rank == root else ins[rank]
+                    check(f"reduce {dt} {op.name} n={n} root={root}", x, want, op)
+                # reduce_scatter: input P*n, output n
+                big = [data(r, n * P, dt, op, salt=7) for r in range(P)]
+                out = np.empty(n, dt)
+                ringlet.reduce_scatter(out, big[rank], op)
+                check(f"reduce_scatter {dt} {op.name} n={n}", out,
+                      reduce_np(big, op, dt)[rank * n:(rank + 1) * n], op)
+            ins = [data(r, n, dt) for r in range(P)]
+            # broadcast from every root
+            for root in range(P):
+                x = ins[rank].copy()
+                ringlet.broadcast(x, src=root)
+                check(f"broadcast {dt} n={n} root={root}", x, ins[root])
+            # all_gather
+            out = np.empty(n * P, dt)
+            ringlet.all_gather(out, ins[rank])
+            check(f"all_gather {dt} n={n}", out, np.concatenate(ins))
+            # gather / scatter, every root
+            for root in range(P):
+                out = np.empty(n * P, dt) if rank == root else None
+                ringlet.gather(out, ins[rank], dst=root)
+                if rank == root:
+                    check(f"gather {dt} n={n} root={root}", out, np.concatenate(ins))
+                src = [data(r, n * P, dt, salt=3) for r in range(P)]
+                out = np.empty(n, dt)
+                ringlet.scatter(out, src[rank] if rank == root else None, src=root)
+                check(f"scatter {dt} n={n} root={root}", out, src[root][rank * n:(rank + 1) * n])
+            # all_to_all, equal blocks
+            blocks = [data(r, n * P, dt, salt=11) for r in range(P)]
+            out = np.empty(n * P, dt)
+            ringlet.all_to_all(out, blocks[rank])
+            want = np.concatenate([blocks[s][rank * n:(rank + 1) * n] for s in range(P)])
+            check(f"all_to_all {dt} n={n}", out, want)
+    # all_to_all_v with uneven counts: rank s sends (s + d + n) % 4 elements to d
+    for n in counts:
+        cnt = [[(s + d + n) % 4 for d in range(P)] for s in range(P)]
+        srcs = [data(s, sum(cnt[s]), np.int32, salt=13) for s in range(P)]
+        out_counts = [cnt[s][rank] for s in range(P)]
+        out = np.empty(sum(out_counts), np.int32)
+        ringlet.all_to_all_v(out, out_counts, srcs[rank], cnt[rank])
+        pieces = []
+        for s in range(P):
+            off = sum(cnt[s][:rank])
+            pieces.append(srcs[s][off:off + cnt[s][rank]])
+        check(f"all_to_all_v n={n}", out, np.concatenate(pieces))
+    # send/recv around the ring, two tags sent in the opposite order they are received
+    if P > 1:
+        nxt, prv = (rank + 1) % P, (rank - 1) % P
+        a = data(rank, 1000, np.float32)
+        b = data(rank, 10, np.int64, salt=5)
+        w1 = ringlet.isend(a, nxt, tag=1)
+        w2 = ringlet.isend(b, nxt, tag=2)
+        rb = np.empty(10, np.int64)
+        ra = np.empty(1000, np.float32)
+        ringlet.recv(rb, prv, tag=2)
+        ringlet.recv(ra, prv, tag=1)
+        w1.wait()
+        w2.wait()
+        check("recv tag 1", ra, data(prv, 1000, np.float32))
+        check("recv tag 2", rb, data(prv, 10, np.int64, salt=5))
+    ringlet.barrier()
+    return bad
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
+def test_matrix_threads(P, small_segments):
+    dtypes = DTYPES if P <= 4 else [np.float32, np.float16, np.int8, np.bool_]
+    results = run_world(_matrix, P, mode="thread", timeout=240,
+                        args=(dtypes, counts_for(P)), kwargs={"full_roots": P <= 4})
+    bad = [b for r in results for b in r]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_matrix_processes(small_segments):
+    # Process mode uses its own defaults in each child; give them the same knobs.
+    results = run_world(_process_matrix, 3, mode="process", timeout=240)
+    bad = [b for r in results for b in r]
+    assert not bad, "\n".join(bad[:20])
+
+
+def _process_matrix(rank, P):
+    _core.set_tuning(**SMALL_TUNING)
+    return _matrix(rank, P, [np.float32, np.int32, np.bool_], counts_for(P))
+
+
+def _big(rank, P):
+    """Default tuning, sizes that take the pipelined algorithms with real segments."""
+    n = (3 << 20) // 4 + 7  # ~3 MiB of float32: several 512 KiB segments per chunk
+    ins = [data(r, n, np.float32) for r in range(P)]
+    x = ins[rank].copy()
+    ringlet.all_reduce(x)
+    ok = np.array_equal(x, reduce_np(ins, ReduceOp.SUM, np.float32))
+    y = ins[rank].copy()
+    ringlet.broadcast(y, src=1)
+    ok &= np.array_equal(y, ins[1])
+    z = ins[rank].copy()
+    ringlet.reduce(z, dst=2, op=ReduceOp.MAX)
+    ok &= np.array_equal(z, reduce_np(ins, ReduceOp.MAX, np.float32) if rank == 2 else ins[rank])
+    return bool(ok)
+
+
+def test_large_default_tuning():
+    assert all(run_world(_big, 3, mode="thread", timeout=120))
+
+
+def _identical(rank, P):
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal(50_001).astype(np.float32)  # inexact sums: order matters
+    ringlet.all_reduce(x)
+    y = rng.standard_normal(5).astype(np.float32)
+    ringlet.all_reduce(y, ReduceOp.AVG)
+    return x.tobytes() + y.tobytes()
+
+
+@pytest.mark.parametrize("P", [3, 4])
+def test_results_bit_identical_on_every_rank(P):
+    results = run_world(_identical, P, mode="thread")
+    assert all(r == results[0] for r in results)
+
+
+def _objects(rank, P):
+    obj = {"rank": rank, "name": f"r{rank}", "arr": np.arange(rank + 1), "t": (1, 2.5, None)}
+    got = ringlet.broadcast_object(obj if rank == 1 else None, src=1)
+    every = ringlet.all_gather_object(obj)
+    return got["rank"] == 1 and [e["rank"] for e in every] == list(range(P)) and \
+        all(np.array_equal(e["arr"], np.arange(i + 1)) for i, e in enumerate(every))
+
+
+def test_object_collectives():
+    assert all(run_world(_objects, 4, mode="thread"))

@@ -1,0 +1,249 @@
+"""Failure handling: every failure is detected, named, bounded in time, and poisons the group.
+
+Detection bounds are asserted from both sides: a killed peer is reported well
+before the timeout; a stopped (hung) peer only once the timeout has passed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import _core, _world
+from ringlet.errors import (AuthenticationError, CollectiveTimeout, DesyncError,
+                            GroupPoisonedError, PeerClosedError, RendezvousError)
+from ringlet.store import StoreServer
+from ringlet.testing import WorldError, run_world
+
+
+# ---- desync -------------------------------------------------------------------
+def _desync(rank, P, kind):
+    t0 = time.monotonic()
+    try:
+        if kind == "count":
+            ringlet.all_reduce(np.ones(10 + 2 * rank, np.float32), timeout=30)
+        elif kind == "dtype":
+            ringlet.all_reduce(np.ones(10, np.float32 if rank == 0 else np.float64), timeout=30)
+        elif kind == "op":
+            if rank == 0:
+                ringlet.all_reduce(np.ones(10, np.float32), timeout=30)
+            else:
+                ringlet.broadcast(np.ones(10, np.float32), src=0, timeout=30)
+        elif kind == "root":
+            ringlet.broadcast(np.ones(10, np.float32), src=rank % 2, timeout=30)
+    except DesyncError as exc:
+        took = time.monotonic() - t0
+        # the group stays poisoned, with the desync as the cause
+        try:
+            ringlet.all_reduce(np.ones(3, np.float32))
+        except GroupPoisonedError as p:
+            poisoned = p.__cause__ is exc
+        else:
+            poisoned = False
+        return ("desync", str(exc), took, poisoned)
+    return ("no error", "", time.monotonic() - t0, False)
+
+
+@pytest.mark.parametrize("kind", ["count", "dtype", "op", "root"])
+def test_desync_detected_at_once(kind):
+    res = run_world(_desync, 2, mode="thread", timeout=60, args=(kind,))
+    for what, msg, took, poisoned in res:
+        assert what == "desync", res
+        assert took < 10, f"desync took {took:.1f}s (timeout 30s): must be immediate"
+        assert poisoned
+        assert "expects" in msg and "peer sent" in msg or "rank" in msg
+
+
+def test_desync_message_names_both_sides():
+    res = run_world(_desync, 2, mode="thread", timeout=60, args=("dtype",))
+    msgs = " ".join(m for _, m, _, _ in res)
+    assert "float32" in msgs and "float64" in msgs
+    assert "all_reduce" in msgs
+
+
+def test_desync_reaches_every_rank_of_a_larger_group():
+    res = run_world(_desync, 4, mode="thread", timeout=60, args=("count",))
+    assert all(r[0] == "desync" and r[2] < 10 for r in res), res
+
+
+# ---- timeouts and a stopped peer -----------------------------------------------
+def _stop_one(rank, P):
+    ringlet.all_reduce(np.ones(4, np.float32))  # connections up, everyone alive
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return "resumed"
+    t0 = time.monotonic()
+    try:
+        ringlet.all_reduce(np.ones(4, np.float32), timeout=2.0)
+    except CollectiveTimeout as exc:
+        return ("timeout", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_stopped_peer_times_out_only_after_the_timeout():
+    with pytest.raises(WorldError) as ei:
+        run_world(_stop_one, 3, mode="process", timeout=25)
+    assert 1 in ei.value.failures  # the stopped rank was killed at the deadline
+    for r in (0, 2):
+        kind, took, msg = ei.value.results[r]
+        assert kind == "timeout", (kind, msg)
+        assert 1.9 <= took < 15, took
+        assert "rank" in msg and "all_reduce" in msg
+
+
+# ---- a killed peer -------------------------------------------------------------
+def _kill_one(rank, P):
+    x = np.ones(1 << 20, np.float32)
+    ringlet.all_reduce(x)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(50):
+            ringlet.all_reduce(x, timeout=60)
+    except PeerClosedError as exc:
+        return ("closed", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_killed_peer_detected_long_before_timeout():
+    with pytest.raises(WorldError) as ei:
+        run_world(_kill_one, 4, mode="process", timeout=60)
+    assert "signal 9" in ei.value.failures[2]
+    for r in (0, 1, 3):
+        kind, took, msg = ei.value.results[r]
+        assert kind == "closed", (r, kind, msg)
+        assert took < 10, f"rank {r} needed {took:.1f}s to notice (timeout 60s)"
+
+
+# ---- rendezvous -----------------------------------------------------------------
+def test_rank_that_never_joins_fails_rendezvous():
+    secret = secrets.token_bytes(32)
+    errs = {}
+    with StoreServer("127.0.0.1", 0, secret=secret) as server:
+        def body(rank):
+            _world._tls.scoped = True
+            t0 = time.monotonic()
+            try:
+                ringlet.init(rank=rank, world_size=3, master_addr="127.0.0.1",
+                             master_port=server.port, secret=secret, timeout=2.0,
+                             _external_store=True)
+                errs[rank] = ("joined", 0.0, "")
+                ringlet.shutdown()
+            except (RendezvousError, CollectiveTimeout) as exc:
+                errs[rank] = (type(exc).__name__, time.monotonic() - t0, str(exc))
+
+        ts = [threading.Thread(target=body, args=(r,)) for r in (0, 1)]  # rank 2 never comes
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+    for r in (0, 1):
+        kind, took, msg = errs[r]
+        assert kind in ("RendezvousError", "CollectiveTimeout"), errs
+        assert took < 15
+    assert "rank 2" in errs[0][2]
+
+
+# ---- authentication and hostile connections -----------------------------------
+def _intruders(rank, P):
+    w = _world._current()
+    info = (w.ctx.port, w.job_id)
+    table = ringlet.all_gather_object(info)
+    ringlet.barrier()
+    out = {}
+    if rank == 0:
+        port1, job = table[1]
+        before = None
+        # 1) a process with the wrong secret, claiming to be rank 0 of this job
+        rogue = _core.Context(0, 2, "127.0.0.1", b"wrong-secret-wrong-secret", job)
+        rogue.set_peer(1, "127.0.0.1", port1)
+        comm = _core.Comm(rogue, 0, 0, [0, 1])
+        try:
+            comm.connect(1, 5000)
+            out["wrong_secret"] = "connected"
+        except AuthenticationError as exc:
+            out["wrong_secret"] = "auth:" + str(exc)
+        comm.close()
+        # 2) the right secret but a duplicate claim of rank 0 on the world comm
+        dup = _core.Context(0, 2, "127.0.0.1", w.secret, job)
+        dup.set_peer(1, "127.0.0.1", port1)
+        comm = _core.Comm(dup, 0, 0, [0, 1])
+        try:
+            comm.connect(1, 5000)
+            out["duplicate"] = "connected"
+        except AuthenticationError as exc:
+            out["duplicate"] = "auth:" + str(exc)
+        comm.close()
+        dup.close()
+        rogue.close()
+        # 3) garbage, an oversized "length", and a half-open handshake
+        for payload in (os.urandom(200), struct.pack("<IHH", 0x48544C52, 1, 1) + b"\xff" * 64,
+                        b"\xff" * 8 + struct.pack("<Q", 1 << 62)):
+            with socket.create_connection(("127.0.0.1", port1), timeout=5) as s:
+                s.sendall(payload)
+                s.settimeout(5)
+                try:
+                    s.recv(100)
+                except OSError:
+                    pass
+        stall = socket.create_connection(("127.0.0.1", port1), timeout=5)
+        stall.sendall(b"RLT")  # never finishes its hello
+        out["stall"] = stall
+    ringlet.barrier()
+    # the job is unaffected: collectives still work, including fresh connections
+    x = np.full(8, rank + 1, np.float32)
+    ringlet.all_reduce(x)
+    sub = ringlet.new_group([0, 1])
+    y = np.ones(3, np.int32)
+    sub.all_reduce(y)
+    ok = bool(np.all(x == P * (P + 1) / 2)) and bool(np.all(y == 2))
+    if rank == 1:
+        out["rejected"] = _world._current().ctx.rejected()
+    if "stall" in out:
+        out.pop("stall").close()
+    out["ok"] = ok
+    return out
+
+
+def test_wrong_secret_duplicate_claims_and_garbage_are_refused():
+    res = run_world(_intruders, 3, mode="thread", timeout=60)
+    assert all(r["ok"] for r in res)
+    assert res[0]["wrong_secret"].startswith("auth:"), res[0]
+    assert res[0]["duplicate"].startswith("auth:") and "duplicate" in res[0]["duplicate"]
+    assert res[1]["rejected"] >= 5, res[1]
+
+
+def test_store_rejects_wrong_secret():
+    from ringlet.store import Store
+
+    with StoreServer("127.0.0.1", 0, secret=b"a" * 32) as server:
+        with pytest.raises(AuthenticationError):
+            Store("127.0.0.1", server.port, secret=b"b" * 32, timeout=5)
+
+
+# ---- async failure surfaces on wait -------------------------------------------
+def _async_fail(rank, P):
+    w = ringlet.all_reduce(np.ones(5 + rank, np.float32), async_op=True, timeout=20)
+    try:
+        w.wait()
+    except DesyncError:
+        return isinstance(w.exception(), DesyncError) and w.is_completed()
+    return False
+
+
+def test_async_error_reraised_by_wait():
+    assert all(run_world(_async_fail, 2, mode="thread", timeout=60))
