@@ -63,6 +63,7 @@ class World:
         self._watch_stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
         self._store_args: Optional[tuple] = None
+        self._watch_store = None
         self._failed = False
         self._closed = False
 
@@ -102,31 +103,20 @@ class World:
             if g._failure is None and not g._closed:
                 g._cancel(status, reason)
 
-    def _watch(self) -> None:
-        from .store import Store
-
-        try:
-            host, port, secret = self._store_args
-            store = Store(host, port, secret=secret, timeout=self.timeout)
-        except (RingletError, OSError):
-            return
+    def _watch(self, store) -> None:
         try:
             while not self._watch_stop.is_set():
                 try:
-                    raw = store.get("ringlet/abort", timeout=1.0)
-                except RendezvousError as exc:
+                    # Blocks until some rank publishes a failure, or until close()
+                    # closes this connection from the main thread.
+                    raw = store.get("ringlet/abort", timeout=3600.0)
+                except (RendezvousError, OSError) as exc:
                     if self._watch_stop.is_set():
                         return
-                    if "timed out" in str(exc) or "waited" in str(exc):
+                    if "timed out" in str(exc):
                         continue
                     self._cancel_all(_core.STATUS["PEER_CLOSED"],
-                                     f"lost the rendezvous store ({exc}); the rank or launcher "
-                                     f"hosting it exited")
-                    return
-                except OSError as exc:
-                    if not self._watch_stop.is_set():
-                        self._cancel_all(_core.STATUS["PEER_CLOSED"],
-                                         f"lost the rendezvous store ({exc})")
+                                     f"lost the rendezvous store ({exc})")
                     return
                 rec = json.loads(raw.decode())
                 if rec.get("rank") != self.rank:
@@ -135,16 +125,17 @@ class World:
                                      f"rank {rec['rank']} failed: {rec['message']}")
                 return
         finally:
-            try:
-                store.close()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+            store.close()
 
     def start_watcher(self) -> None:
         if self.size == 1 or self._store_args is None:
             return
-        self._watcher = threading.Thread(target=self._watch, name=f"ringlet-watch{self.rank}",
-                                         daemon=True)
+        from .store import Store
+
+        host, port, secret = self._store_args
+        self._watch_store = Store(host, port, secret=secret, timeout=self.timeout)
+        self._watcher = threading.Thread(target=self._watch, args=(self._watch_store,),
+                                         name=f"ringlet-watch{self.rank}", daemon=True)
         self._watcher.start()
 
     # ---- teardown ------------------------------------------------------------
@@ -155,6 +146,8 @@ class World:
         for g in list(self._groups):
             g._drain(min(self.timeout, 30.0))
         self._watch_stop.set()
+        if self._watch_store is not None:
+            self._watch_store.close()  # wakes the watcher's blocked get
         if self.store is not None:
             try:
                 # Check out; the rank serving the store keeps it up until every
@@ -206,6 +199,25 @@ def _require(group: Optional[ProcessGroup]) -> ProcessGroup:
 def is_initialized() -> bool:
     """True when this rank has called ``ringlet.init()`` (and not ``shutdown()``)."""
     return _current() is not None
+
+
+_TUNING_ENV = {"RINGLET_SEGMENT_BYTES": "segment_bytes",
+               "RINGLET_ALLREDUCE_SMALL_BYTES": "allreduce_small_bytes",
+               "RINGLET_BCAST_SMALL_BYTES": "bcast_small_bytes",
+               "RINGLET_REDUCE_SMALL_BYTES": "reduce_small_bytes",
+               "RINGLET_SPIN_US": "spin_us", "RINGLET_SOCKBUF_BYTES": "sockbuf_bytes"}
+
+
+def _apply_tuning_env() -> None:
+    knobs = {}
+    for var, knob in _TUNING_ENV.items():
+        if var in os.environ:
+            try:
+                knobs[knob] = int(os.environ[var])
+            except ValueError:
+                raise ValueError(f"{var} must be an integer, got {os.environ[var]!r}") from None
+    if knobs:
+        _core.set_tuning(**knobs)
 
 
 def _secret_from(arg) -> Optional[bytes]:
@@ -274,6 +286,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
             or world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank {rank!r} for world_size {world_size!r}")
 
+    _apply_tuning_env()
     secret_b = _secret_from(secret)
     server = None
     if world_size > 1 and not master_addr and source in ("openmpi", "mpich", "slurm"):

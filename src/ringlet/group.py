@@ -59,7 +59,7 @@ class ProcessGroup:
         self.size = len(self.ranks)
         self.timeout = timeout
         self._coll = coll
-        self._p2p = p2p
+        self._p2pc = p2p
         self._failure: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._exec = SerialExecutor(f"ringlet-group{comm_id}")
@@ -312,7 +312,7 @@ class ProcessGroup:
     def _p2p(self, kind: str, a, code, peer, tag, timeout, async_op) -> Any:
         self._usable()
         ms = self._ms(timeout)
-        comm = self._p2p
+        comm = self._p2pc
         fn = (lambda: comm.send(a, code, peer, tag, ms)) if kind == "send" else \
              (lambda: comm.recv(a, code, peer, tag, ms))
         ex = self._p2p_executor(kind, peer)
@@ -389,7 +389,7 @@ class ProcessGroup:
             ex.drain(timeout)
 
     def _cancel(self, status: int, reason: str) -> None:
-        for comm in (self._coll, self._p2p):
+        for comm in (self._coll, self._p2pc):
             if comm is not None:
                 try:
                     comm.cancel(status, reason)
@@ -401,9 +401,9 @@ class ProcessGroup:
         self._exec.close()
         for ex in self._p2p_exec.values():
             ex.close()
-        for comm in (self._coll, self._p2p):
+        for comm in (self._coll, self._p2pc):
             if comm is not None:
                 comm.close()
-        self._coll = self._p2p = None
+        self._coll = self._p2pc = None
 
 

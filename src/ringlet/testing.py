@@ -163,23 +163,24 @@ def _run_processes(fn, n, timeout, args, kwargs, cfg):
         ready = mp.connection.wait([pipes[r] for r in pending] + [procs[r].sentinel for r in pending],
                                    timeout=max(0.0, deadline - time.monotonic()))
         for r in list(pending):
-            if pipes[r] in ready or procs[r].sentinel in ready:
-                if pipes[r].poll():
-                    try:
-                        kind, val = pipes[r].recv()
-                    except EOFError:
-                        continue
-                    if kind == "ok":
-                        results[r] = val
-                    else:
-                        failures[r] = val
-                    pending.discard(r)
-                elif not procs[r].is_alive():
-                    procs[r].join()
-                    code = procs[r].exitcode
-                    failures[r] = (f"process exited with code {code}" if code is None or code >= 0
-                                   else f"process killed by signal {-code}")
-                    pending.discard(r)
+            if pipes[r] not in ready and procs[r].sentinel not in ready:
+                continue
+            msg = None
+            if pipes[r].poll():
+                try:
+                    msg = pipes[r].recv()
+                except EOFError:  # died without reporting
+                    msg = None
+            if msg is not None:
+                kind, val = msg
+                (results if kind == "ok" else failures)[r] = val
+                pending.discard(r)
+            elif not procs[r].is_alive() or pipes[r].poll():
+                procs[r].join(5.0)
+                code = procs[r].exitcode
+                failures[r] = (f"process exited with code {code} without a result"
+                               if code is None or code >= 0 else f"process killed by signal {-code}")
+                pending.discard(r)
     for r in pending:
         failures[r] = f"still running after the {timeout}s run_world deadline (killed)"
     for p in procs:

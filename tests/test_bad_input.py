@@ -1,0 +1,94 @@
+"""Bad arguments are refused before any byte is sent, with a message naming the problem."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import ReduceOp
+from ringlet.testing import run_world
+
+
+def _cases(rank, P):
+    """Run every bad call on both ranks; afterwards the group must still work."""
+    f = np.zeros(8, np.float32)
+    results = []
+
+    def expect(exc_type, words, fn):
+        try:
+            fn()
+        except exc_type as exc:
+            msg = str(exc)
+            missing = [w for w in words if w not in msg]
+            results.append((exc_type.__name__, msg, missing))
+        except Exception as exc:  # noqa: BLE001
+            results.append(("WRONG " + type(exc).__name__, str(exc), words))
+        else:
+            results.append(("NO ERROR", "", words))
+
+    expect(ValueError, ["C-contiguous"], lambda: ringlet.all_reduce(np.zeros((4, 4), np.float32)[:, 0]))
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    expect(ValueError, ["read-only"], lambda: ringlet.all_reduce(ro))
+    expect(TypeError, ["complex64", "supported"], lambda: ringlet.all_reduce(np.zeros(4, np.complex64)))
+    expect(TypeError, ["object"], lambda: ringlet.broadcast(np.array([None, 1], dtype=object)))
+    expect(TypeError, ["numpy.ndarray", "list"], lambda: ringlet.all_reduce([1.0, 2.0]))
+    expect(ValueError, ["BXOR", "float32"], lambda: ringlet.all_reduce(f, ReduceOp.BXOR))
+    expect(ValueError, ["AVG", "int32"], lambda: ringlet.all_reduce(np.zeros(3, np.int32), ReduceOp.AVG))
+    expect(ValueError, ["unknown reduction op"], lambda: ringlet.all_reduce(f, 99))
+    expect(ValueError, ["src=5", "size 2"], lambda: ringlet.broadcast(f, src=5))
+    expect(ValueError, ["dst=-1"], lambda: ringlet.reduce(f, dst=-1))
+    expect(TypeError, ["src", "int"], lambda: ringlet.broadcast(f, src="0"))
+    expect(ValueError, ["all_gather", "16"], lambda: ringlet.all_gather(np.zeros(9, np.float32), f))
+    expect(TypeError, ["all_gather", "dtype"], lambda: ringlet.all_gather(np.zeros(16, np.float64), f))
+    expect(ValueError, ["reduce_scatter", "16"], lambda: ringlet.reduce_scatter(f, np.zeros(9, np.float32)))
+    expect(ValueError, ["overlap"], lambda: ringlet.reduce_scatter(f[:4], f))
+    expect(ValueError, ["all_to_all", "divisible"], lambda: ringlet.all_to_all(np.zeros(3, np.float32), np.zeros(3, np.float32)))
+    expect(ValueError, ["input_counts", "entries"], lambda: ringlet.all_to_all_v(f, [4, 4], f, [8]))
+    expect(ValueError, ["negative"], lambda: ringlet.all_to_all_v(f, [4, 4], f, [-1, 9]))
+    expect(ValueError, ["gather", "output"], lambda: ringlet.gather(None, f, dst=rank))
+    expect(ValueError, ["scatter", "input"], lambda: ringlet.scatter(f, None, src=rank))
+    expect(ValueError, ["this rank"], lambda: ringlet.send(f, rank))
+    expect(ValueError, ["tag"], lambda: ringlet.send(f, 1 - rank, tag=-3))
+    expect(ValueError, ["tag"], lambda: ringlet.recv(f, 1 - rank, tag=2**32))
+    expect(ValueError, ["timeout"], lambda: ringlet.all_reduce(f, timeout=0))
+    expect(ValueError, ["not in the parent"], lambda: ringlet.new_group([0, 7]))
+    expect(ValueError, ["duplicate"], lambda: ringlet.new_group([0, 0]))
+    # nothing was sent: the group still works
+    x = np.ones(4, np.float32)
+    ringlet.all_reduce(x)
+    return results, bool(np.all(x == P))
+
+
+def test_bad_input_is_refused_with_clear_messages():
+    res = run_world(_cases, 2, mode="thread", timeout=60)
+    for results, ok in res:
+        assert ok
+        for kind, msg, missing in results:
+            assert not kind.startswith(("WRONG", "NO ERROR")), (kind, msg, missing)
+            assert not missing, f"{kind}: message {msg!r} lacks {missing}"
+
+
+def test_not_initialized():
+    with pytest.raises(RuntimeError, match="init"):
+        ringlet.all_reduce(np.zeros(2, np.float32))
+
+
+def test_world_of_one_without_configuration(monkeypatch):
+    for var in ("RINGLET_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID",
+                "WORLD_SIZE", "RINGLET_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    g = ringlet.init()
+    try:
+        assert (ringlet.get_rank(), ringlet.get_world_size()) == (0, 1)
+        x = np.arange(5, dtype=np.float32)
+        ringlet.all_reduce(x, ReduceOp.AVG)
+        out = np.empty(5, np.float32)
+        ringlet.all_gather(out, x)
+        assert np.array_equal(x, np.arange(5)) and np.array_equal(out, x)
+        assert g.broadcast_object({"a": 1}) == {"a": 1}
+    finally:
+        ringlet.shutdown()
+    assert not ringlet.is_initialized()

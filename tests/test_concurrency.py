@@ -1,0 +1,86 @@
+"""Several async operations in flight, on one group and on two groups at once."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import ringlet
+from ringlet import ReduceOp
+from ringlet.testing import run_world
+
+
+def _many_async(rank, P):
+    sizes = [1, 1000, 100_003, 7, 300_000]
+    arrs = [np.full(n, rank + i, np.float32) for i, n in enumerate(sizes)]
+    works = [ringlet.all_reduce(a, async_op=True) for a in arrs]
+    out = np.empty(P * 10, np.int64)
+    works.append(ringlet.all_gather(out, np.full(10, rank, np.int64), async_op=True))
+    b = np.full(50_000, rank, np.float64)
+    works.append(ringlet.broadcast(b, src=P - 1, async_op=True))
+    ringlet.barrier()  # a sync op issued behind the async ones runs after them
+    assert all(w.is_completed() for w in works)
+    for w in works:
+        w.wait(timeout=30)
+    ok = all(np.all(a == sum(r + i for r in range(P))) for i, a in enumerate(arrs))
+    ok &= bool(np.array_equal(out, np.repeat(np.arange(P), 10)))
+    ok &= bool(np.all(b == P - 1))
+    return ok
+
+
+def test_many_async_ops_one_group():
+    assert all(run_world(_many_async, 4, mode="thread", timeout=120))
+
+
+def _two_groups(rank, P):
+    evens = ringlet.new_group([r for r in range(P) if r % 2 == 0])
+    odds = ringlet.new_group([r for r in range(P) if r % 2 == 1])
+    mine = evens if rank % 2 == 0 else odds
+    x = np.full(200_001, rank, np.float32)
+    y = np.full(1000, rank, np.int32)
+    w1 = ringlet.all_reduce(x, async_op=True, group=mine)
+    w2 = ringlet.all_reduce(y, ReduceOp.MAX, async_op=True)  # world, at the same time
+    z = np.full(77, rank, np.float64)
+    w3 = mine.all_reduce(z, async_op=True)
+    for w in (w1, w2, w3):
+        w.wait()
+    members = mine.ranks
+    return (bool(np.all(x == sum(members))) and bool(np.all(y == P - 1))
+            and bool(np.all(z == sum(members))) and mine.size == len(members)
+            and (evens.rank == -1) == (rank % 2 == 1))
+
+
+def test_async_on_two_groups_at_once():
+    assert all(run_world(_two_groups, 4, mode="thread", timeout=120))
+
+
+def _p2p_exchange(rank, P):
+    # Both sides send a large message before receiving: isend/irecv must not deadlock.
+    peer = 1 - rank
+    big = np.full(8 << 20, rank, np.uint8)
+    got = np.empty_like(big)
+    ws = ringlet.isend(big, peer, tag=5)
+    wr = ringlet.irecv(got, peer, tag=5)
+    ws.wait()
+    wr.wait()
+    return bool(np.all(got == peer))
+
+
+def test_isend_irecv_exchange_of_large_messages():
+    assert all(run_world(_p2p_exchange, 2, mode="thread", timeout=60))
+
+
+def _gil_free(rank, P):
+    # Thread mode itself proves it: n ranks in one process only progress together if
+    # every blocking call releases the GIL.  Also check Python runs during an async op.
+    x = np.ones(4 << 20, np.float32)
+    w = ringlet.all_reduce(x, async_op=True)
+    spins = 0
+    while not w.is_completed():
+        spins += 1
+    w.wait()
+    return spins
+
+
+def test_python_runs_while_async_op_is_in_flight():
+    spins = run_world(_gil_free, 2, mode="thread", timeout=60)
+    assert max(spins) > 0
