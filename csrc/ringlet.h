@@ -83,17 +83,20 @@ typedef struct {
 size_t rl_dtype_size(rl_dtype dt);
 const char *rl_dtype_name(rl_dtype dt);
 const char *rl_op_name(rl_redop op);
+/* Name of a frame op code (transport.c). */
 const char *rl_opcode_name(int opcode);
 /* 1 when op is defined for dt (bitwise ops: integers and bool only). */
 int rl_op_valid(rl_dtype dt, rl_redop op);
 /* dst[i] = a[i] op b[i] for i < n.  dst may alias a or b.  AVG reduces as SUM
  * (the caller scales once at the end).  float16 / bfloat16 are computed in
- * float32 and rounded to nearest-even once per call. */
+ * float32 and rounded to nearest-even once per element.  An invalid (dt, op)
+ * pair does nothing. */
 void rl_reduce_kernel(void *dst, const void *a, const void *b, size_t n,
                       rl_dtype dt, rl_redop op);
 /* buf[i] *= factor for floating types (used to finish AVG). */
 void rl_scale_kernel(void *buf, size_t n, rl_dtype dt, double factor);
-/* Names of the SIMD paths the running CPU selected, e.g. "avx2". */
+/* Names of the SIMD paths the running CPU selected: "avx2,f16c" or
+ * "baseline" (RINGLET_SIMD=baseline forces the portable path). */
 const char *rl_simd_info(void);
 
 /* ---- SHA-256 / HMAC (sha256.c) --------------------------------------- */
@@ -102,7 +105,8 @@ void rl_hmac_sha256(const uint8_t *key, size_t keylen,
                     const void *msg, size_t len, uint8_t out[32]);
 /* Constant-time comparison: 1 when equal. */
 int rl_ct_equal(const void *a, const void *b, size_t n);
-/* Fill buf with n bytes from the OS CSPRNG (getrandom). 0 on success. */
+/* Fill buf with n bytes from the OS CSPRNG (getrandom). 0 on success, -1
+ * with errno set on failure. */
 int rl_random_bytes(void *buf, size_t n);
 
 /* ---- tuning (process-wide; set before creating communicators) ------- */

@@ -162,7 +162,7 @@ int rl_fail(rl_comm *c, const rl_opdesc *op, int status, int peer,
             int sys_errno, const char *fmt, ...) {
     pthread_mutex_lock(&c->err_lock);
     if (!c->poisoned) {
-        char detail[RL_ERRMSG_MAX];
+        char detail[RL_ERRMSG_MAX / 2];
         va_list ap;
         va_start(ap, fmt);
         vsnprintf(detail, sizeof detail, fmt, ap);
@@ -176,11 +176,11 @@ int rl_fail(rl_comm *c, const rl_opdesc *op, int status, int peer,
         }
         if (op)
             snprintf(c->err.msg, sizeof c->err.msg,
-                     "rank %d: %s seq=%llu%s after %.3fs: %s", c->rank,
+                     "rank %d: %s seq=%llu%.128s after %.3fs: %.380s", c->rank,
                      rl_opcode_name(op->opcode), (unsigned long long)op->seq,
                      peerbuf, waited, detail);
         else
-            snprintf(c->err.msg, sizeof c->err.msg, "rank %d:%s %s", c->rank,
+            snprintf(c->err.msg, sizeof c->err.msg, "rank %d:%.128s %.380s", c->rank,
                      peerbuf, detail);
         c->err.status = status;
         c->err.peer = peer;
@@ -220,8 +220,9 @@ int rl_end_op(rl_comm *c, int status) {
 void rl_comm_abort(rl_comm *c, int status, const char *reason) {
     if (reason) rl_fail(c, NULL, status ? status : RL_ERR_ABORTED, -1, 0, "%s", reason);
     char msg[RL_ABORT_REASON_MAX];
-    snprintf(msg, sizeof msg, "%s", c->err.msg);
-    size_t mlen = strlen(msg);
+    size_t mlen = strnlen(c->err.msg, sizeof msg - 1);
+    memcpy(msg, c->err.msg, mlen);
+    msg[mlen] = 0;
     for (int p = 0; p < c->size; p++) {
         int fd = c->fds[p];
         if (fd < 0) continue;

@@ -253,3 +253,28 @@ def _async_fail(rank, P):
 
 def test_async_error_reraised_by_wait():
     assert all(run_world(_async_fail, 2, mode="thread", timeout=60))
+
+
+# ---- Ctrl-C ----------------------------------------------------------------------
+def _interrupt(rank, P):
+    if rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            ringlet.recv(np.empty(4, np.float32), 1, timeout=60)  # nobody sends
+        except KeyboardInterrupt:
+            return ("interrupted", time.monotonic() - t0)
+        return ("not interrupted", time.monotonic() - t0)
+    t0 = time.monotonic()
+    try:
+        ringlet.barrier(timeout=60)
+    except ringlet.RingletError as exc:
+        return (type(exc).__name__, time.monotonic() - t0)
+    return ("completed", time.monotonic() - t0)
+
+
+def test_ctrl_c_interrupts_a_blocked_call_and_tells_the_peers():
+    res = run_world(_interrupt, 2, mode="process", timeout=60)
+    kind, took = res[0]
+    assert kind == "interrupted" and took < 5, res
+    assert res[1][0] != "completed" and res[1][1] < 10, res

@@ -8,12 +8,18 @@ group, async execution) lives in the Python modules; what is checked here is
 only what keeps C memory-safe.
 """
 cimport numpy as cnp
-from cpython.exc cimport PyErr_CheckSignals, PyErr_Occurred
+from cpython.exc cimport PyErr_Occurred
 from libc.stdint cimport int64_t, uint8_t, uint32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from ringlet._core cimport *
+
+cdef extern from "Python.h":
+    # Declared without an exception value on purpose: the hook must leave the
+    # signal handler's exception (KeyboardInterrupt) set for _check to re-raise,
+    # not have Cython report and clear it inside a noexcept function.
+    int _check_signals_raw "PyErr_CheckSignals" ()
 
 cdef extern from *:
     # Set by setup.py (-DRL_BUILD_FLAGS=...) and by the compiler.
@@ -59,7 +65,7 @@ cdef int _interrupt_hook() noexcept nogil:
     # exception set and makes C return RL_ERR_INTERRUPTED, which _check then
     # re-raises.  Other threads never see signals, so this is cheap there.
     with gil:
-        return 1 if PyErr_CheckSignals() != 0 else 0
+        return 1 if _check_signals_raw() != 0 else 0
 
 
 rl_set_interrupt_hook(_interrupt_hook)
