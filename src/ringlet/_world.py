@@ -113,8 +113,8 @@ class World:
                 except (RendezvousError, OSError) as exc:
                     if self._watch_stop.is_set():
                         return
-                    if "timed out" in str(exc):
-                        continue
+                    if getattr(exc, "waited", None) is not None:
+                        continue  # the get timed out: keep watching
                     self._cancel_all(_core.STATUS["PEER_CLOSED"],
                                      f"lost the rendezvous store ({exc})")
                     return

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
-from . import _objser
 from ._dtypes import ReduceOp, check_op, dtype_code
 from .errors import GroupPoisonedError, RingletError
 from .work import SerialExecutor, Work, completed_work
@@ -39,6 +38,19 @@ def _array(x: Any, what: str, *, writable: bool) -> np.ndarray:
         raise ValueError(f"{what} is read-only; ringlet writes the result into it")
     dtype_code(x.dtype, what)
     return x
+
+
+def _dumps(obj: Any) -> bytes:
+    # The RPC wire format: bounded, documented in docs/rpc.md, never pickle.
+    from .rpc.serialization import dumps
+
+    return dumps(obj)
+
+
+def _loads(data: bytes) -> Any:
+    from .rpc.serialization import loads
+
+    return loads(data)
 
 
 class ProcessGroup:
@@ -352,12 +364,13 @@ class ProcessGroup:
                          timeout: Optional[float] = None) -> Any:
         """Send a small Python object from ``src`` to every rank; returns it everywhere.
 
-        Objects travel in ringlet's bounded binary format (no pickle): None, bool,
-        int, float, str, bytes, list, tuple, dict and numpy arrays.
+        Objects travel in ringlet's bounded binary format (no pickle; see
+        docs/rpc.md): None, bool, int, float, str, bytes, list, tuple, dict and
+        numpy arrays.
         """
         src = self._peer(src, "src")
         if self.rank == src:
-            payload = np.frombuffer(_objser.dumps(obj), dtype=np.uint8)
+            payload = np.frombuffer(_dumps(obj), dtype=np.uint8)
             n = np.array([payload.size], dtype=np.int64)
         else:
             n = np.zeros(1, dtype=np.int64)
@@ -367,11 +380,11 @@ class ProcessGroup:
         else:
             payload = payload.copy()
         self.broadcast(payload, src, timeout=timeout)
-        return obj if self.rank == src else _objser.loads(payload.tobytes())
+        return obj if self.rank == src else _loads(payload.tobytes())
 
     def all_gather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
         """Gather a small Python object from every rank; returns the list in rank order."""
-        mine = np.frombuffer(_objser.dumps(obj), dtype=np.uint8)
+        mine = np.frombuffer(_dumps(obj), dtype=np.uint8)
         sizes = np.zeros(self.size, dtype=np.int64)
         self.all_gather(sizes, np.array([mine.size], dtype=np.int64), timeout=timeout)
         width = int(sizes.max()) if self.size else 0
@@ -379,7 +392,7 @@ class ProcessGroup:
         padded[: mine.size] = mine
         out = np.empty(width * self.size, dtype=np.uint8)
         self.all_gather(out, padded, timeout=timeout)
-        return [_objser.loads(out[r * width: r * width + int(sizes[r])].tobytes())
+        return [_loads(out[r * width: r * width + int(sizes[r])].tobytes())
                 for r in range(self.size)]
 
     # ---- lifecycle -----------------------------------------------------------

@@ -1,0 +1,623 @@
+"""Where am I in the job?  Launcher detection, network interface choice, the job secret.
+
+``detect()`` reads rank, world size and the rendezvous address from whichever
+launcher started this process, in this order (the first that is present wins):
+
+==========  ==============================================  ===========================
+source      rank / world size / local rank / local size     rendezvous address
+==========  ==============================================  ===========================
+ringlet     RINGLET_RANK, RINGLET_WORLD_SIZE,               RINGLET_MASTER_ADDR/_PORT
+            RINGLET_LOCAL_RANK, RINGLET_LOCAL_WORLD_SIZE
+torchrun    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE  MASTER_ADDR/MASTER_PORT
+openmpi     OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK,       none: bootstrap via mpi4py
+            _LOCAL_SIZE
+mpich       PMI_RANK, PMI_SIZE, MPI_LOCALRANKID,            none: bootstrap via mpi4py
+            MPI_LOCALNRANKS
+slurm       SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,      first node of SLURM_STEP_NODELIST
+            tasks on this node from                         (or SLURM_JOB_NODELIST); port
+            SLURM_STEP_TASKS_PER_NODE + SLURM_NODEID        20000 + SLURM_JOB_ID % 20000
+==========  ==============================================  ===========================
+
+For every source, RINGLET_MASTER_ADDR / RINGLET_MASTER_PORT, then MASTER_ADDR /
+MASTER_PORT, override the address when set.  Missing local rank / size fall
+back to the global ones (one host).
+
+Slurm's port rule gives every job its own port in [20000, 40000) without any
+coordination; two jobs sharing the first node collide only when their ids are
+congruent mod 20000.  Set RINGLET_MASTER_PORT to override it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import secrets
+import socket
+import stat
+import struct
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
+
+from .errors import RendezvousError
+
+if TYPE_CHECKING:
+    from .store import StoreServer
+
+__all__ = ["LaunchEnv", "detect", "is_loopback", "select_bind_address", "list_interfaces",
+           "parse_nodelist", "load_secret", "mpi_bootstrap", "MIN_SECRET_BYTES"]
+
+MIN_SECRET_BYTES = 16
+SOURCES = ("ringlet", "torchrun", "openmpi", "mpich", "slurm")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """This process's place in the job, as its launcher described it.
+
+    Attributes:
+        rank, world_size: global rank and number of ranks.
+        local_rank, local_world_size: rank among the ranks on this host, and
+            their number.
+        master_addr, master_port: where the rendezvous store is served; None
+            under MPI without an explicit address (``init`` then bootstraps
+            through mpi4py).
+        source: "ringlet", "torchrun", "openmpi", "mpich" or "slurm".
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: Optional[str]
+    master_port: Optional[int]
+    source: str
+
+
+# ---- detection ----------------------------------------------------------------------------
+def _get(env: Mapping[str, str], name: str) -> Optional[str]:
+    v = env.get(name)
+    if v is None:
+        return None
+    v = v.strip()
+    return v or None
+
+
+def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> Optional[int]:
+    v = _get(env, name)
+    if v is None:
+        return None
+    try:
+        n = int(v, 10)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
+    if n < minimum:
+        raise ValueError(f"environment variable {name}={n} must be >= {minimum}")
+    return n
+
+
+def _first_int(env: Mapping[str, str], names: Tuple[str, ...], minimum: int = 0
+               ) -> Tuple[Optional[int], Optional[str]]:
+    for name in names:
+        n = _int(env, name, minimum=minimum)
+        if n is not None:
+            return n, name
+    return None, None
+
+
+def _port(env: Mapping[str, str]) -> Tuple[Optional[int], Optional[str]]:
+    for name in ("RINGLET_MASTER_PORT", "MASTER_PORT"):
+        p = _int(env, name, minimum=1)
+        if p is not None:
+            if p > 65535:
+                raise ValueError(f"environment variable {name}={p} is not a TCP port (1..65535)")
+            return p, name
+    return None, None
+
+
+def _addr(env: Mapping[str, str]) -> Optional[str]:
+    return _get(env, "RINGLET_MASTER_ADDR") or _get(env, "MASTER_ADDR")
+
+
+def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
+    """Work out rank, world size and rendezvous address from the launcher's variables.
+
+    Args:
+        environ: the environment to read (default: ``os.environ``).
+    Returns:
+        A ``LaunchEnv``, or None when no launcher variables are set (a
+        stand-alone process).
+    Raises:
+        ValueError: a variable is malformed (not an integer, rank >= world
+            size, only one of a rank/size pair set); the message names it.
+        RendezvousError: Slurm's first node name does not resolve.
+
+    Example::
+
+        env = detect()
+        if env is not None:
+            print(env.source, env.rank, env.world_size)
+    """
+    env = os.environ if environ is None else environ
+    for source, rank_var, size_var, lrank_vars, lsize_vars in (
+            ("ringlet", "RINGLET_RANK", "RINGLET_WORLD_SIZE", ("RINGLET_LOCAL_RANK",),
+             ("RINGLET_LOCAL_WORLD_SIZE",)),
+            ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
+            ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+             ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+            ("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID",), ("MPI_LOCALNRANKS",)),
+            ("slurm", "SLURM_PROCID", None, ("SLURM_LOCALID",), ())):
+        if source == "slurm":
+            if _get(env, rank_var) is None:
+                continue
+            size, size_var = _first_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
+                                              "SLURM_NPROCS"), minimum=1)
+            if size is None:
+                raise ValueError("SLURM_PROCID is set but none of SLURM_STEP_NUM_TASKS, "
+                                 "SLURM_NTASKS, SLURM_NPROCS is")
+        else:
+            has_rank, has_size = _get(env, rank_var) is not None, _get(env, size_var) is not None
+            if not has_rank and not has_size:
+                continue
+            if not (has_rank and has_size):
+                missing = size_var if has_rank else rank_var
+                present = rank_var if has_rank else size_var
+                raise ValueError(f"{present} is set but {missing} is not; a {source} launch "
+                                 f"sets both")
+            size = _int(env, size_var, minimum=1)
+        rank = _int(env, rank_var)
+        if rank >= size:
+            raise ValueError(f"{rank_var}={rank} is not below {size_var}={size}")
+        lrank, lrank_var = _first_int(env, lrank_vars)
+        if source == "slurm":
+            lsize, lsize_var = _slurm_local_size(env)
+        else:
+            lsize, lsize_var = _first_int(env, lsize_vars, minimum=1)
+        if lrank is None:
+            lrank, lrank_var = rank, rank_var
+        if lsize is None:
+            lsize, lsize_var = size, size_var
+        if lrank >= lsize:
+            raise ValueError(f"{lrank_var}={lrank} is not below {lsize_var}={lsize}")
+        addr = _addr(env)
+        port, _ = _port(env)
+        if source == "slurm":
+            if addr is None:
+                addr = _slurm_master(env)
+            if port is None:
+                job, _ = _first_int(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
+                if job is not None:
+                    port = 20000 + job % 20000
+        return LaunchEnv(rank, size, lrank, lsize, addr, port, source)
+    return None
+
+
+def _slurm_local_size(env: Mapping[str, str]) -> Tuple[Optional[int], Optional[str]]:
+    for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        spec = _get(env, var)
+        if spec is None:
+            continue
+        counts = _parse_tasks_per_node(spec, var)
+        node = _int(env, "SLURM_NODEID") or 0
+        if node >= len(counts):
+            raise ValueError(f"SLURM_NODEID={node} is out of range for {var}={spec!r}")
+        return counts[node], var
+    return _first_int(env, ("SLURM_NTASKS_PER_NODE",), minimum=1)
+
+
+def _parse_tasks_per_node(spec: str, var: str) -> List[int]:
+    """``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    out: List[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"{var}={spec!r} is not a Slurm tasks-per-node list "
+                             f"(like '2(x3),1')")
+        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return out
+
+
+def _slurm_master(env: Mapping[str, str]) -> Optional[str]:
+    for var in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        spec = _get(env, var)
+        if spec is None:
+            continue
+        hosts = parse_nodelist(spec, var)
+        if not hosts:
+            raise ValueError(f"{var}={spec!r} names no hosts")
+        host = hosts[0]
+        try:
+            infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise RendezvousError(f"Slurm's first node {host!r} (from {var}) does not resolve: "
+                                  f"{exc}; set RINGLET_MASTER_ADDR") from None
+        # Prefer IPv4: it is what interface selection (SIOCGIFADDR) reports.
+        infos.sort(key=lambda i: i[0] != socket.AF_INET)
+        return infos[0][4][0]
+    return None
+
+
+def parse_nodelist(spec: str, var: str = "nodelist") -> List[str]:
+    """Expand a Slurm host list: ``"node[01-03,07],gpu5"`` -> node01 node02 node03 node07 gpu5.
+
+    Ranges keep the zero padding of their first bound; several bracket groups
+    in one name expand as a product (``"r[1-2]n[1-2]"`` -> r1n1 r1n2 r2n1 r2n2).
+
+    Raises:
+        ValueError: unbalanced brackets or a bad range (the message names ``var``).
+    """
+    hosts: List[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(spec + ","):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError(f"{var}={spec!r}: nested brackets")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"{var}={spec!r}: unbalanced ']'")
+        elif ch == "," and depth == 0:
+            item = spec[start:i].strip()
+            if item:
+                hosts.extend(_expand_host(item, spec, var))
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"{var}={spec!r}: unbalanced '['")
+    return hosts
+
+
+def _expand_host(item: str, spec: str, var: str) -> List[str]:
+    lb = item.find("[")
+    if lb < 0:
+        return [item]
+    rb = item.index("]", lb)
+    prefix, body, rest = item[:lb], item[lb + 1:rb], item[rb + 1:]
+    values: List[str] = []
+    for part in body.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"{var}={spec!r}: bad range {part!r} in [{body}]")
+        lo, hi = m.group(1), m.group(2)
+        if hi is None:
+            values.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"{var}={spec!r}: range {part!r} runs backwards")
+        if int(hi) - int(lo) > 100000:
+            raise ValueError(f"{var}={spec!r}: range {part!r} is implausibly large")
+        width = len(lo)
+        values.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    tails = _expand_host(rest, spec, var) if rest else [""]
+    return [prefix + v + t for v in values for t in tails]
+
+
+# ---- addresses ------------------------------------------------------------------------------
+def is_loopback(host: Optional[str]) -> bool:
+    """True when ``host`` names this machine's loopback (127.0.0.0/8, ::1, "localhost").
+
+    Hostnames are resolved; a name that does not resolve is not loopback.
+
+    Example::
+
+        is_loopback("127.0.0.1")   # True
+        is_loopback("10.0.0.5")    # False
+    """
+    if not host:
+        return False
+    h = host.strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(h.split("%", 1)[0])
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(h, None, 0, socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            return False
+        return bool(infos) and all(is_loopback(i[4][0]) for i in infos)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def list_interfaces() -> List[Tuple[str, str]]:
+    """``(name, IPv4 address)`` of every interface that has one, in kernel order (Linux).
+
+    Raises:
+        RendezvousError: the platform cannot list interface addresses.
+    """
+    try:
+        import fcntl
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError, AttributeError) as exc:
+        raise RendezvousError(f"cannot list network interfaces on this platform ({exc}); "
+                              f"pass bind_addr= or unset RINGLET_IFNAME") from None
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)
+            except OSError:
+                continue  # no IPv4 address on this interface
+            out.append((name, socket.inet_ntoa(res[20:24])))
+    return out
+
+
+def _match_interfaces(spec: str, ifaces: List[Tuple[str, str]]) -> List[Tuple[str, str]]:
+    s = spec.strip()
+    exclude = s.startswith("^")
+    if exclude:
+        s = s[1:]
+    exact = s.startswith("=")
+    if exact:
+        s = s[1:]
+    pats = [p.strip() for p in s.split(",") if p.strip()]
+    if not pats:
+        raise ValueError(f"RINGLET_IFNAME={spec!r} names no interface")
+
+    def hit(name: str) -> bool:
+        return any(name == p if exact else name.startswith(p) for p in pats)
+
+    return [(n, a) for n, a in ifaces if hit(n) != exclude]
+
+
+def select_bind_address(master_addr: Optional[str], ifname: Optional[str] = None) -> str:
+    """Choose the local address this rank listens on.
+
+    With ``ifname`` (the value of RINGLET_IFNAME, NCCL syntax): comma-separated
+    name prefixes ("eth,ib"); a leading "^" excludes them ("^docker,lo"); a
+    leading "=" matches exact names ("=eth0"; "^=" excludes exact names).  The
+    first matching interface with an IPv4 address wins, non-loopback ones
+    first.  Without ``ifname``: "127.0.0.1" when ``master_addr`` is None or
+    loopback, else the local address the kernel routes ``master_addr``
+    through.
+
+    Args:
+        master_addr: the rendezvous host, or None (single host).
+        ifname: interface selection, e.g. ``os.environ.get("RINGLET_IFNAME")``.
+    Returns:
+        An IP address string.
+    Raises:
+        RendezvousError: no interface matches (the message lists those seen),
+            the master is unreachable, or the choice is loopback while
+            ``master_addr`` is not (a multi-host job must never fall back to
+            loopback silently).
+
+    Example::
+
+        host = select_bind_address("10.0.0.1", os.environ.get("RINGLET_IFNAME"))
+    """
+    remote = master_addr is not None and not is_loopback(master_addr)
+    if ifname is not None and ifname.strip():
+        ifaces = list_interfaces()
+        matches = _match_interfaces(ifname, ifaces)
+        if not matches:
+            seen = ", ".join(f"{n}={a}" for n, a in ifaces) or "none with an IPv4 address"
+            raise RendezvousError(f"RINGLET_IFNAME={ifname!r} matches no interface with an "
+                                  f"IPv4 address; interfaces seen: {seen}")
+        matches.sort(key=lambda na: is_loopback(na[1]))  # stable: non-loopback first
+        name, addr = matches[0]
+        if remote and is_loopback(addr):
+            raise RendezvousError(f"RINGLET_IFNAME={ifname!r} selects loopback interface "
+                                  f"{name} ({addr}) but the master {master_addr} is another "
+                                  f"host; choose a routable interface")
+        return addr
+    if not remote:
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(master_addr, 9, 0, socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise RendezvousError(f"master address {master_addr!r} does not resolve: {exc}") from None
+    last: Optional[BaseException] = None
+    for family, stype, proto, _, sockaddr in infos:
+        try:
+            # A UDP connect sends nothing; it only asks the kernel for a route.
+            with socket.socket(family, stype, proto) as s:
+                s.connect(sockaddr)
+                addr = s.getsockname()[0]
+        except OSError as exc:
+            last = exc
+            continue
+        if is_loopback(addr):
+            raise RendezvousError(
+                f"the route to master {master_addr!r} leaves through loopback ({addr}): "
+                f"{master_addr!r} resolves to this host's loopback here but is used as a "
+                f"multi-host address.  Set RINGLET_MASTER_ADDR to a routable IP or set "
+                f"RINGLET_IFNAME")
+        return addr
+    raise RendezvousError(f"no route to master {master_addr!r}: {last}")
+
+
+# ---- the job secret ------------------------------------------------------------------------
+def load_secret(environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
+    """The job secret from RINGLET_SECRET or RINGLET_SECRET_FILE, or None if neither is set.
+
+    RINGLET_SECRET is used as its UTF-8 bytes; RINGLET_SECRET_FILE names a file
+    whose content (surrounding whitespace stripped) is the secret.  Either must
+    give at least 16 bytes.  RINGLET_SECRET wins when both are set.  The secret
+    never appears in any message.
+
+    Raises:
+        ValueError: the secret is shorter than 16 bytes, or the file cannot be read.
+    Warns:
+        UserWarning: the secret file is readable by group or others.
+
+    Example::
+
+        secret = load_secret() or secrets.token_bytes(32)
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("RINGLET_SECRET")
+    if raw:
+        secret = raw.encode("utf-8")
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"RINGLET_SECRET is {len(secret)} bytes; it must be at least "
+                             f"{MIN_SECRET_BYTES} (e.g. `python -c 'import secrets; "
+                             f"print(secrets.token_hex(32))'`)")
+        return secret
+    path = env.get("RINGLET_SECRET_FILE")
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            secret = f.read(1 << 20).strip()
+    except OSError as exc:
+        raise ValueError(f"RINGLET_SECRET_FILE={path!r} cannot be read: "
+                         f"{exc.strerror or exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        warnings.warn(f"RINGLET_SECRET_FILE={path!r} is accessible by group or others (mode "
+                      f"{stat.S_IMODE(mode):o}); restrict it with `chmod 600 {path}`",
+                      UserWarning, stacklevel=2)
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"RINGLET_SECRET_FILE={path!r} holds {len(secret)} bytes; the secret "
+                         f"must be at least {MIN_SECRET_BYTES}")
+    return secret
+
+
+# ---- MPI bootstrap -------------------------------------------------------------------------
+_MPI_MISSING = ("launched under MPI without RINGLET_MASTER_ADDR; install mpi4py (pip install "
+                "mpi4py) or set RINGLET_MASTER_ADDR/RINGLET_MASTER_PORT")
+_NAME_BYTES = 256
+_BCAST_BYTES = 1024
+
+
+def _mpi_wait(req, deadline: float, what: str, rank: int) -> None:
+    # MPI's blocking collectives have no timeout; a non-blocking one polled
+    # against our deadline turns a missing rank into an error, not a hang.
+    pause = 0.0002
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"rank {rank}: MPI bootstrap timed out during {what}: some "
+                                  f"rank never reached ringlet.init()", rank=rank)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+def _routable_address() -> str:
+    """A non-loopback IPv4 address of this host, for a store other hosts must reach."""
+    ifaces = [(n, a) for n, a in list_interfaces() if not is_loopback(a)]
+    if not ifaces:
+        raise RendezvousError("this MPI job spans several hosts but rank 0's host has no "
+                              "non-loopback IPv4 address; set RINGLET_IFNAME or "
+                              "RINGLET_MASTER_ADDR")
+    return ifaces[0][1]
+
+
+def mpi_bootstrap(timeout: float) -> Tuple[int, int, str, int, bytes, Optional["StoreServer"]]:
+    """Start the rendezvous store on rank 0 and share its address over MPI.
+
+    Rank 0 picks an address (RINGLET_IFNAME if set; loopback when every rank
+    runs on its host; else a non-loopback address), serves a ``StoreServer``
+    on an OS-chosen port, takes the secret from ``load_secret()`` or makes a
+    random 32-byte one, and broadcasts ``(address, port, secret)``: MPI is the
+    trusted channel, so the secret never touches the network unauthenticated.
+
+    Args:
+        timeout: seconds to wait for every rank to take part.
+    Returns:
+        ``(rank, size, master_addr, master_port, secret, server)``; ``server``
+        is the ``StoreServer`` on rank 0 (the caller closes it) and None elsewhere.
+    Raises:
+        ImportError: mpi4py is not installed.
+        RendezvousError: a rank did not take part in time, or rank 0 could not
+            start the store (every rank gets the reason).
+
+    Example::
+
+        rank, size, addr, port, secret, server = mpi_bootstrap(60.0)
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(_MPI_MISSING) from exc
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    deadline = time.monotonic() + timeout
+
+    # Which hosts does the job span?  Fixed-size buffers, non-blocking.
+    mine = bytearray(MPI.Get_processor_name().encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0"))
+    names = bytearray(_NAME_BYTES * size)
+    _mpi_wait(comm.Iallgather([mine, MPI.BYTE], [names, MPI.BYTE]), deadline,
+              "the host-name exchange", rank)
+    hosts = {bytes(names[i:i + _NAME_BYTES]) for i in range(0, len(names), _NAME_BYTES)}
+
+    server = None
+    buf = bytearray(_BCAST_BYTES)
+    if rank == 0:
+        try:
+            ifname = os.environ.get("RINGLET_IFNAME")
+            if ifname and ifname.strip():
+                addr = select_bind_address(None, ifname)
+                if len(hosts) > 1 and is_loopback(addr):
+                    raise RendezvousError(f"RINGLET_IFNAME={ifname!r} selects loopback but the "
+                                          f"job spans {len(hosts)} hosts")
+            elif len(hosts) > 1:
+                addr = _routable_address()
+            else:
+                addr = "127.0.0.1"
+            secret = load_secret() or secrets.token_bytes(32)
+            server = _start_server(addr, secret)
+            body = b"\x00" + _pack_bootstrap(addr, server.port, secret)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear why
+            body = b"\x01" + f"{type(exc).__name__}: {exc}".encode()[:_BCAST_BYTES - 1]
+            failure: Optional[BaseException] = exc
+        else:
+            failure = None
+        buf[:len(body)] = body
+    try:
+        _mpi_wait(comm.Ibcast([buf, MPI.BYTE], root=0), deadline, "the store-address broadcast",
+                  rank)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    if rank == 0 and failure is not None:
+        raise failure
+    if buf[0] != 0:
+        msg = bytes(buf[1:]).rstrip(b"\0").decode("utf-8", "replace")
+        raise RendezvousError(f"rank {rank}: rank 0 could not start the rendezvous store: {msg}",
+                              rank=rank, peer=0)
+    addr, port, secret = _unpack_bootstrap(bytes(buf[1:]))
+    return rank, size, addr, port, secret, server
+
+
+def _start_server(addr: str, secret: bytes) -> "StoreServer":
+    from .store import StoreServer
+
+    return StoreServer(addr, 0, secret=secret)
+
+
+def _pack_bootstrap(addr: str, port: int, secret: bytes) -> bytes:
+    a = addr.encode()
+    if len(a) > 255 or len(secret) > 512:
+        raise ValueError("bootstrap address or secret too long")
+    return struct.pack("!BHH", len(a), port, len(secret)) + a + secret
+
+
+def _unpack_bootstrap(data: bytes) -> Tuple[str, int, bytes]:
+    alen, port, slen = struct.unpack_from("!BHH", data, 0)
+    a = data[5:5 + alen].decode()
+    return a, port, data[5 + alen:5 + alen + slen]
+
+
+def _environ_summary(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The launcher-related variables that are set (secrets redacted), for ``ringlet info``."""
+    env = os.environ if env is None else env
+    prefixes = ("RINGLET_", "OMPI_COMM_WORLD_", "PMI_", "SLURM_PROCID", "SLURM_NTASKS",
+                "SLURM_LOCALID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
+    plain = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    out = {}
+    for k in sorted(env):
+        if k.startswith(prefixes) or k in plain:
+            out[k] = "<redacted>" if k == "RINGLET_SECRET" else env[k]
+    return out
+

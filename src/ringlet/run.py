@@ -1,0 +1,386 @@
+"""``ringlet run``: start N ranks on this host and stop them together.
+
+Usage::
+
+    ringlet run -n 4 train.py --epochs 3        # a script: run with this Python
+    ringlet run -n 4 -m mypkg.train --epochs 3  # a module
+    ringlet run -n 4 -- ./a.out arg             # any program
+    python -m ringlet.run -n 4 train.py
+
+The launcher serves the rendezvous store itself, on 127.0.0.1 with an
+OS-chosen port (nothing to configure, no port collisions between jobs), and
+makes a fresh 32-byte job secret.  Each rank gets, in its environment only
+(never in argv or output): RINGLET_RANK, RINGLET_WORLD_SIZE, RINGLET_LOCAL_RANK,
+RINGLET_LOCAL_WORLD_SIZE, RINGLET_MASTER_ADDR, RINGLET_MASTER_PORT,
+RINGLET_SECRET and RINGLET_EXTERNAL_STORE=1 (rank 0 must not start a store).
+
+Every line a rank writes is prefixed with ``[rank] `` (stdout and stderr kept
+apart; ``--no-prefix`` passes the streams through untouched).
+
+Shutdown rules:
+  * the first rank to exit non-zero is reported on stderr; the others get
+    SIGTERM, then SIGKILL after ``--grace`` seconds; the launcher exits with
+    that rank's code (a rank killed by signal S counts as 128 + S);
+  * SIGINT/SIGTERM/SIGHUP to the launcher are forwarded to every rank, then
+    the same grace/SIGKILL sequence; a second signal kills at once; the exit
+    code is 128 + the signal;
+  * ``--timeout`` bounds the whole run: all ranks are stopped, exit code 124.
+
+Each rank runs in its own process group (session), so the launcher alone
+decides how signals reach it, and stopping a rank also stops the processes it
+started (data loader workers, shells).  On Linux each rank also gets
+``PR_SET_PDEATHSIG`` (SIGKILL), so even a launcher killed with SIGKILL leaves
+no orphans behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["main", "build_parser"]
+
+_PROG = "ringlet run"
+# Runs in each child before the real program: arm PR_SET_PDEATHSIG (it survives
+# exec) so the rank dies with the launcher, then exec.  Done here rather than in
+# a preexec_fn, which is unsafe in a process that already runs threads.
+_TRAMPOLINE = r"""
+import os, sys
+try:
+    import ctypes, signal
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(137)
+try:
+    os.execv(sys.argv[2], sys.argv[3:])
+except OSError as e:
+    sys.stderr.write("ringlet run: cannot execute %r: %s\n" % (sys.argv[2], e.strerror or e))
+    os._exit(127)
+"""
+_VALUE_OPTS = {"-n", "--nproc", "--grace", "--timeout"}
+_FLAG_OPTS = {"--no-prefix", "-h", "--help"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's option parser (the program and its arguments are split off first)."""
+    p = argparse.ArgumentParser(
+        prog=_PROG, description="Start N ranks of a ringlet job on this host.",
+        usage=f"{_PROG} -n N [--grace S] [--timeout S] [--no-prefix] "
+              f"(script.py | -m module | [--] program) [args ...]")
+    p.add_argument("-n", "--nproc", type=int, required=True, metavar="N",
+                   help="number of ranks to start")
+    p.add_argument("--grace", type=float, default=5.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop every rank after S seconds and exit with code 124")
+    p.add_argument("--no-prefix", action="store_true",
+                   help="do not prefix output lines with [rank]; pass the streams through")
+    return p
+
+
+def _split_argv(argv: Sequence[str]) -> Tuple[List[str], Optional[str], List[str]]:
+    """Split into (launcher options, module or None, program argv).
+
+    Launcher options end at the first token that is not one of ours, at
+    ``--``, or at ``-m MODULE``; everything after belongs to the program, so
+    its own options (``-c``, ``--lr``) are never mistaken for ours.
+    """
+    argv = list(argv)
+    opts: List[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return opts, None, argv[i + 1:]
+        if tok == "-m":
+            if i + 1 >= len(argv):
+                raise SystemExit(f"{_PROG}: -m needs a module name")
+            return opts, argv[i + 1], argv[i + 2:]
+        name = tok.split("=", 1)[0]
+        if tok in _FLAG_OPTS:
+            opts.append(tok)
+        elif name in _VALUE_OPTS and "=" in tok:
+            opts.append(tok)
+        elif tok in _VALUE_OPTS:
+            opts.extend(argv[i:i + 2])
+            i += 1
+        elif tok.startswith("-n") and tok[2:].isdigit():
+            opts.append(tok)
+        elif tok.startswith("-") and len(tok) > 1:
+            raise SystemExit(f"{_PROG}: unknown option {tok!r} (put the program after '--' "
+                             f"if the option is its own)")
+        else:
+            return opts, None, argv[i:]
+        i += 1
+    return opts, None, []
+
+
+def _command(module: Optional[str], program: List[str]) -> List[str]:
+    if module is not None:
+        return [sys.executable, "-m", module] + program
+    if not program:
+        raise SystemExit(f"{_PROG}: no program given (e.g. `{_PROG} -n 2 train.py`)")
+    prog = program[0]
+    if prog.endswith(".py"):
+        if not os.path.exists(prog):
+            raise SystemExit(f"{_PROG}: script {prog!r} not found")
+        return [sys.executable] + program
+    path = shutil.which(prog)
+    if path is None:
+        raise SystemExit(f"{_PROG}: program {prog!r} not found (not on PATH, or not executable)")
+    return [path] + program[1:]
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"killed by {name} (exit code {128 - rc})"
+    return f"exit code {rc}"
+
+
+class _Output:
+    """Copies a rank's pipe to our stream, one prefixed line at a time."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._dead: Dict[int, bool] = {}
+
+    def pump(self, pipe: IO[bytes], stream: IO, prefix: bytes) -> None:
+        key = id(stream)
+        try:
+            while True:
+                # Bounded readline: a huge line without newlines cannot grow
+                # memory without limit; it is cut into prefixed pieces.
+                chunk = pipe.readline(1 << 16)
+                if not chunk:
+                    return
+                if self._dead.get(key):
+                    continue  # keep draining so the rank never blocks on a full pipe
+                if not chunk.endswith(b"\n"):
+                    chunk += b"\n"
+                with self._lock:
+                    try:
+                        buf = getattr(stream, "buffer", None)
+                        if buf is not None:
+                            buf.write(prefix + chunk)
+                        else:
+                            stream.write((prefix + chunk).decode("utf-8", "replace"))
+                        stream.flush()
+                    except (OSError, ValueError):
+                        self._dead[key] = True  # e.g. `ringlet run ... | head`
+        finally:
+            pipe.close()
+
+
+class _Launcher:
+    def __init__(self, nproc: int, cmd: List[str], *, grace: float, timeout: Optional[float],
+                 prefix: bool) -> None:
+        self.nproc = nproc
+        self.cmd = cmd
+        self.grace = grace
+        self.timeout = timeout
+        self.prefix = prefix
+        self.procs: List[subprocess.Popen] = []
+        self.exits: "queue.Queue[Tuple[int, int]]" = queue.Queue()
+        self.codes: Dict[int, int] = {}
+        self.pumps: List[threading.Thread] = []
+        self.signal: Optional[int] = None
+        self.signal_count = 0
+
+    # ---- signals --------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        # Only record: the main loop acts within ~0.1 s (handlers must not take locks).
+        if self.signal is None:
+            self.signal = signum
+        self.signal_count += 1
+
+    def _send(self, sig: int, ranks: Optional[Sequence[int]] = None) -> None:
+        for r, p in enumerate(self.procs):
+            if ranks is not None and r not in ranks:
+                continue
+            try:
+                os.killpg(p.pid, sig)  # the rank's whole process group
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    # ---- run --------------------------------------------------------------------------
+    def run(self) -> int:
+        from .store import StoreServer
+
+        secret = secrets.token_hex(32)
+        server = StoreServer("127.0.0.1", 0, secret=secret.encode())
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in handled:
+                previous[s] = signal.signal(s, self._on_signal)
+        try:
+            self._spawn(server.port, secret)
+            code = self._watch()
+        finally:
+            # Whatever happened (including an error while spawning), no rank
+            # outlives the launcher.
+            still = [r for r in range(len(self.procs)) if r not in self.codes]
+            if still:
+                self._send(signal.SIGKILL, still)
+            for p in self.procs:
+                try:
+                    p.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            end = time.monotonic() + 2.0
+            for t in self.pumps:
+                t.join(max(0.0, end - time.monotonic()))
+            server.close()
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return code
+
+    def _spawn(self, port: int, secret: str) -> None:
+        base = dict(os.environ)
+        base.pop("RINGLET_SECRET_FILE", None)  # the launcher's secret is the job's
+        base.setdefault("PYTHONUNBUFFERED", "1")  # timely, line-by-line output
+        base.update(RINGLET_WORLD_SIZE=str(self.nproc), RINGLET_LOCAL_WORLD_SIZE=str(self.nproc),
+                    RINGLET_MASTER_ADDR="127.0.0.1", RINGLET_MASTER_PORT=str(port),
+                    RINGLET_SECRET=secret, RINGLET_EXTERNAL_STORE="1")
+        argv = self.cmd
+        if sys.platform.startswith("linux"):
+            argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()),
+                    self.cmd[0]] + self.cmd
+        lock = threading.Lock()
+        out = _Output(lock)
+        pipe = subprocess.PIPE if self.prefix else None
+        for r in range(self.nproc):
+            env = dict(base, RINGLET_RANK=str(r), RINGLET_LOCAL_RANK=str(r))
+            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
+                                 stderr=pipe, start_new_session=True)
+            self.procs.append(p)
+            if self.prefix:
+                tag = f"[{r}] ".encode()
+                for src, dst in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                    t = threading.Thread(target=out.pump, args=(src, dst, tag),
+                                         name=f"ringlet-run-out{r}", daemon=True)
+                    t.start()
+                    self.pumps.append(t)
+            w = threading.Thread(target=self._reap, args=(r, p), name=f"ringlet-run-wait{r}",
+                                 daemon=True)
+            w.start()
+
+    def _reap(self, rank: int, p: subprocess.Popen) -> None:
+        self.exits.put((rank, p.wait()))
+
+    def _say(self, msg: str) -> None:
+        try:
+            sys.stderr.write(f"{_PROG}: {msg}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _watch(self) -> int:
+        start = time.monotonic()
+        deadline = None if self.timeout is None else start + self.timeout
+        stopping_since: Optional[float] = None
+        killed_at: Optional[float] = None
+        forwarded = 0
+        code: Optional[int] = None
+        while len(self.codes) < self.nproc:
+            now = time.monotonic()
+            running = [r for r in range(self.nproc) if r not in self.codes]
+            if self.signal is not None and forwarded < self.signal_count:
+                if forwarded == 0:
+                    self._say(f"received {signal.Signals(self.signal).name}; forwarding it to "
+                              f"{len(running)} rank(s)")
+                    self._send(self.signal, running)
+                    if stopping_since is None:
+                        stopping_since = now
+                    code = 128 + self.signal
+                elif killed_at is None:  # a second signal: stop waiting
+                    self._send(signal.SIGKILL, running)
+                    killed_at = now
+                forwarded = self.signal_count
+            if deadline is not None and now >= deadline and stopping_since is None:
+                self._say(f"timed out after {self.timeout:g}s; stopping all ranks")
+                self._send(signal.SIGTERM, running)
+                stopping_since, code = now, 124
+            if stopping_since is not None and killed_at is None and \
+                    now >= stopping_since + self.grace:
+                if running:
+                    self._say(f"rank(s) {running} still running {self.grace:g}s after being "
+                              f"asked to stop; sending SIGKILL")
+                self._send(signal.SIGKILL, running)
+                killed_at = now
+            if killed_at is not None and now > killed_at + 5.0:
+                self._say(f"rank(s) {running} survive SIGKILL (uninterruptible?); giving up")
+                break
+            # Sleep until the next rank exits or the next deadline, at most 0.1 s
+            # so signals recorded by the handler are acted on promptly.
+            wait = 0.1
+            if deadline is not None and stopping_since is None:
+                wait = min(wait, max(0.0, deadline - now))
+            try:
+                rank, rc = self.exits.get(timeout=wait)
+            except queue.Empty:
+                continue
+            self.codes[rank] = rc
+            if rc != 0 and stopping_since is None:
+                self._say(f"rank {rank} failed first ({_describe(rc)}); stopping the other "
+                          f"ranks")
+                others = [r for r in range(self.nproc) if r not in self.codes]
+                self._send(signal.SIGTERM, others)
+                stopping_since, code = time.monotonic(), _exit_code(rc)
+        # Anything a stopped rank left in its process group goes too.
+        if stopping_since is not None:
+            self._send(signal.SIGKILL)
+        return 0 if code is None else code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``ringlet run`` / ``python -m ringlet.run``; returns the exit code.
+
+    Example::
+
+        sys.exit(main(["-n", "2", "train.py"]))
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        opts, module, program = _split_argv(argv)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    parser = build_parser()
+    args = parser.parse_args(opts)  # exits 2 with usage on bad options
+    if args.nproc < 1:
+        parser.error(f"-n must be at least 1, got {args.nproc}")
+    if args.grace < 0:
+        parser.error(f"--grace must be >= 0, got {args.grace}")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}")
+    try:
+        cmd = _command(module, program)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 127 if "not found" in str(exc) else 2
+    return _Launcher(args.nproc, cmd, grace=args.grace, timeout=args.timeout,
+                     prefix=not args.no_prefix).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Launcher detection, interface selection, the job secret and the MPI bootstrap."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+import ringlet
+from ringlet import environment as envmod
+from ringlet.environment import (LaunchEnv, detect, is_loopback, load_secret, parse_nodelist,
+                                 select_bind_address)
+from ringlet.errors import RendezvousError
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
+
+
+# ---- detect: each launcher -------------------------------------------------------------------
+def test_nothing_set_is_none():
+    assert detect({}) is None
+    assert detect({"PATH": "/bin", "HOME": "/root"}) is None
+
+
+def test_ringlet_variables():
+    env = {"RINGLET_RANK": "2", "RINGLET_WORLD_SIZE": "4", "RINGLET_LOCAL_RANK": "0",
+           "RINGLET_LOCAL_WORLD_SIZE": "2", "RINGLET_MASTER_ADDR": "10.0.0.1",
+           "RINGLET_MASTER_PORT": "29500"}
+    assert detect(env) == LaunchEnv(2, 4, 0, 2, "10.0.0.1", 29500, "ringlet")
+    # Local rank/size default to the global ones (one host).
+    assert detect({"RINGLET_RANK": "1", "RINGLET_WORLD_SIZE": "3"}) == \
+        LaunchEnv(1, 3, 1, 3, None, None, "ringlet")
+
+
+def test_torchrun_variables():
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "node1", "MASTER_PORT": "1234"}
+    assert detect(env) == LaunchEnv(5, 8, 1, 4, "node1", 1234, "torchrun")
+
+
+def test_openmpi_variables():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "6",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
+    assert detect(env) == LaunchEnv(3, 6, 0, 3, None, None, "openmpi")
+    env["RINGLET_MASTER_ADDR"], env["RINGLET_MASTER_PORT"] = "10.1.1.1", "4000"
+    assert detect(env) == LaunchEnv(3, 6, 0, 3, "10.1.1.1", 4000, "openmpi")
+
+
+def test_mpich_variables():
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert detect(env) == LaunchEnv(1, 2, 1, 2, None, None, "mpich")
+    assert detect({"PMI_RANK": "0", "PMI_SIZE": "2"}).local_world_size == 2
+
+
+def test_slurm_variables_and_derived_port():
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+           "SLURM_STEP_NODELIST": "localhost,node[2-3]", "SLURM_JOB_NODELIST": "other[1-9]",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1", "SLURM_JOB_ID": "123456"}
+    e = detect(env)
+    assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.source) == \
+        (3, 4, 1, 2, "slurm")
+    assert e.master_addr == "127.0.0.1"  # first node of the *step*, resolved
+    assert e.master_port == 20000 + 123456 % 20000
+    env.update(MASTER_ADDR="10.9.9.9", MASTER_PORT="5555")
+    e = detect(env)
+    assert (e.master_addr, e.master_port) == ("10.9.9.9", 5555)
+    env.update(RINGLET_MASTER_ADDR="10.8.8.8", RINGLET_MASTER_PORT="6666")
+    e = detect(env)
+    assert (e.master_addr, e.master_port) == ("10.8.8.8", 6666)
+
+
+def test_slurm_uneven_tasks_per_node():
+    env = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0",
+           "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_NODEID": "2",
+           "SLURM_JOB_NODELIST": "localhost"}
+    assert detect(env).local_world_size == 1
+
+
+def test_slurm_master_that_does_not_resolve(monkeypatch):
+    def fail(*a, **k):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    with pytest.raises(RendezvousError, match=r"'gpu07'.*SLURM_JOB_NODELIST"):
+        detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"})
+
+
+def test_precedence_ringlet_over_torchrun_over_mpi_over_slurm():
+    ringlet_vars = {"RINGLET_RANK": "0", "RINGLET_WORLD_SIZE": "2"}
+    torch_vars = {"RANK": "1", "WORLD_SIZE": "3"}
+    ompi_vars = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}
+    mpich_vars = {"PMI_RANK": "3", "PMI_SIZE": "5"}
+    slurm_vars = {"SLURM_PROCID": "4", "SLURM_NTASKS": "6", "SLURM_JOB_NODELIST": "localhost"}
+    layers = [ringlet_vars, torch_vars, ompi_vars, mpich_vars, slurm_vars]
+    expected = ["ringlet", "torchrun", "openmpi", "mpich", "slurm"]
+    for i, source in enumerate(expected):
+        env = {}
+        for layer in layers[i:]:
+            env.update(layer)
+        e = detect(env)
+        assert e.source == source and e.rank == i and e.world_size == i + 2
+
+
+# ---- detect: malformed values ----------------------------------------------------------------
+@pytest.mark.parametrize("env, var", [
+    ({"RINGLET_RANK": "one", "RINGLET_WORLD_SIZE": "2"}, "RINGLET_RANK"),
+    ({"RINGLET_RANK": "2", "RINGLET_WORLD_SIZE": "2"}, "RINGLET_RANK"),
+    ({"RINGLET_RANK": "-1", "RINGLET_WORLD_SIZE": "2"}, "RINGLET_RANK"),
+    ({"RINGLET_RANK": "0", "RINGLET_WORLD_SIZE": "0"}, "RINGLET_WORLD_SIZE"),
+    ({"RINGLET_RANK": "0"}, "RINGLET_WORLD_SIZE"),
+    ({"WORLD_SIZE": "4"}, "RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, "MASTER_PORT"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK"),
+    ({"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_RANK"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "PMI_RANK"),
+    ({"SLURM_PROCID": "0"}, "SLURM_NTASKS"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(y2)"},
+     "SLURM_TASKS_PER_NODE"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-"},
+     "SLURM_JOB_NODELIST"),
+])
+def test_malformed_values_name_the_variable(env, var):
+    with pytest.raises(ValueError, match=var):
+        detect(env)
+
+
+# ---- Slurm host lists --------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("a,b[8-10]", ["a", "b8", "b9", "b10"]),
+    ("gpu-[009-011]", ["gpu-009", "gpu-010", "gpu-011"]),
+    ("r[1-2]n[1,3]", ["r1n1", "r1n3", "r2n1", "r2n3"]),
+    ("n[1-2]-ib", ["n1-ib", "n2-ib"]),
+    (" x , y ", ["x", "y"]),
+])
+def test_parse_nodelist(spec, hosts):
+    assert parse_nodelist(spec) == hosts
+
+
+@pytest.mark.parametrize("spec", ["n[1-2", "n1-2]", "n[[1]]", "n[a-b]", "n[3-1]", "n[]"])
+def test_parse_nodelist_rejects_malformed(spec):
+    with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
+        parse_nodelist(spec, "SLURM_JOB_NODELIST")
+
+
+# ---- addresses -----------------------------------------------------------------------------
+def test_is_loopback():
+    assert is_loopback("127.0.0.1") and is_loopback("127.3.2.1") and is_loopback("localhost")
+    assert is_loopback("::1") and is_loopback("::ffff:127.0.0.1") and is_loopback("[::1]")
+    assert not is_loopback("10.0.0.1") and not is_loopback("8.8.8.8") and not is_loopback("")
+    assert not is_loopback(None)
+    assert not is_loopback("no-such-host.invalid")
+
+
+def test_select_bind_address_loopback_cases():
+    assert select_bind_address(None) == "127.0.0.1"
+    assert select_bind_address("127.0.0.1") == "127.0.0.1"
+    assert select_bind_address("localhost") == "127.0.0.1"
+
+
+def test_select_bind_address_with_ifname():
+    assert select_bind_address(None, "lo") == "127.0.0.1"
+    assert select_bind_address(None, "=lo") == "127.0.0.1"
+    ifaces = envmod.list_interfaces()
+    assert ("lo", "127.0.0.1") in ifaces
+    others = [a for n, a in ifaces if n != "lo"]
+    if others:
+        assert select_bind_address(None, "^lo") == others[0]
+        assert select_bind_address(None, "^=lo") == others[0]
+    else:
+        with pytest.raises(RendezvousError):
+            select_bind_address(None, "^lo")
+    with pytest.raises(RendezvousError, match=r"=nonexistent.*interfaces seen:.*lo=127\.0\.0\.1"):
+        select_bind_address(None, "=nonexistent")
+    with pytest.raises(RendezvousError, match="matches no interface"):
+        select_bind_address(None, "=l")  # exact, so not a prefix of "lo"
+
+
+def test_multi_host_never_falls_back_to_loopback():
+    # An unroutable documentation address stands in for another host.
+    with pytest.raises(RendezvousError, match="loopback"):
+        select_bind_address("192.0.2.200", "lo")
+    ifaces = [a for n, a in envmod.list_interfaces() if not is_loopback(a)]
+    if not ifaces:
+        pytest.skip("no non-loopback interface on this machine")
+    try:
+        addr = select_bind_address("192.0.2.200")
+    except RendezvousError as exc:
+        assert "no route" in str(exc)
+    else:
+        assert not is_loopback(addr) and addr in ifaces
+
+
+def test_select_bind_address_with_fake_interfaces(monkeypatch):
+    fake = [("lo", "127.0.0.1"), ("docker0", "172.17.0.1"), ("eth0", "10.0.0.5"),
+            ("ib0", "10.1.0.5")]
+    monkeypatch.setattr(envmod, "list_interfaces", lambda: fake)
+    assert select_bind_address(None, "ib") == "10.1.0.5"
+    assert select_bind_address(None, "eth,ib") == "10.0.0.5"
+    assert select_bind_address(None, "^docker,lo") == "10.0.0.5"
+    assert select_bind_address(None, "^docker") == "10.0.0.5"  # non-loopback first
+    assert select_bind_address(None, "=eth0") == "10.0.0.5"
+    with pytest.raises(RendezvousError, match="docker0=172.17.0.1"):
+        select_bind_address(None, "=eth")
+
+
+# ---- the secret ---------------------------------------------------------------------------------
+def test_load_secret_from_variable():
+    assert load_secret({}) is None
+    assert load_secret({"RINGLET_SECRET": ""}) is None
+    assert load_secret({"RINGLET_SECRET": "a" * 16}) == b"a" * 16
+    assert load_secret({"RINGLET_SECRET": "ü" * 8}) == "ü".encode() * 8  # 16 UTF-8 bytes
+    with pytest.raises(ValueError, match="at least 16") as ei:
+        load_secret({"RINGLET_SECRET": "short-secret"})
+    assert "short-secret" not in str(ei.value)
+
+
+def test_load_secret_from_file(tmp_path):
+    f = tmp_path / "secret"
+    f.write_bytes(b"  file-secret-0123456789\n")
+    os.chmod(f, 0o600)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_secret({"RINGLET_SECRET_FILE": str(f)}) == b"file-secret-0123456789"
+    os.chmod(f, 0o644)
+    with pytest.warns(UserWarning, match="chmod 600"):
+        assert load_secret({"RINGLET_SECRET_FILE": str(f)}) == b"file-secret-0123456789"
+    # The variable wins over the file.
+    assert load_secret({"RINGLET_SECRET": "v" * 20, "RINGLET_SECRET_FILE": str(f)}) == b"v" * 20
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_secret({"RINGLET_SECRET_FILE": str(tmp_path / "missing")})
+    short = tmp_path / "short"
+    short.write_bytes(b"tiny\n")
+    os.chmod(short, 0o600)
+    with pytest.raises(ValueError, match="at least 16"):
+        load_secret({"RINGLET_SECRET_FILE": str(short)})
+
+
+# ---- MPI bootstrap --------------------------------------------------------------------------------
+def test_mpi_bootstrap_without_mpi4py_says_what_to_do(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `from mpi4py import MPI` fail
+    with pytest.raises(ImportError, match=r"pip install mpi4py.*RINGLET_MASTER_ADDR"):
+        envmod.mpi_bootstrap(5.0)
+
+
+def _mpirun():
+    exe = shutil.which("mpirun")
+    if exe is None:
+        return None
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return None
+    return exe
+
+
+@pytest.mark.skipif(_mpirun() is None, reason="Open MPI / mpi4py not installed")
+def test_mpi_bootstrap_under_mpirun(tmp_path):
+    script = tmp_path / "boot.py"
+    script.write_text(textwrap.dedent("""
+        from ringlet.environment import detect, mpi_bootstrap
+        from ringlet.store import Store
+        rank, size, addr, port, secret, server = mpi_bootstrap(60.0)
+        assert (server is not None) == (rank == 0)
+        with Store(addr, port, secret=secret, timeout=30) as st:
+            st.set(f"r{rank}", b"x")
+            st.wait([f"r{i}" for i in range(size)], timeout=30)
+            st.add("done", 1)
+            print(f"BOOT rank={rank} size={size} addr={addr} secret={len(secret)} "
+                  f"source={detect().source}", flush=True)
+            if server is not None:
+                st.wait(["bye"], timeout=30)
+            else:
+                if st.add("left", 1) == size - 1:
+                    st.set("bye", b"")
+        if server is not None:
+            server.close()
+    """))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))}
+    env.update(PYTHONPATH=SRC, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    out = subprocess.run([_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = sorted(l for l in out.stdout.splitlines() if l.startswith("BOOT"))
+    assert lines == [f"BOOT rank={r} size=3 addr=127.0.0.1 secret=32 source=openmpi"
+                     for r in range(3)]

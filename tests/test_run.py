@@ -1,0 +1,283 @@
+"""`ringlet run` / `python -m ringlet.run`: environment, output, failure and timeout handling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import ringlet
+from ringlet import cli, run as runmod
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _launch(*args, timeout=60, **kw):
+    return subprocess.run([sys.executable, "-m", "ringlet.run", *args], env=_env(),
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+ECHO_ENV = textwrap.dedent("""
+    import os, sys
+    keys = ["RINGLET_RANK", "RINGLET_WORLD_SIZE", "RINGLET_LOCAL_RANK", "RINGLET_LOCAL_WORLD_SIZE",
+            "RINGLET_MASTER_ADDR", "RINGLET_EXTERNAL_STORE"]
+    print("env", *[os.environ[k] for k in keys])
+    print("secret-len", len(os.environ["RINGLET_SECRET"]))
+    print("to-stderr", os.environ["RINGLET_RANK"], file=sys.stderr)
+""")
+
+
+def test_ranks_get_their_environment_and_prefixed_output():
+    out = _launch("-n", "3", sys.executable, "-c", ECHO_ENV)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for r in range(3):
+        assert f"[{r}] env {r} 3 {r} 3 127.0.0.1 1" in lines
+        assert f"[{r}] secret-len 64" in lines
+        # stderr stays on stderr
+        assert f"[{r}] to-stderr {r}" in out.stderr.splitlines()
+        assert f"to-stderr {r}" not in out.stdout
+    assert len(lines) == 6
+    assert "RINGLET_SECRET" not in out.stdout + out.stderr
+
+
+def test_the_store_the_launcher_serves_is_usable_and_authenticated(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        from ringlet.store import Store
+        e = os.environ
+        st = Store(e["RINGLET_MASTER_ADDR"], int(e["RINGLET_MASTER_PORT"]),
+                   secret=e["RINGLET_SECRET"].encode(), timeout=30)
+        n = int(e["RINGLET_WORLD_SIZE"])
+        st.set("rank/" + e["RINGLET_RANK"], b"here")
+        st.wait([f"rank/{r}" for r in range(n)], timeout=30)
+        print("total", st.add("count", 1) <= n, len(st.job_id))
+    """))
+    out = _launch("-n", "4", str(script))  # a .py runs with this Python
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == [f"[{r}] total True 16" for r in range(4)]
+    # The secret is only in the children's environment, never printed.
+    assert "secret" not in out.stderr.lower()
+
+
+def test_module_mode_and_no_prefix(tmp_path):
+    pkg = tmp_path / "mymod.py"
+    pkg.write_text("import os, sys\nprint('mod', os.environ['RINGLET_RANK'], sys.argv[1:])\n")
+    env = _env()
+    env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
+    out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", "--no-prefix", "-m",
+                          "mymod", "--lr", "0.1"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["mod 0 ['--lr', '0.1']", "mod 1 ['--lr', '0.1']"]
+
+
+def test_failing_rank_sets_exit_code_and_stops_sleeping_siblings(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        from ringlet.store import Store
+        e = os.environ
+        r = int(e["RINGLET_RANK"])
+        st = Store(e["RINGLET_MASTER_ADDR"], int(e["RINGLET_MASTER_PORT"]),
+                   secret=e["RINGLET_SECRET"].encode(), timeout=30)
+        if r == 1:
+            # Fail only once the siblings are up, so they really are sleeping.
+            st.wait(["up/0", "up/2"], timeout=30)
+            print("failing now", flush=True)
+            sys.exit(7)
+        st.set(f"up/{r}", b"")
+        time.sleep(120)
+    """))
+    grace = 2.0
+    t0 = time.monotonic()
+    out = _launch("-n", "3", "--grace", str(grace), str(script), timeout=60)
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 7, out.stdout + out.stderr
+    assert "[1] failing now" in out.stdout
+    assert "rank 1 failed first (exit code 7)" in out.stderr
+    # Siblings die on SIGTERM right away; well inside grace + startup margin.
+    assert elapsed < grace + 10, elapsed
+    assert "SIGKILL" not in out.stderr
+
+
+def test_siblings_ignoring_sigterm_are_killed_after_grace(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        from ringlet.store import Store
+        e = os.environ
+        st = Store(e["RINGLET_MASTER_ADDR"], int(e["RINGLET_MASTER_PORT"]),
+                   secret=e["RINGLET_SECRET"].encode(), timeout=30)
+        if e["RINGLET_RANK"] == "0":
+            st.wait(["ignoring"], timeout=30)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        st.set("ignoring", b"")
+        time.sleep(120)
+    """))
+    t0 = time.monotonic()
+    out = _launch("-n", "2", "--grace", "0.5", str(script), timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "sending SIGKILL" in out.stderr
+    assert time.monotonic() - t0 < 0.5 + 10
+
+
+def test_rank_killed_by_signal_reports_128_plus_signum():
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL) if os.environ['RINGLET_RANK']" \
+           " == '1' else __import__('time').sleep(120)"
+    out = _launch("-n", "2", "--grace", "1", sys.executable, "-c", code)
+    assert out.returncode == 128 + signal.SIGKILL
+    assert "rank 1 failed first (killed by SIGKILL" in out.stderr
+
+
+def test_timeout_stops_everything_with_124():
+    t0 = time.monotonic()
+    out = _launch("-n", "2", "--timeout", "1", "--grace", "1", sys.executable, "-c",
+                  "import time; print('up', flush=True); time.sleep(120)")
+    assert out.returncode == 124, out.stderr
+    assert "timed out after 1s" in out.stderr
+    assert time.monotonic() - t0 < 1 + 1 + 10
+
+
+def test_sigint_to_the_launcher_reaches_every_rank(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        print("up", flush=True)
+        try:
+            time.sleep(120)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise SystemExit(1)
+    """))
+    p = subprocess.Popen([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = set()
+        deadline = time.monotonic() + 30
+        while len(seen) < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()  # ranks print "up" once they can be interrupted
+            if line.endswith("up\n"):
+                seen.add(line.split()[0])
+        assert seen == {"[0]", "[1]"}
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "[0] interrupted" in rest and "[1] interrupted" in rest
+    assert "received SIGINT" in err
+
+
+def test_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux-only")
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            parts = p.stdout.readline().split()
+            if len(parts) == 3 and parts[1] == "pid":
+                pids.append(int(parts[2]))
+        assert len(pids) == 2
+    finally:
+        p.kill()
+        p.wait(30)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        # A zombie waiting for init to reap it is gone for our purposes.
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(alive(pid) for pid in pids)
+
+
+# ---- argument handling (in-process) -------------------------------------------------------------
+def test_split_argv_keeps_program_options_for_the_program():
+    split = runmod._split_argv
+    assert split(["-n", "2", "train.py", "-n", "5"]) == (["-n", "2"], None, ["train.py", "-n", "5"])
+    assert split(["-n2", "--grace=1", "-m", "pkg.mod", "--x"]) == \
+        (["-n2", "--grace=1"], "pkg.mod", ["--x"])
+    assert split(["--nproc", "2", "--", "-weird-prog", "a"]) == \
+        (["--nproc", "2"], None, ["-weird-prog", "a"])
+    with pytest.raises(SystemExit, match="unknown option"):
+        split(["-n", "2", "--bogus", "x.py"])
+
+
+def test_bad_launcher_arguments(capsys):
+    assert runmod.main(["-n", "2"]) == 2
+    assert "no program" in capsys.readouterr().err
+    assert runmod.main(["-n", "2", "definitely-not-a-program-xyz"]) == 127
+    assert "not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ei:
+        runmod.main(["-n", "0", "x.py"])
+    assert ei.value.code == 2
+    with pytest.raises(SystemExit):
+        runmod.main(["x.py"])  # -n is required
+
+
+def test_cli_info_and_usage(capsys, monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("RINGLET_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RINGLET_SECRET", "do-not-print-this-secret")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"ringlet {ringlet.__version__}" in out
+    assert "launch: torchrun rank 1/2" in out and "127.0.0.1:29500" in out
+    assert "numpy " in out and "core" in out
+    assert "do-not-print-this-secret" not in out
+    assert cli.main([]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["frobnicate"])
+
+
+def test_console_entry_point_runs_a_job():
+    out = subprocess.run([sys.executable, "-c", "import sys; from ringlet.cli import main; "
+                          "sys.exit(main(sys.argv[1:]))", "run", "-n", "2", sys.executable, "-c",
+                          "import os; print('hi', os.environ['RINGLET_RANK'])"],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[0] hi 0", "[1] hi 1"]
+
+
+def test_cli_bench_missing_module_exits_2(capsys, monkeypatch):
+    monkeypatch.delattr(ringlet, "bench", raising=False)
+    monkeypatch.setitem(sys.modules, "ringlet.bench", None)  # as if it were not installed
+    assert cli.main(["bench", "--anything"]) == 2
+    assert "ringlet bench: the benchmark module is not available" in capsys.readouterr().err

@@ -1,0 +1,474 @@
+"""The rendezvous store and the HMAC handshake: semantics, concurrency, hostile clients."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from ringlet import _auth
+from ringlet.errors import AuthenticationError, RendezvousError
+from ringlet.store import MAX_VALUE_BYTES, Store, StoreServer
+
+SECRET = b"test-secret-0123456789abcdef"
+
+
+def poll(cond, timeout=10.0, what="condition"):
+    """Wait for ``cond()`` with a deadline (bounded polling, no fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def server():
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with Store("127.0.0.1", server.port, secret=SECRET, timeout=10) as st:
+        yield st
+
+
+def _recv_eof(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """True when the peer closes ``sock`` before ``timeout`` (data read meanwhile is ignored)."""
+    sock.settimeout(timeout)
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+# ---- basic semantics -------------------------------------------------------------------
+def test_set_get_check_delete(client):
+    assert not client.check("a")
+    client.set("a", b"1")
+    assert client.check("a")
+    assert client.get("a") == b"1"
+    client.set("a", bytearray(b"two"))  # replaces
+    assert client.get("a") == b"two"
+    client.set("empty", b"")
+    assert client.get("empty") == b""
+    assert client.delete("a") is True
+    assert client.delete("a") is False
+    assert not client.check("a")
+    client.set("ключ/ü", memoryview(b"unicode key"))
+    assert client.get("ключ/ü") == b"unicode key"
+
+
+def test_add_is_a_counter(client):
+    assert client.add("n", 5) == 5
+    assert client.add("n", -7) == -2
+    assert client.add("n", 0) == -2
+    assert client.get("n") == b"-2"  # counters are stored as ASCII decimal
+    client.set("text", b"not a number")
+    with pytest.raises(ValueError, match="not a counter"):
+        client.add("text", 1)
+    assert client.add("n", 1) == -1  # the connection survives the error reply
+
+
+def test_job_id_is_shared(server):
+    with Store("127.0.0.1", server.port, secret=SECRET) as a, \
+            Store("127.0.0.1", server.port, secret=SECRET) as b:
+        assert a.job_id == b.job_id == server.job_id
+        assert len(server.job_id) == 16
+    with StoreServer(secret=SECRET, job_id=b"fixed-job") as srv2:
+        with Store("127.0.0.1", srv2.port, secret=SECRET) as c:
+            assert c.job_id == b"fixed-job"
+
+
+def test_large_value_round_trip(client):
+    rng = os.urandom(8 << 20)
+    client.set("big", rng)
+    assert client.get("big") == rng
+
+
+def test_bad_arguments_raise_before_sending(client):
+    with pytest.raises(TypeError, match="str"):
+        client.set(b"bytes-key", b"v")
+    with pytest.raises(TypeError, match="bytes"):
+        client.set("k", "a str value")
+    with pytest.raises(ValueError, match="empty"):
+        client.get("")
+    with pytest.raises(ValueError, match="4096"):
+        client.set("k" * 4097, b"v")
+    with pytest.raises(ValueError, match="limit"):
+        client.set("k", bytes(MAX_VALUE_BYTES + 1))
+    with pytest.raises(TypeError):
+        client.add("k", 1.5)
+    with pytest.raises(ValueError, match="64 bits"):
+        client.add("k", 1 << 63)
+    with pytest.raises(ValueError, match="timeout"):
+        client.get("k", timeout=-1)
+    with pytest.raises(TypeError):
+        client.wait("single-key")
+    client.set("still", b"works")
+    assert client.get("still") == b"works"
+
+
+# ---- blocking requests -------------------------------------------------------------------
+def test_blocking_get_released_by_another_clients_set(server, client):
+    got = {}
+
+    def waiter():
+        got["v"] = client.get("late", timeout=30)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    # The request is parked server-side before anyone sets the key.
+    poll(lambda: b"late" in server._waiters, what="the get to be parked")
+    assert t.is_alive()
+    with Store("127.0.0.1", server.port, secret=SECRET) as other:
+        other.set("late", b"value")
+    t.join(10)
+    assert not t.is_alive()
+    assert got["v"] == b"value"
+    assert b"late" not in server._waiters
+
+
+def test_get_timeout_names_the_key(client):
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"get\('missing/key'\) timed out: waited") as ei:
+        client.get("missing/key", timeout=0.2)
+    assert time.monotonic() - t0 >= 0.2
+    assert ei.value.waited is not None and ei.value.waited >= 0.2
+    with pytest.raises(RendezvousError, match="missing/key"):
+        client.get("missing/key", timeout=0)  # 0 checks once
+    client.set("missing/key", b"here")  # the connection is still usable
+    assert client.get("missing/key", timeout=0) == b"here"
+
+
+def test_wait_for_several_keys(server, client):
+    with pytest.raises(RendezvousError, match=r"still missing 'w/1', 'w/2'") as ei:
+        client.set("w/0", b"")
+        client.wait(["w/0", "w/1", "w/2"], timeout=0.1)
+    assert ei.value.waited is not None
+    done = threading.Event()
+
+    def waiter():
+        client.wait(["w/0", "w/1", "w/2"], timeout=30)
+        done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    with Store("127.0.0.1", server.port, secret=SECRET) as other:
+        other.set("w/1", b"")
+        poll(lambda: b"w/2" in server._waiters and b"w/1" not in server._waiters,
+             what="the wait to be parked on w/2 only")
+        assert not done.is_set()
+        other.set("w/2", b"")
+    t.join(10)
+    assert done.is_set()
+    client.wait([])  # nothing to wait for
+
+
+def test_many_clients_at_once(server):
+    n = 32
+    errors = []
+
+    def rank(r):
+        try:
+            with Store("127.0.0.1", server.port, secret=SECRET, timeout=30) as st:
+                st.set(f"ep/{r}", f"host:{r}".encode())
+                st.add("arrived", 1)
+                st.wait([f"ep/{i}" for i in range(n)], timeout=30)
+                assert [st.get(f"ep/{i}") for i in range(n)] == \
+                    [f"host:{i}".encode() for i in range(n)]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append((r, exc))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    with Store("127.0.0.1", server.port, secret=SECRET) as st:
+        assert st.get("arrived") == str(n).encode()
+    assert server.rejected == 0
+
+
+def test_one_store_shared_by_threads(client):
+    def work(i):
+        for j in range(20):
+            client.add("shared", 1)
+            client.set(f"t{i}/{j}", b"x")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert client.get("shared") == b"160"
+
+
+# ---- connecting ----------------------------------------------------------------------------
+def test_client_started_before_the_server(tmp_path):
+    with StoreServer(secret=SECRET) as probe:
+        port = probe.port  # a port that was free a moment ago
+    result = {}
+
+    def connect():
+        try:
+            with Store("127.0.0.1", port, secret=SECRET, timeout=20) as st:
+                result["v"] = st.get("hello", timeout=20)
+        except BaseException as exc:  # noqa: BLE001
+            result["err"] = exc
+
+    t = threading.Thread(target=connect)
+    t.start()
+    # Nothing listens yet, so the client's first attempts are refused and retried.
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+    with StoreServer("127.0.0.1", port, secret=SECRET) as srv:
+        with Store("127.0.0.1", srv.port, secret=SECRET) as st:
+            st.set("hello", b"world")
+        t.join(20)
+    assert result == {"v": b"world"}
+
+
+def test_unreachable_store_names_address_and_wait():
+    with StoreServer(secret=SECRET) as probe:
+        port = probe.port
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=rf"127\.0\.0\.1:{port} after 0\.\d+s") as ei:
+        Store("127.0.0.1", port, secret=SECRET, timeout=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    assert ei.value.waited >= 0.3
+
+
+def test_wrong_secret_is_refused_and_server_keeps_serving(server, client):
+    client.set("k", b"v")
+    before = server.rejected
+    with pytest.raises(AuthenticationError, match="different secret"):
+        Store("127.0.0.1", server.port, secret=b"another-secret-of-enough-length", timeout=5)
+    poll(lambda: server.rejected == before + 1, what="the server to count the rejection")
+    assert client.get("k") == b"v"
+    with Store("127.0.0.1", server.port, secret=SECRET) as again:
+        assert again.get("k") == b"v"
+
+
+def test_lost_server_is_a_rendezvous_error_not_a_timeout():
+    srv = StoreServer(secret=SECRET)
+    st = Store("127.0.0.1", srv.port, secret=SECRET, timeout=10)
+    st.set("a", b"1")
+    srv.close()
+    srv.close()  # idempotent
+    with pytest.raises(RendezvousError, match="lost the connection") as ei:
+        st.get("a")
+    assert ei.value.waited is None
+    with pytest.raises(RendezvousError, match="closed"):
+        st.set("b", b"2")
+    st.close()
+
+
+def test_close_unblocks_a_get_in_another_thread(client):
+    out = {}
+
+    def blocked():
+        try:
+            client.get("never", timeout=60)
+        except RendezvousError as exc:
+            out["err"] = exc
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    poll(lambda: client._lock.locked(), what="the get to start")
+    client.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert "closed" in str(out["err"])
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_ipv6_loopback():
+    try:
+        srv = StoreServer("::1", 0, secret=SECRET)
+    except OSError as exc:
+        pytest.skip(f"cannot bind ::1: {exc}")
+    with srv, Store("::1", srv.port, secret=SECRET) as st:
+        st.set("v6", b"ok")
+        assert st.get("v6") == b"ok"
+
+
+# ---- hostile and broken clients ------------------------------------------------------------
+def test_garbage_and_oversized_hellos_do_not_crash_the_server(server, client):
+    before = server.rejected
+    bad = [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(_auth.HELLO_LEN, b"x"),  # wrong magic
+        struct.pack("!4sHH64s32s", _auth.MAGIC, 99, 0, bytes(64), bytes(32)),  # wrong version
+        struct.pack("!4sHH64s32s", _auth.MAGIC, _auth.VERSION, 0xFFFF, bytes(64), bytes(32)),
+        struct.pack("!4sHH64s32s", _auth.MAGIC, _auth.VERSION, 1, b"1junk".ljust(64, b"\0"),
+                    bytes(32)),  # non-zero padding
+        os.urandom(64 << 10),  # a flood of noise
+    ]
+    for payload in bad:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            try:
+                s.sendall(payload)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server already hung up on us: fine
+            assert _recv_eof(s), f"server kept a garbage connection open: {payload[:16]!r}"
+    poll(lambda: server.rejected == before + len(bad), what="all garbage to be counted")
+    client.set("alive", b"yes")
+    assert client.get("alive") == b"yes"
+
+
+def _authed_raw(server) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.port))
+    _auth.client_handshake(s, SECRET, b"store", deadline=time.monotonic() + 10)
+    return s
+
+
+@pytest.mark.parametrize("header", [
+    struct.pack("!BIQQ", 1, 3, 1 << 40, 0),       # 1 TiB value announced
+    struct.pack("!BIQQ", 2, 1 << 31, 0, 0),       # 2 GiB key announced
+    struct.pack("!BIQQ", 99, 1, 1, 0),            # unknown op
+    struct.pack("!BIQQ", 1, 0, 1, 0) + b"x",      # SET without a key
+    struct.pack("!BIQQ", 6, 0, 3, 0) + b"\0\0\0",  # malformed WAIT key list
+    struct.pack("!BIQQ", 3, 1, 2, 0) + b"k\0\0",  # ADD with a 2-byte amount
+])
+def test_malformed_request_closes_only_that_client(server, client, header):
+    before = server.rejected
+    with _authed_raw(server) as s:
+        s.sendall(header)
+        assert _recv_eof(s)
+    poll(lambda: server.rejected == before + 1, what="the malformed request to be counted")
+    client.set("after", b"fine")
+    assert client.get("after") == b"fine"
+
+
+def test_stalled_handshake_does_not_block_good_clients():
+    with StoreServer(secret=SECRET, handshake_timeout=60) as srv:
+        stalled = socket.create_connection(("127.0.0.1", srv.port))
+        stalled.sendall(_auth.encode_hello(b"", bytes(32))[:20])  # a third of a hello, then silence
+        silent = socket.create_connection(("127.0.0.1", srv.port))  # sends nothing at all
+        t0 = time.monotonic()
+        # A server that handled handshakes one at a time would hang here for
+        # 60 s; this client gives up after 5 s.
+        with Store("127.0.0.1", srv.port, secret=SECRET, timeout=5) as st:
+            st.set("k", b"v")
+            assert st.get("k") == b"v"
+        assert time.monotonic() - t0 < 5
+        stalled.close()
+        silent.close()
+
+
+def test_stalled_handshake_is_dropped_at_its_deadline():
+    with StoreServer(secret=SECRET, handshake_timeout=0.3) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as stalled:
+            stalled.sendall(b"RLH1")
+            t0 = time.monotonic()
+            assert _recv_eof(stalled, timeout=10)
+            assert 0.25 <= time.monotonic() - t0 < 10
+        poll(lambda: srv.rejected == 1, what="the stalled handshake to be counted")
+
+
+def test_requests_pipelined_behind_a_parked_get_are_served_in_order(server):
+    # Not what Store does, but a raw client may send its next request while a
+    # GET is parked; the server must answer strictly in order.
+    with _authed_raw(server) as s, Store("127.0.0.1", server.port, secret=SECRET) as other:
+        s.sendall(struct.pack("!BIQQ", 2, 1, 0, 10_000) + b"p"          # GET p (parks)
+                  + struct.pack("!BIQQ", 4, 1, 0, 0) + b"q")            # CHECK q
+        poll(lambda: b"p" in server._waiters, what="the GET to park")
+        other.set("p", b"P")
+        s.settimeout(10)
+        data = b""
+        while len(data) < 9 + 1 + 9 + 1:
+            data += s.recv(100)
+        assert data == struct.pack("!BQ", 0, 1) + b"P" + struct.pack("!BQ", 0, 1) + b"\x00"
+
+
+# ---- the handshake on its own ------------------------------------------------------------------
+def _handshake(ckey, skey, *, cpurpose=b"p", spurpose=b"p", claim=b"", check=None,
+               client_deadline=5.0):
+    a, b = socket.socketpair()
+    res = {}
+
+    def srv():
+        try:
+            res["server"] = _auth.server_handshake(b, skey, spurpose,
+                                                   deadline=time.monotonic() + 5,
+                                                   check_claim=check)
+        except Exception as exc:  # noqa: BLE001
+            res["server"] = exc
+
+    t = threading.Thread(target=srv)
+    t.start()
+    try:
+        res["client"] = _auth.client_handshake(a, ckey, cpurpose, claim=claim,
+                                               deadline=time.monotonic() + client_deadline)
+    except Exception as exc:  # noqa: BLE001
+        res["client"] = exc
+    a.close()
+    t.join(10)
+    b.close()
+    return res["client"], res["server"]
+
+
+def test_handshake_accepts_the_same_key_and_returns_the_claim():
+    c, s = _handshake(b"k" * 32, b"k" * 32, claim=b"7")
+    assert c == b"7" and s == b"7"
+    c, s = _handshake(b"k" * 32, b"k" * 32, cpurpose="p")  # str purpose is UTF-8
+    assert c == b"" and s == b""
+
+
+@pytest.mark.parametrize("kw", [dict(skey=b"x" * 32), dict(spurpose=b"other")])
+def test_handshake_rejects_wrong_key_or_purpose(kw):
+    args = dict(ckey=b"k" * 32, skey=b"k" * 32)
+    args.update(kw)
+    c, s = _handshake(args.pop("ckey"), args.pop("skey"), **args)
+    assert isinstance(c, AuthenticationError) and "did not verify" in str(c)
+    assert isinstance(s, AuthenticationError)
+    assert "kkkk" not in str(c) + str(s) and "xxxx" not in str(c) + str(s)
+
+
+def test_handshake_claim_rejection_reaches_both_sides():
+    def no_dupes(claim):
+        raise ValueError(f"rank {claim.decode()} is already connected")
+
+    c, s = _handshake(b"k" * 32, b"k" * 32, claim=b"3", check=no_dupes)
+    assert isinstance(c, AuthenticationError) and "rejected our claim b'3'" in str(c)
+    assert isinstance(s, AuthenticationError) and "already connected" in str(s)
+    c, s = _handshake(b"k" * 32, b"k" * 32, claim=b"3", check=lambda claim: False)
+    assert isinstance(c, AuthenticationError) and isinstance(s, AuthenticationError)
+
+
+def test_handshake_deadline_and_bad_arguments():
+    a, b = socket.socketpair()
+    with a, b:
+        t0 = time.monotonic()
+        with pytest.raises(AuthenticationError, match="timed out"):
+            _auth.server_handshake(b, b"k", b"p", deadline=time.monotonic() + 0.2)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(AuthenticationError, match="timed out"):
+            _auth.client_handshake(a, b"k", b"p", deadline=time.monotonic() + 0.2)
+        with pytest.raises(ValueError, match="64"):
+            _auth.client_handshake(a, b"k", b"p", deadline=time.monotonic() + 1, claim=b"x" * 65)
+        with pytest.raises(ValueError, match="empty"):
+            _auth.client_handshake(a, b"", b"p", deadline=time.monotonic() + 1)
+        with pytest.raises(TypeError):
+            _auth.client_handshake(a, "str key", b"p", deadline=time.monotonic() + 1)
+        assert a.gettimeout() is None  # the caller's blocking mode is restored
+
+
+def test_handshake_server_sees_only_authentication_errors_for_garbage():
+    for junk in (b"", b"x" * 10, os.urandom(_auth.HELLO_LEN), os.urandom(500)):
+        a, b = socket.socketpair()
+        with a, b:
+            a.sendall(junk)
+            a.shutdown(socket.SHUT_WR)
+            with pytest.raises(AuthenticationError):
+                _auth.server_handshake(b, b"k", b"p", deadline=time.monotonic() + 5)
