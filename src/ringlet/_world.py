@@ -406,6 +406,17 @@ def get_world_size(group: Optional[ProcessGroup] = None) -> int:
     return _require(group).size
 
 
+def get_bind_address() -> str:
+    """The address this rank's listener is bound to (other ranks can reach it there).
+
+    Other channels of the job (RPC) listen on the same interface.
+    """
+    w = _current()
+    if w is None:
+        raise RuntimeError("ringlet is not initialised: call ringlet.init() first")
+    return w.host
+
+
 def job_key(purpose: str) -> bytes:
     """A 32-byte key derived from the job secret for ``purpose`` (same on every rank).
 

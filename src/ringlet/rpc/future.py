@@ -1,0 +1,153 @@
+"""``Future`` (the result of ``rpc_async``) and ``RemoteError``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, List, Optional
+
+from ringlet.errors import CollectiveTimeout, RingletError
+
+__all__ = ["Future", "RemoteError"]
+
+_log = logging.getLogger("ringlet.rpc")
+
+
+class RemoteError(RingletError):
+    """A function called over RPC raised; this carries what was raised, where.
+
+    Attributes:
+        remote_type: qualified name of the remote exception type (e.g. ``"ValueError"``).
+        remote_message: ``str()`` of the remote exception.
+        remote_traceback: the formatted remote traceback (text).
+        worker: name of the worker it was raised on.
+        function: name of the registered function (or ``"RRef.method"``) that raised.
+    """
+
+    def __init__(self, remote_type: str, remote_message: str, remote_traceback: str, *,
+                 worker: str, function: str, rank: Optional[int] = None, peer: Optional[int] = None) -> None:
+        where = f"raised by {function!r} on worker {worker!r}" + (f" (rank {peer})" if peer is not None else "")
+        text = f"{remote_type}: {remote_message}\n  [{where}]"
+        if remote_traceback:
+            text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
+        super().__init__(text, rank=rank, peer=peer, op=f"rpc:{function}")
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+        self.worker = worker
+        self.function = function
+
+
+class Future:
+    """The pending result of an asynchronous RPC.
+
+    A future completes exactly once, with a value or an exception.  Every RPC
+    future has a deadline (the call's timeout), so it always completes:
+    with ``CollectiveTimeout`` if the callee did not answer in time, with
+    ``PeerClosedError`` if the callee's connection died.
+
+    Example::
+
+        fut = ringlet.rpc.rpc_async("ps", "get_weights")
+        fut.add_done_callback(lambda f: print("done", f.done()))
+        weights = fut.result(timeout=10)
+    """
+
+    __slots__ = ("_desc", "_rank", "_peer", "_event", "_lock", "_value", "_exc", "_callbacks")
+
+    def __init__(self, description: str = "rpc", *, rank: Optional[int] = None, peer: Optional[int] = None) -> None:
+        self._desc = description
+        self._rank = rank
+        self._peer = peer
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._exc: Optional[BaseException] = None
+        self._callbacks: List[Callable[["Future"], None]] = []
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._exc is not None else "done")
+        return f"<ringlet.rpc.Future {self._desc} {state}>"
+
+    def done(self) -> bool:
+        """True once the future has a value or an exception."""
+        return self._event.is_set()
+
+    def _wait(self, timeout: Optional[float]) -> None:
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+                raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+        if self._event.is_set():
+            return
+        t0 = time.monotonic()
+        if not self._event.wait(timeout):
+            raise CollectiveTimeout(
+                f"{self._desc}: no result after waiting {time.monotonic() - t0:.3g} s "
+                "(the call is still pending)", rank=self._rank, peer=self._peer,
+                op=self._desc, waited=time.monotonic() - t0)
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """Wait for the call and return its value.
+
+        Args:
+            timeout: seconds to wait; None waits until the call completes
+                (bounded by the call's own deadline).
+
+        Returns:
+            The remote function's return value.
+
+        Raises:
+            RemoteError: the remote function raised.
+            CollectiveTimeout: the call passed its deadline, or ``timeout``
+                elapsed first (the call then stays pending).
+            PeerClosedError: the callee died or closed the connection.
+            ValueError: ``timeout`` is negative or not a number.
+        """
+        self._wait(timeout)
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    wait = result  # torch.distributed.rpc spelling
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """Wait like :meth:`result`, then return the exception (None on success)."""
+        self._wait(timeout)
+        return self._exc
+
+    def add_done_callback(self, fn: Callable[["Future"], None]) -> None:
+        """Call ``fn(future)`` when the future completes (at once if it already has).
+
+        The callback runs on the thread that completes the future (an RPC
+        I/O thread), so it should be quick; exceptions it raises are logged.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        self._run_callback(fn)
+
+    def _run_callback(self, fn: Callable[["Future"], None]) -> None:
+        try:
+            fn(self)
+        except Exception:
+            _log.exception("exception in a done-callback of %s", self._desc)
+
+    def _complete(self, value: Any = None, exc: Optional[BaseException] = None) -> bool:
+        """Set the outcome; the first completion wins.  Returns whether this one did."""
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self._value = value
+            self._exc = exc
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._run_callback(fn)
+        return True

@@ -1,0 +1,630 @@
+"""ringlet.rpc end to end: calls between ranks, failures, hostile frames, RRef lifetime."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import rpc
+from ringlet.errors import AuthenticationError, CollectiveTimeout, PeerClosedError, RingletError
+from ringlet.rpc import serialization as ser
+from ringlet.rpc.agent import _MAX_HANDSHAKES, AUTH_PURPOSE, K_CALL, K_CLOSE, current_agent
+from ringlet.testing import run_world
+
+
+def poll_until(pred, timeout=10.0, what="condition"):
+    """Bounded polling: return pred()'s truthy value, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.01)
+
+
+# ---- functions every rank registers ---------------------------------------------------
+
+@rpc.register
+def whoami(x):
+    """Which worker ran this call, and with what."""
+    return [rpc.get_worker_info().rank, x]
+
+
+@rpc.register(name="scale")
+def scale(arr, factor=1.0):
+    return arr * factor
+
+
+class CustomError(Exception):
+    pass
+
+
+@rpc.register
+def fail(kind):
+    if kind == "value":
+        raise ValueError("bad value 42")
+    raise CustomError("custom failure")
+
+
+_events: dict = {}
+_events_lock = threading.Lock()
+
+
+def _event(name: str) -> threading.Event:
+    with _events_lock:
+        return _events.setdefault(name, threading.Event())
+
+
+@rpc.register
+def wait_for(name, seconds, value):
+    """Block until event ``name`` is set (bounded), then return ``value``."""
+    _event(name).wait(seconds)
+    return value
+
+
+@rpc.register
+def set_event(name):
+    _event(name).set()
+
+
+@rpc.register
+def relay(to, x):
+    """Nested RPC: call whoami on ``to`` from inside a call."""
+    return rpc.rpc_sync(to, whoami, args=(x,))
+
+
+@rpc.register
+def owned_rrefs():
+    return rpc.debug_info()["owned_rrefs"]
+
+
+class Counter:
+    def __init__(self, start):
+        self.value = start
+        self._secret = "hidden"
+
+    def add(self, k):
+        self.value += k
+        return self.value
+
+    def get(self):
+        return self.value
+
+    def _private(self):
+        return self._secret
+
+
+rpc.register(Counter, "Counter")
+
+_kept: dict = {}
+
+
+@rpc.register
+def keep_rref(tag, rref):
+    """Store an RRef received as an argument (the sender may drop its own at once)."""
+    _kept[tag] = rref
+    return rref.owner_name()
+
+
+@rpc.register
+def use_kept(tag):
+    return _kept[tag].rpc_sync().get()
+
+
+@rpc.register
+def drop_kept(tag):
+    del _kept[tag]
+    gc.collect()
+
+
+@rpc.register
+def return_rref(tag):
+    return _kept[tag]
+
+
+@rpc.register
+def make_set(n):
+    return set(range(n))
+
+
+@rpc.register
+def kill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- calls ------------------------------------------------------------------------------
+
+def _all_pairs(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    got = []
+    futs = []
+    for dst in range(n):
+        got.append(rpc.rpc_sync(dst, whoami, args=(rank * 10 + dst,)))
+        futs.append(rpc.rpc_async(f"w{dst}", f"{whoami.__module__}.whoami", args=(rank * 100 + dst,)))
+    fired = []
+    futs[0].add_done_callback(lambda f: fired.append(f.done()))
+    asy = [f.result(timeout=20) for f in futs]
+    assert all(f.done() for f in futs) and fired == [True]
+    nested = rpc.rpc_sync((rank + 1) % n, relay, args=((rank + 2) % n, rank))
+    rpc.shutdown()
+    return got, asy, nested
+
+
+def test_sync_and_async_between_all_pairs():
+    res = run_world(_all_pairs, 4, timeout=60)
+    for rank, (got, asy, nested) in enumerate(res):
+        assert got == [[dst, rank * 10 + dst] for dst in range(4)]
+        assert asy == [[dst, rank * 100 + dst] for dst in range(4)]
+        assert nested == [(rank + 2) % 4, rank]
+
+
+def _many_calls(rank, n, count):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=30)
+    futs = [rpc.rpc_async((rank + 1 + i % (n - 1)) % n, whoami, args=(i,)) for i in range(count)]
+    res = [f.result() for f in futs]
+    rpc.shutdown()
+    return res
+
+
+def test_thousand_concurrent_small_calls():
+    per_rank = 250
+    res = run_world(_many_calls, 4, args=(per_rank,), timeout=60)
+    for rank, out in enumerate(res):
+        assert out == [[(rank + 1 + i % 3) % 4, i] for i in range(per_rank)]
+
+
+def _big_arrays(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=60)
+    out = None
+    if rank == 0:
+        x = np.random.default_rng(7).standard_normal((64 << 20) // 4).astype(np.float32)  # 64 MiB
+        y = rpc.rpc_sync(1, "scale", args=(x,), kwargs={"factor": np.float32(-2.0)})
+        out = (y.dtype == np.float32, y.shape == x.shape, bool(np.array_equal(y, x * np.float32(-2.0))))
+    rpc.shutdown()
+    return out
+
+
+def test_large_array_arguments_and_results():
+    res = run_world(_big_arrays, 2, timeout=120)
+    assert res[0] == (True, True, True)
+
+
+def _exceptions(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = {}
+    if rank == 0:
+        with pytest.raises(rpc.RemoteError) as ei:
+            rpc.rpc_sync("w1", fail, args=("value",))
+        e = ei.value
+        out["value"] = (e.remote_type, e.remote_message, e.worker, e.function, e.peer,
+                        "in fail" in e.remote_traceback, isinstance(e, RingletError), str(e))
+        fut = rpc.rpc_async(1, fail, args=("custom",))
+        exc = fut.exception(timeout=20)
+        out["custom"] = (type(exc).__name__, exc.remote_type, exc.remote_message)
+        # the worker that raised keeps serving
+        out["after"] = rpc.rpc_sync(1, whoami, args=("ok",))
+    rpc.shutdown()
+    return out
+
+
+def test_remote_exceptions():
+    out = run_world(_exceptions, 2, timeout=60)[0]
+    t, msg, worker, fn, peer, has_tb, is_ringlet, text = out["value"]
+    assert (t, msg, worker, peer, is_ringlet, has_tb) == ("ValueError", "bad value 42", "w1", 1, True, True)
+    assert fn.endswith("fail") and "ValueError: bad value 42" in text and "Remote traceback" in text
+    name, rtype, rmsg = out["custom"]
+    assert name == "RemoteError" and rtype.endswith("CustomError") and rmsg == "custom failure"
+    assert out["after"] == [1, "ok"]
+
+
+def _timeouts(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveTimeout) as ei:
+            rpc.rpc_sync("w1", wait_for, args=("t-release", 15.0, 1), timeout=0.3)
+        took = time.monotonic() - t0
+        fut = rpc.rpc_async("w1", wait_for, args=("t-release", 15.0, 2), timeout=10)
+        with pytest.raises(CollectiveTimeout, match="still pending"):
+            fut.result(timeout=0.05)  # waiting less than the call's deadline leaves it pending
+        assert not fut.done()
+        rpc.rpc_sync("w1", set_event, args=("t-release",))
+        out = (str(ei.value), ei.value.peer, took, fut.result())
+    rpc.shutdown()
+    return out
+
+
+def test_timeouts_name_callee_and_function():
+    text, peer, took, later = run_world(_timeouts, 2, timeout=60)[0]
+    assert "'w1'" in text and "wait_for" in text and "timed out after 0.3" in text and peer == 1
+    assert 0.25 < took < 3.0
+    assert later == 2
+
+
+def _unregistered(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        with pytest.raises(rpc.RemoteError) as ei:
+            rpc.rpc_sync(1, "os.system", args=("echo pwned",))
+        with pytest.raises(ValueError, match="not registered"):
+            rpc.rpc_sync(1, print)
+        out = (ei.value.remote_type, str(ei.value))
+    rpc.shutdown()
+    return out
+
+
+def test_unregistered_function_refused():
+    rtype, text = run_world(_unregistered, 2, timeout=60)[0]
+    assert rtype == "ValueError" and "no function registered as 'os.system'" in text and "'w1'" in text
+
+
+def _bad_args(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    if rank == 0:
+        with pytest.raises(ValueError, match=r"no RPC worker named 'nobody'.*'w0', 'w1'"):
+            rpc.rpc_sync("nobody", whoami, args=(1,))
+        with pytest.raises(ValueError, match="out of range"):
+            rpc.rpc_sync(5, whoami, args=(1,))
+        with pytest.raises(TypeError, match="'to' must be"):
+            rpc.rpc_sync(1.0, whoami, args=(1,))
+        with pytest.raises(TypeError, match="args must be a tuple"):
+            rpc.rpc_sync(1, whoami, args=1)
+        with pytest.raises(TypeError, match="kwargs keys must be str"):
+            rpc.rpc_sync(1, whoami, kwargs={1: 2})
+        with pytest.raises(ValueError, match="timeout must be"):
+            rpc.rpc_sync(1, whoami, args=(1,), timeout=-1)
+        with pytest.raises(TypeError, match=r"args\[0\]\['k'\].*object"):
+            rpc.rpc_sync(1, whoami, args=({"k": object()},))
+        with pytest.raises(RingletError, match="already initialised"):
+            rpc.init_rpc("again")
+        assert rpc.get_worker_info("w1").rank == 1 and rpc.get_worker_info().name == "w0"
+        assert [w.name for w in rpc.get_worker_infos()] == ["w0", "w1"]
+    rpc.shutdown()
+    assert not rpc.is_initialized()
+    with pytest.raises(RingletError, match="not initialised"):
+        rpc.rpc_sync(0, whoami, args=(1,))
+    return True
+
+
+def test_bad_arguments_fail_before_sending():
+    assert run_world(_bad_args, 2, timeout=60) == [True, True]
+
+
+def _duplicate_names(rank, n):
+    try:
+        rpc.init_rpc("same" if rank in (1, 2) else f"w{rank}")
+    except ValueError as e:
+        return str(e)
+    rpc.shutdown()
+    return None
+
+
+def test_duplicate_worker_names_rejected():
+    res = run_world(_duplicate_names, 3, timeout=60)
+    assert all(r is not None and "'same'" in r and "ranks 1 and 2" in r for r in res), res
+
+
+_probe = {"active": 0, "max": 0, "done": 0}
+_probe_lock = threading.Lock()
+
+
+@rpc.register
+def occupy(i):
+    with _probe_lock:
+        _probe["active"] += 1
+        _probe["max"] = max(_probe["max"], _probe["active"])
+    _event("pool-release").wait(10)
+    with _probe_lock:
+        _probe["active"] -= 1
+        _probe["done"] += 1
+    return i
+
+
+def _pool_size(rank, n, threads):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20, num_worker_threads=threads)
+    out = None
+    if rank == 0:
+        futs = [rpc.rpc_async(1, occupy, args=(i,)) for i in range(3 * threads)]
+        # Ranks are threads of this process, so w1's counters are visible here.
+        poll_until(lambda: _probe["active"] == threads, 10, "pool saturated")
+        saturated = (_probe["active"], _probe["done"], any(f.done() for f in futs))
+        _event("pool-release").set()
+        out = (saturated, [f.result() for f in futs], _probe["max"], _probe["done"])
+    rpc.shutdown()
+    return out
+
+
+def test_calls_run_on_a_pool_of_the_configured_size():
+    saturated, results, most, done = run_world(_pool_size, 2, args=(3,), timeout=60)[0]
+    assert saturated == (3, 0, False)
+    assert results == list(range(9)) and most == 3 and done == 9
+
+
+# ---- shutdown -------------------------------------------------------------------------
+
+def _drain(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    fut = None
+    if rank == 0:
+        # Still running on w1 when both ranks enter shutdown; the drain must wait for it.
+        fut = rpc.rpc_async(1, wait_for, args=("never-set", 0.5, "finished"))
+    rpc.shutdown(graceful=True)
+    return None if fut is None else (fut.done(), fut.result(timeout=0))
+
+
+def test_graceful_shutdown_drains_outstanding_calls():
+    assert run_world(_drain, 2, timeout=60)[0] == (True, "finished")
+
+
+# ---- failures ---------------------------------------------------------------------------
+
+def _killed_callee(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=30)
+    if rank == 1:
+        _event("never").wait(30)  # rank 1 dies inside kill_self; this bounds the wait otherwise
+        return None
+    fut = rpc.rpc_async(1, wait_for, args=("never", 25.0, "late"))  # in flight when the callee dies
+    t0 = time.monotonic()
+    err = None
+    try:
+        rpc.rpc_sync(1, kill_self, timeout=30)
+    except PeerClosedError as e:
+        err = e
+    took = time.monotonic() - t0
+    other = fut.exception(timeout=30)
+    rpc.shutdown(graceful=False)
+    return (type(err).__name__, str(err), took, type(other).__name__)
+
+
+def test_callee_killed_mid_call_fails_promptly():
+    with pytest.raises(ringlet.testing.WorldError) as ei:
+        run_world(_killed_callee, 2, mode="process", timeout=60)
+    failures, results = ei.value.failures, ei.value.results
+    assert list(failures) == [1] and "signal 9" in failures[1]
+    name, text, took, other = results[0]
+    assert name == "PeerClosedError" and "'w1'" in text and "kill_self" in text
+    assert took < 5.0, took  # well under the 30 s timeout
+    assert other == "PeerClosedError"
+
+
+def _raw_connect(info, key, claim=b"0"):
+    from ringlet._auth import client_handshake
+
+    s = socket.create_connection((info.host, info.port), timeout=5)
+    client_handshake(s, key, AUTH_PURPOSE, deadline=time.monotonic() + 5, claim=claim)
+    s.settimeout(5)
+    return s
+
+
+def _read_until_eof(s, limit=1 << 20):
+    data = b""
+    while len(data) < limit:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+    raise AssertionError("connection was not closed")
+
+
+def _hostile(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20, limits=rpc.Limits(max_frame_bytes=1 << 20))
+    out = {}
+    if rank == 0:
+        info = rpc.get_worker_info("w1")
+        key = ringlet.job_key("rpc")
+        reasons = []
+        frames = {
+            "oversized": struct.pack("<4sBBHQQQ", b"RLRP", 1, K_CALL, 0, 1, 0, 2 << 30),
+            "garbage": os.urandom(64),
+            "bad-kind": ser.dumps(None, kind=77, req_id=3),
+            "depth-bomb": struct.pack("<4sBBHQQQ", b"RLRP", 1, K_CALL, 0, 1, 5 * 200 + 1, 5 * 200 + 1)
+                          + b"\x09\x01\x00\x00\x00" * 200 + b"\x00",
+        }
+        # a pickled argument sent to a worker that did not opt in
+        enc = ser.encode(["whoami", (CustomError("x"),), {}], allow_pickle=True)
+        frames["pickle"] = b"".join(bytes(b) for b in ser.encode_frame(K_CALL, 4, enc))
+        for name, raw in frames.items():
+            s = _raw_connect(info, key)
+            s.sendall(raw)
+            data = _read_until_eof(s)
+            s.close()
+            reason = ""
+            if len(data) >= 32:
+                hdr = ser.parse_header(data[:32])
+                reason = ser.loads(data[: 32 + hdr.payload_len]) if hdr.kind == K_CLOSE else ""
+                assert hdr.kind == K_CLOSE
+            reasons.append((name, reason))
+        # garbage before any handshake, and a client with the wrong key
+        s = socket.create_connection((info.host, info.port), timeout=5)
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" + os.urandom(200))
+        s.settimeout(5)
+        _read_until_eof(s)  # the worker hangs up
+        s.close()
+        with pytest.raises(AuthenticationError):
+            _raw_connect(info, b"\x01" * 32)
+        # a request with a private RRef method name, bypassing the client-side check
+        ctr = rpc.remote("w1", Counter, args=(1,))
+        fut = current_agent().rref_call(ctr, "_private", (), {}, 10.0)
+        with pytest.raises(rpc.RemoteError, match="only public methods"):
+            fut.result()
+        with pytest.raises(AttributeError, match="public methods"):
+            ctr.rpc_sync()._private()
+        out["reasons"] = reasons
+        out["still_serving"] = rpc.rpc_sync("w1", whoami, args=("alive",))
+        out["stats"] = rpc.rpc_sync("w1", "debug_stats")
+        del ctr
+    rpc.shutdown()
+    return out
+
+
+@rpc.register(name="debug_stats")
+def _debug_stats():
+    d = rpc.debug_info()
+    return [d["rejected_frames"], d["rejected_connections"]]
+
+
+def test_malformed_oversized_and_unauthenticated_input_is_refused():
+    out = run_world(_hostile, 2, timeout=60)[0]
+    reasons = dict(out["reasons"])
+    assert "exceeds max_frame_bytes" in reasons["oversized"]
+    assert "magic" in reasons["garbage"] or "version" in reasons["garbage"]
+    assert "kind 77" in reasons["bad-kind"]
+    assert "max_depth" in reasons["depth-bomb"]
+    assert "pickled value" in reasons["pickle"]
+    assert out["still_serving"] == [1, "alive"]
+    frames, conns = out["stats"]
+    assert frames == 5 and conns == 2
+
+
+@rpc.register
+def pending_handshakes():
+    return rpc.debug_info()["pending_handshakes"]
+
+
+def _crowd(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        info = rpc.get_worker_info("w1")
+        assert rpc.rpc_sync("w1", pending_handshakes) == 0  # opens our (authenticated) connection first
+        idle = [socket.create_connection((info.host, info.port), timeout=5) for _ in range(_MAX_HANDSHAKES)]
+        poll_until(lambda: rpc.rpc_sync("w1", pending_handshakes) == _MAX_HANDSHAKES, 10, "handshakes pending")
+        extra = socket.create_connection((info.host, info.port), timeout=5)
+        t0 = time.monotonic()
+        got = _read_until_eof(extra)  # closed at once, not after the 10 s handshake timeout
+        took = time.monotonic() - t0
+        for s in idle:
+            s.close()
+        extra.close()
+        poll_until(lambda: rpc.rpc_sync("w1", pending_handshakes) == 0, 10, "handshakes given up")
+        out = (got, took, rpc.rpc_sync("w1", whoami, args=("after",)))
+    rpc.shutdown()
+    return out
+
+
+def test_pending_handshakes_are_capped():
+    got, took, after = run_world(_crowd, 2, timeout=60)[0]
+    assert got == b"" and took < 5.0 and after == [1, "after"]
+
+
+# ---- RRef -------------------------------------------------------------------------------
+
+def _rref_lifetime(rank, n, rounds):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = {}
+    if rank == 0:
+        counts = []
+        for i in range(rounds):
+            r = rpc.remote("w1", Counter, args=(i,))
+            assert r.owner().rank == 1 and r.owner_name() == "w1" and not r.is_owner()
+            with pytest.raises(RingletError, match="only available on the owner"):
+                r.local_value()
+            assert r.rpc_sync().add(10) == i + 10
+            # hand it to w2 and drop ours at once: w2's reference must already count
+            assert rpc.rpc_sync("w2", keep_rref, args=(f"k{i}", r)) == "w1"
+            del r
+            gc.collect()
+            counts.append(rpc.rpc_sync("w2", use_kept, args=(f"k{i}",)))
+        out["values"] = counts
+        out["alive"] = rpc.rpc_sync("w1", owned_rrefs)
+        # an RRef coming back as a result is counted too
+        back = rpc.rpc_sync("w2", return_rref, args=("k0",))
+        fut = back.rpc_async().get()
+        out["back"] = fut.result()
+        for i in range(rounds):
+            rpc.rpc_sync("w2", drop_kept, args=(f"k{i}",))
+        # only the reference rank 0 got back keeps a value alive now
+        poll_until(lambda: rpc.rpc_sync("w1", owned_rrefs) == 1, 10, "owner freeing w2's values")
+        out["back_again"] = back.rpc_sync().get()
+        del back, fut
+        gc.collect()
+        poll_until(lambda: rpc.rpc_sync("w1", owned_rrefs) == 0, 10, "owner freeing the last value")
+        # an RRef to a local value, and remote() to oneself
+        mine = rpc.RRef([1, 2, 3])
+        own = rpc.remote("w0", Counter, args=(5,))
+        out["local"] = (mine.is_owner(), mine.local_value(), own.local_value().get(), own.to_here().get(),
+                        rpc.debug_info()["owned_rrefs"])
+        del mine, own
+        gc.collect()
+        poll_until(lambda: rpc.debug_info()["owned_rrefs"] == 0, 10, "freeing local values")
+    rpc.shutdown()
+    return out
+
+
+def test_rref_lifetime_and_reference_counting():
+    rounds = 20
+    out = run_world(_rref_lifetime, 3, args=(rounds,), timeout=60)[0]
+    assert out["values"] == [i + 10 for i in range(rounds)]
+    assert out["alive"] == rounds        # every value kept alive by w2's references
+    assert out["back"] == 10
+    assert out["back_again"] == 10
+    assert out["local"] == (True, [1, 2, 3], 5, 5, 2)
+
+
+def _rref_errors(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        bad = rpc.remote("w1", fail, args=("value",))
+        with pytest.raises(rpc.RemoteError, match="bad value 42"):
+            bad.to_here()
+        assert bad.confirmed(timeout=10) is False
+        ok = rpc.remote(1, whoami, args=("x",))
+        assert ok.confirmed(timeout=10) is True
+        slow = rpc.remote(1, wait_for, args=("rref-slow", 10.0, "v"))
+        f = slow.rpc_async().count("v")    # queued on the owner until the value exists
+        rpc.rpc_sync(1, set_event, args=("rref-slow",))
+        out = (ok.to_here(), f.result(), slow.to_here())
+    rpc.shutdown()
+    return out
+
+
+def test_rref_errors_and_pending_values():
+    assert run_world(_rref_errors, 2, timeout=60)[0] == ([1, "x"], 1, "v")
+
+
+# ---- pickle --------------------------------------------------------------------------------
+
+def _pickle(rank, n, allow):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20, allow_pickle=allow[rank])
+    out = None
+    if rank == 0:
+        try:
+            out = ("ok", rpc.rpc_sync(1, whoami, args=({1, 2},)), rpc.rpc_sync(1, make_set, args=(3,)))
+        except TypeError as e:
+            out = ("TypeError", str(e))
+        except rpc.RemoteError as e:
+            out = ("RemoteError", str(e))
+    rpc.shutdown()
+    return out
+
+
+def test_pickle_refused_without_opt_in():
+    kind, text = run_world(_pickle, 2, args=([False, False],), timeout=60)[0]
+    assert kind == "TypeError" and "set" in text and "allow_pickle=True" in text
+
+
+def test_pickle_needs_opt_in_on_both_sides():
+    kind, text = run_world(_pickle, 2, args=([True, False],), timeout=60)[0]
+    assert kind == "TypeError" and "allow_pickle" in text
+
+
+def test_pickle_allowed_with_opt_in():
+    out = run_world(_pickle, 2, args=([True, True],), timeout=60)[0]
+    assert out == ("ok", [1, {1, 2}], {0, 1, 2})
