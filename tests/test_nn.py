@@ -1,0 +1,532 @@
+"""ringlet.nn: every backward against central finite differences (float64), hooks,
+multi-forward context queues, no_grad, state dicts and argument checking."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ringlet import nn
+
+RNG = np.random.default_rng(1234)
+
+
+# ---- finite-difference machinery ---------------------------------------------------
+def _numeric_grad(f, x, idx, h=1e-6):
+    """Central differences of scalar f() w.r.t. x[idx] for each flat index in idx."""
+    out = np.empty(len(idx))
+    flat = x.reshape(-1)
+    for k, i in enumerate(idx):
+        old = flat[i]
+        flat[i] = old + h
+        fp = f()
+        flat[i] = old - h
+        fm = f()
+        flat[i] = old
+        out[k] = (fp - fm) / (2 * h)
+    return out
+
+
+def _sample(n, k=40):
+    return np.arange(n) if n <= k else RNG.choice(n, k, replace=False)
+
+
+def check_module(module, x, *, input_grad=True, rtol=1e-6, atol=1e-8):
+    """Compare module.backward with finite differences of sum(module(x) * R)."""
+    module.zero_grad()
+    y = module(x)
+    R = RNG.standard_normal(y.shape)
+    gx = module.backward(R)
+    assert module.num_saved_contexts() == 0
+
+    def f():
+        with nn.no_grad():
+            return float(np.sum(module(x) * R))
+
+    if input_grad:
+        assert gx.shape == x.shape and gx.dtype == np.float64
+        idx = _sample(x.size)
+        np.testing.assert_allclose(gx.reshape(-1)[idx], _numeric_grad(f, x, idx),
+                                   rtol=rtol, atol=atol)
+    for name, p in module.named_parameters():
+        assert p.grad is not None, name
+        idx = _sample(p.size)
+        np.testing.assert_allclose(p.grad.reshape(-1)[idx], _numeric_grad(f, p.data, idx),
+                                   rtol=rtol, atol=atol, err_msg=name)
+    return gx
+
+
+def f64(*shape):
+    return RNG.standard_normal(shape)
+
+
+# ---- layers vs finite differences ---------------------------------------------------
+@pytest.mark.parametrize("shape", [(5, 4), (3, 2, 4)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_grad(shape, bias):
+    check_module(nn.Linear(4, 3, bias, dtype=np.float64, rng=0), f64(*shape))
+
+
+def test_relu_grad():
+    x = f64(6, 5)
+    x[np.abs(x) < 1e-3] = 0.5  # keep away from the kink
+    check_module(nn.ReLU(), x)
+
+
+def test_gelu_and_tanh_grad():
+    check_module(nn.GELU(), f64(4, 3, 5))
+    check_module(nn.Tanh(), f64(4, 7))
+
+
+def test_gelu_is_tanh_approximation_close_to_erf():
+    x = np.linspace(-6, 6, 2001)
+    exact = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
+    with nn.no_grad():
+        got = nn.GELU()(x)
+    err = np.max(np.abs(got - exact))
+    assert 1e-6 < err < 1e-3  # an approximation, and a close one
+
+
+@pytest.mark.parametrize("shape,norm", [((5, 6), 6), ((2, 3, 6), 6), ((2, 3, 4), (3, 4))])
+def test_layernorm_grad(shape, norm):
+    ln = nn.LayerNorm(norm, dtype=np.float64)
+    ln.weight.data[...] = RNG.standard_normal(ln.weight.shape)
+    ln.bias.data[...] = RNG.standard_normal(ln.bias.shape)
+    check_module(ln, f64(*shape))
+    check_module(nn.LayerNorm(norm, elementwise_affine=False, dtype=np.float64), f64(*shape))
+
+
+def test_layernorm_normalises():
+    with nn.no_grad():
+        y = nn.LayerNorm(8, dtype=np.float64)(f64(4, 8) * 3 + 2)
+    np.testing.assert_allclose(y.mean(-1), 0, atol=1e-12)
+    np.testing.assert_allclose(y.var(-1), 1, rtol=1e-4)
+
+
+def test_embedding_grad_repeated_indices_and_padding():
+    emb = nn.Embedding(7, 3, padding_idx=2, dtype=np.float64, rng=0)
+    assert np.all(emb.weight.data[2] == 0)
+    idx = np.array([[1, 1, 2], [6, 1, 0]])
+    y = emb(idx)
+    assert y.shape == (2, 3, 3)
+    R = f64(*y.shape)
+    assert emb.backward(R) is None
+    want = np.zeros((7, 3))
+    for (i, j), k in np.ndenumerate(idx):
+        if k != 2:
+            want[k] += R[i, j]
+    np.testing.assert_array_equal(emb.weight.grad, want)
+
+    def f():
+        with nn.no_grad():
+            return float(np.sum(emb(idx) * R))
+    emb.zero_grad()
+    emb(idx)
+    emb.backward(R)
+    rows = [0, 1, 6]  # the padding row is constant by definition
+    sel = np.array([r * 3 + c for r in rows for c in range(3)])
+    np.testing.assert_allclose(emb.weight.grad.reshape(-1)[sel],
+                               _numeric_grad(f, emb.weight.data, sel), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("shape", [(8, 3), (4, 3, 5)])
+@pytest.mark.parametrize("training", [True, False])
+def test_batchnorm_grad(shape, training):
+    bn = nn.BatchNorm1d(3, dtype=np.float64)
+    bn.weight.data[...] = RNG.standard_normal(3)
+    bn.bias.data[...] = RNG.standard_normal(3)
+    bn.running_mean[...] = RNG.standard_normal(3)
+    bn.running_var[...] = RNG.uniform(0.5, 2, 3)
+    bn.train(training)
+    check_module(bn, f64(*shape) * 2 + 1)
+    check_module(nn.BatchNorm1d(3, affine=False, dtype=np.float64).train(training), f64(*shape))
+
+
+def test_batchnorm_running_stats_like_torch():
+    bn = nn.BatchNorm1d(2, momentum=0.25, dtype=np.float64)
+    xs = [f64(6, 2) * 3 + 1 for _ in range(3)]
+    rm, rv = np.zeros(2), np.ones(2)
+    ids = {id(bn.running_mean), id(bn.running_var)}
+    for x in xs:
+        y = bn(x)
+        bn.clear_context()
+        np.testing.assert_allclose(y, (x - x.mean(0)) / np.sqrt(x.var(0) + 1e-5), rtol=1e-12)
+        rm = 0.75 * rm + 0.25 * x.mean(0)
+        rv = 0.75 * rv + 0.25 * x.var(0, ddof=1)  # unbiased, as torch
+    np.testing.assert_allclose(bn.running_mean, rm, rtol=1e-12)
+    np.testing.assert_allclose(bn.running_var, rv, rtol=1e-12)
+    assert int(bn.num_batches_tracked) == 3
+    assert {id(bn.running_mean), id(bn.running_var)} == ids  # updated in place
+    bn.eval()
+    x = f64(5, 2)
+    with nn.no_grad():
+        np.testing.assert_allclose(bn(x), (x - rm) / np.sqrt(rv + 1e-5), rtol=1e-12)
+    # cumulative average with momentum=None
+    bn2 = nn.BatchNorm1d(2, momentum=None, dtype=np.float64)
+    with nn.no_grad():
+        for x in xs:
+            bn2(x)
+    np.testing.assert_allclose(bn2.running_mean, np.mean([x.mean(0) for x in xs], 0), rtol=1e-12)
+    with pytest.raises(ValueError, match="more than one value"):
+        bn2(f64(1, 2))
+
+
+def test_dropout():
+    d = nn.Dropout(0.3, rng=0)
+    x = RNG.uniform(1, 2, (200, 50)).astype(np.float32)
+    y = d(x)
+    assert y.dtype == np.float32
+    kept = y != 0
+    assert 0.65 < kept.mean() < 0.75
+    np.testing.assert_allclose(y[kept], x[kept] / 0.7, rtol=1e-6)
+    g = RNG.standard_normal(x.shape).astype(np.float32)
+    gx = d.backward(g)
+    np.testing.assert_allclose(gx, np.where(kept, g / 0.7, 0), rtol=1e-6)
+    d.eval()
+    assert d(x) is x and d.backward(g) is g
+    d.train()
+    assert np.all(nn.Dropout(1.0)(x) == 0)
+    with pytest.raises(ValueError):
+        nn.Dropout(1.5)
+
+
+def test_losses_vs_finite_differences():
+    pred, target = f64(4, 3), f64(4, 3)
+    for red in ("mean", "sum"):
+        loss, g = nn.mse_loss(pred, target, red)
+        want = np.sum((pred - target) ** 2) / (12 if red == "mean" else 1)
+        assert loss == pytest.approx(want, rel=1e-12)
+        idx = np.arange(12)
+        np.testing.assert_allclose(
+            g.reshape(-1), _numeric_grad(lambda: nn.mse_loss(pred, target, red)[0], pred, idx),
+            rtol=1e-6, atol=1e-9)
+    logits = f64(2, 3, 5) * 3
+    t = np.array([[0, 4, 2], [1, 1, 3]])
+    for red, ign in (("mean", None), ("sum", None), ("mean", 4)):
+        loss, g = nn.cross_entropy(logits, t, red, ignore_index=ign)
+        z = logits.reshape(-1, 5)
+        lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        keep = t.reshape(-1) != (ign if ign is not None else -1)
+        want = -lp[np.arange(6), t.reshape(-1)][keep].sum() / (keep.sum() if red == "mean" else 1)
+        assert loss == pytest.approx(want, rel=1e-12)
+        idx = np.arange(logits.size)
+        num = _numeric_grad(lambda: nn.cross_entropy(logits, t, red, ignore_index=ign)[0],
+                            logits, idx)
+        np.testing.assert_allclose(g.reshape(-1), num, rtol=1e-6, atol=1e-8)
+
+
+def test_cross_entropy_is_stable_and_checks_labels():
+    loss, g = nn.cross_entropy(np.array([[1000.0, 0.0], [0.0, -1000.0]], np.float32),
+                               np.array([0, 1]))
+    assert np.isfinite(loss) and loss == pytest.approx(500.0, rel=1e-6)
+    assert g.dtype == np.float32 and np.all(np.isfinite(g))
+    with pytest.raises(ValueError, match="labels"):
+        nn.cross_entropy(np.zeros((2, 3)), np.array([0, 3]))
+    with pytest.raises(TypeError, match="integer"):
+        nn.cross_entropy(np.zeros((2, 3)), np.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match="shape"):
+        nn.cross_entropy(np.zeros((2, 3)), np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match="reduction"):
+        nn.mse_loss(np.zeros(2), np.zeros(2), "none")
+
+
+def test_sequential_composite_grad_and_indexing():
+    model = nn.Sequential(nn.Linear(5, 6, dtype=np.float64, rng=1), nn.Tanh(),
+                          nn.LayerNorm(6, dtype=np.float64), nn.GELU(),
+                          nn.Linear(6, 2, dtype=np.float64, rng=2))
+    check_module(model, f64(3, 4, 5))
+    assert len(model) == 5 and isinstance(model[-1], nn.Linear)
+    assert [type(m).__name__ for m in model][:2] == ["Linear", "Tanh"]
+    assert len(model[1:3]) == 2 and model[1:3][0] is model[1]
+    assert [n for n, _ in model.named_parameters()] == [
+        "0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    with pytest.raises(IndexError):
+        model[5]
+    with pytest.raises(TypeError):
+        nn.Sequential(nn.ReLU(), "relu")
+
+
+def test_module_used_twice_in_one_forward():
+    # The same Tanh object after two layers: its two contexts are consumed in
+    # reverse call order within the pass.
+    act = nn.Tanh()
+    model = nn.Sequential(nn.Linear(4, 5, dtype=np.float64, rng=3), act,
+                          nn.Linear(5, 3, dtype=np.float64, rng=4), act)
+    check_module(model, f64(6, 4))
+
+
+# ---- dtypes -------------------------------------------------------------------------------
+def test_float32_default_and_float64_flow():
+    m = nn.Sequential(nn.Linear(3, 4, rng=0), nn.GELU(), nn.LayerNorm(4), nn.Linear(4, 2, rng=1))
+    assert all(p.dtype == np.float32 for p in m.parameters())
+    y = m(np.ones((2, 3)))  # float64 input is cast to the parameters' dtype
+    assert y.dtype == np.float32
+    m.backward(np.ones_like(y))
+    assert all(p.grad.dtype == np.float32 for p in m.parameters())
+    m64 = nn.Linear(3, 2, dtype=np.float64)
+    assert m64(np.ones((1, 3), np.float32)).dtype == np.float64
+    m64.clear_context()
+    m.to(np.float64)
+    assert all(p.dtype == np.float64 and p.grad is None for p in m.parameters())
+    with pytest.raises(TypeError, match="dtype"):
+        nn.Linear(2, 2, dtype=np.int32)
+
+
+def test_linear_init_like_torch():
+    fc = nn.Linear(400, 300, rng=0)
+    bound = 1 / math.sqrt(400)
+    assert fc.weight.shape == (300, 400) and fc.bias.shape == (300,)
+    for a in (fc.weight.data, fc.bias.data):
+        assert a.min() >= -bound and a.max() <= bound and a.max() > 0.9 * bound
+    np.testing.assert_array_equal(nn.Linear(4, 4, rng=7).weight.data,
+                                  nn.Linear(4, 4, rng=7).weight.data)
+
+
+# ---- gradients in place, hooks, context queues --------------------------------------------
+def test_grads_accumulate_in_place_into_views():
+    m = nn.Sequential(nn.Linear(3, 4, rng=0), nn.ReLU(), nn.Linear(4, 2, rng=1))
+    ps = list(m.parameters())
+    flat = np.zeros(sum(p.size for p in ps), np.float32)
+    off = 0
+    for p in ps:
+        p.grad = flat[off:off + p.size].reshape(p.shape)
+        off += p.size
+    views = [p.grad for p in ps]
+    x = RNG.standard_normal((5, 3)).astype(np.float32)
+    m.backward(np.ones_like(m(x)))
+    first = flat.copy()
+    assert np.any(first != 0)
+    m.backward(np.ones_like(m(x)))
+    np.testing.assert_allclose(flat, 2 * first, rtol=1e-6)
+    assert all(p.grad is v for p, v in zip(ps, views))
+    m.zero_grad()
+    assert np.all(flat == 0) and all(p.grad is v for p, v in zip(ps, views))
+
+
+def test_hooks_fire_once_per_param_per_backward():
+    m = nn.Sequential(nn.Linear(3, 4, rng=0), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2, rng=1))
+    fired = []
+    h = m.register_grad_ready_hook(lambda p: fired.append(id(p)))
+    x = RNG.standard_normal((5, 3)).astype(np.float32)
+    for _ in range(2):
+        fired.clear()
+        m.backward(np.ones_like(m(x)))
+        assert sorted(fired) == sorted(id(p) for p in m.parameters())
+    # reverse order of use: the last layer's parameters are ready first
+    order = [id(p) for p in m.parameters()]
+    assert set(fired[:2]) == set(order[-2:])
+    h.remove()
+    fired.clear()
+    m.backward(np.ones_like(m(x)))
+    assert fired == []
+
+
+def test_tied_parameter_fires_after_last_use():
+    emb = nn.Embedding(6, 4, dtype=np.float64, rng=0)
+    head = nn.Linear(4, 6, bias=False, dtype=np.float64, rng=1)
+    head.weight = emb.weight  # tied
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.ln, self.head = emb, nn.LayerNorm(4, dtype=np.float64), head
+
+        def forward(self, idx):
+            return self.head(self.ln(self.emb(idx)))
+
+        def backward(self, g):
+            return self.emb.backward(self.ln.backward(self.head.backward(g)))
+
+    lm = LM()
+    assert [n for n, _ in lm.named_parameters()] == ["emb.weight", "ln.weight", "ln.bias"]
+    assert list(lm.state_dict()) == ["emb.weight", "ln.weight", "ln.bias", "head.weight"]
+    snaps = []
+    emb.weight.register_grad_ready_hook(lambda p: snaps.append(p.grad.copy()))
+    idx = np.array([[0, 3, 5], [3, 3, 1]])
+    R = f64(2, 3, 6)
+    lm(idx)
+    lm.backward(R)
+    assert len(snaps) == 1
+    np.testing.assert_array_equal(snaps[0], emb.weight.grad)  # fired with the full sum
+
+    def f():
+        with nn.no_grad():
+            return float(np.sum(lm(idx) * R))
+    sel = np.arange(emb.weight.size)
+    np.testing.assert_allclose(emb.weight.grad.reshape(-1),
+                               _numeric_grad(f, emb.weight.data, sel), rtol=1e-6, atol=1e-8)
+
+
+def test_fifo_multiple_forwards_in_flight():
+    m = nn.Sequential(nn.Linear(3, 5, dtype=np.float64, rng=0), nn.Dropout(0.0), nn.Tanh(),
+                      nn.Linear(5, 2, dtype=np.float64, rng=1))
+    xs = [f64(4, 3) for _ in range(3)]
+    gs = [f64(4, 2) for _ in range(3)]
+    # reference: one forward/backward at a time (gradients summed over the three)
+    want_gx = []
+    for x, g in zip(xs, gs):
+        m(x)
+        want_gx.append(m.backward(g))
+    want_grads = [p.grad.copy() for p in m.parameters()]
+    m.zero_grad()
+    fired = []
+    m.register_grad_ready_hook(lambda p: fired.append(p))
+    for x in xs:  # three forwards in flight, then three backwards, oldest first
+        m(x)
+    assert m[0].num_saved_contexts() == 3
+    got_gx = []
+    for k, g in enumerate(gs):
+        got_gx.append(m.backward(g))
+        assert len(fired) == (4 if k == 2 else 0)  # ready only after the last micro-batch
+    for a, b in zip(got_gx, want_gx):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+    for p, w in zip(m.parameters(), want_grads):
+        np.testing.assert_allclose(p.grad, w, rtol=1e-12)
+
+
+def test_no_grad_and_clear_context():
+    m = nn.Sequential(nn.Linear(3, 2, rng=0), nn.ReLU())
+    x = np.ones((2, 3), np.float32)
+    assert nn.is_grad_enabled()
+    with nn.no_grad():
+        assert not nn.is_grad_enabled()
+        m(x)
+        with nn.enable_grad():
+            assert nn.is_grad_enabled()
+    assert nn.is_grad_enabled()
+    assert m[0].num_saved_contexts() == 0 and m.saved_bytes() == 0
+    with pytest.raises(RuntimeError, match="no saved forward context"):
+        m.backward(np.ones((2, 2), np.float32))
+    fired = []
+    m.register_grad_ready_hook(lambda p: fired.append(p))
+    m(x)
+    m(x.copy())
+    # per forward: Linear keeps x (2x3 float32), ReLU its (2x2) bool mask
+    assert m.saved_bytes() == 2 * (2 * 3 * 4 + 2 * 2)
+    m.clear_context()
+    assert m[0].num_saved_contexts() == 0
+    m.backward(np.ones_like(m(x)))
+    assert len(fired) == 2  # outstanding-use counts were reset by clear_context
+
+
+# ---- state dicts ----------------------------------------------------------------------------
+def _model(seed):
+    return nn.Sequential(nn.Linear(3, 4, rng=seed), nn.BatchNorm1d(4),
+                         nn.Linear(4, 2, rng=seed + 1))
+
+
+def test_state_dict_round_trip_in_place():
+    a, b = _model(0), _model(10)
+    with nn.no_grad():
+        a(RNG.standard_normal((8, 3)))  # move the running stats
+    sd = a.state_dict(copy=True)
+    assert list(sd) == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
+                        "1.running_var", "1.num_batches_tracked", "2.weight", "2.bias"]
+    assert [n for n, _ in a.named_buffers()] == ["1.running_mean", "1.running_var",
+                                                 "1.num_batches_tracked"]
+    before = {k: id(v) for k, v in b.state_dict().items()}
+    res = b.load_state_dict(sd)
+    assert res == ([], [])
+    after = b.state_dict()
+    assert {k: id(v) for k, v in after.items()} == before  # same arrays, new values
+    for k in sd:
+        np.testing.assert_array_equal(after[k], sd[k])
+    x = RNG.standard_normal((5, 3))
+    a.eval(), b.eval()
+    with nn.no_grad():
+        np.testing.assert_array_equal(a(x), b(x))
+
+
+def test_load_state_dict_errors_change_nothing():
+    m = _model(0)
+    orig = m.state_dict(copy=True)
+    sd = _model(5).state_dict(copy=True)
+    bad = dict(sd)
+    bad["2.weight"] = np.zeros((3, 3), np.float32)
+    with pytest.raises(ValueError, match="2.weight"):
+        m.load_state_dict(bad)
+    bad = dict(sd)
+    bad["0.bias"] = sd["0.bias"].astype(np.float64)
+    with pytest.raises(ValueError, match="0.bias.*dtype"):
+        m.load_state_dict(bad)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, orig[k])
+    partial = {k: v for k, v in sd.items() if k != "2.bias"}
+    partial["extra.weight"] = np.zeros(1)
+    with pytest.raises(KeyError) as ei:
+        m.load_state_dict(partial)
+    assert "2.bias" in str(ei.value) and "extra.weight" in str(ei.value)
+    missing, unexpected = m.load_state_dict(partial, strict=False)
+    assert missing == ["2.bias"] and unexpected == ["extra.weight"]
+    np.testing.assert_array_equal(m.state_dict()["2.weight"], sd["2.weight"])
+    with pytest.raises(TypeError):
+        m.load_state_dict([1, 2])
+
+
+# ---- argument checking ------------------------------------------------------------------------
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="4 features"):
+        nn.Linear(4, 2)(np.zeros((3, 5), np.float32))
+    with pytest.raises(ValueError, match="positive"):
+        nn.Linear(0, 2)
+    with pytest.raises(TypeError, match="rng"):
+        nn.Linear(2, 2, rng="seed")
+    with pytest.raises(IndexError, match=r"\[0, 5\)"):
+        nn.Embedding(5, 2)(np.array([0, 5]))
+    with pytest.raises(TypeError, match="integer"):
+        nn.Embedding(5, 2)(np.array([0.0]))
+    with pytest.raises(TypeError, match="floating"):
+        nn.ReLU()(np.array([1, 2]))
+    with pytest.raises(ValueError, match=r"\(N, 3\)"):
+        nn.BatchNorm1d(3)(np.zeros((4, 2), np.float32))
+    lin = nn.Linear(2, 3)
+    lin(np.zeros((4, 2), np.float32))
+    with pytest.raises(ValueError, match="grad_output"):
+        lin.backward(np.zeros((4, 2), np.float32))
+    with pytest.raises(TypeError, match="Parameter"):
+        lin.weight = np.zeros((3, 2))
+    with pytest.raises(NotImplementedError):
+        nn.Module().backward(None)
+    p = nn.Parameter(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        p.accumulate_grad(np.zeros(4))
+    with pytest.raises(TypeError):
+        nn.Parameter(np.zeros(3, np.int64))
+    with pytest.raises(TypeError):
+        p.register_grad_ready_hook("not callable")
+
+
+def test_deepcopy_and_pickle_drop_hooks_keep_values():
+    import copy
+    import pickle
+
+    m = nn.Sequential(nn.Linear(3, 2, rng=0), nn.BatchNorm1d(2))
+    m.register_grad_ready_hook(lambda p: None)
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m.state_dict()))):
+        sd = clone.state_dict() if isinstance(clone, nn.Module) else clone
+        for k, v in m.state_dict().items():
+            np.testing.assert_array_equal(sd[k], v)
+    c = copy.deepcopy(m)
+    assert all(not p._hooks for p in c.parameters())
+    assert c[0].weight.data is not m[0].weight.data
+    x = np.ones((4, 3), np.float32)
+    np.testing.assert_array_equal(c(x), m(x))
+
+
+def test_small_mlp_learns():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 2)).astype(np.float32)
+    y = ((x[:, 0] * x[:, 1]) > 0).astype(np.int64)  # XOR-like quadrants
+    from ringlet import optim
+    m = nn.Sequential(nn.Linear(2, 32, rng=1), nn.ReLU(), nn.Linear(32, 2, rng=2))
+    opt = optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(300):
+        loss, g = nn.cross_entropy(m(x), y)
+        opt.zero_grad()
+        m.backward(g)
+        opt.step()
+    with nn.no_grad():
+        acc = np.mean(np.argmax(m(x), -1) == y)
+    assert acc > 0.95, (acc, loss)

@@ -1,0 +1,209 @@
+"""ringlet.optim against straightforward references of torch's update equations
+(and torch.optim itself when torch is installed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringlet import nn, optim
+
+
+def _params(dtype=np.float64, seed=0, shapes=((3, 4), (4,), (2, 2, 3))):
+    rng = np.random.default_rng(seed)
+    return [nn.Parameter(rng.standard_normal(s).astype(dtype)) for s in shapes]
+
+
+def _grads(params, steps, seed=1):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(p.shape).astype(p.dtype) for p in params] for _ in range(steps)]
+
+
+def ref_sgd(ps, gs_steps, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+    ps = [p.copy() for p in ps]
+    bufs = [None] * len(ps)
+    for gs in gs_steps:
+        for i, g in enumerate(gs):
+            g = g + weight_decay * ps[i]
+            if momentum:
+                if bufs[i] is None:
+                    bufs[i] = g.copy()
+                else:
+                    bufs[i] = momentum * bufs[i] + (1 - dampening) * g
+                g = g + momentum * bufs[i] if nesterov else bufs[i]
+            ps[i] = ps[i] - lr * g
+    return ps
+
+
+def ref_adamw(ps, gs_steps, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+              amsgrad=False):
+    b1, b2 = betas
+    ps = [p.copy() for p in ps]
+    m = [np.zeros_like(p) for p in ps]
+    v = [np.zeros_like(p) for p in ps]
+    vmax = [np.zeros_like(p) for p in ps]
+    for t, gs in enumerate(gs_steps, start=1):
+        for i, g in enumerate(gs):
+            ps[i] = ps[i] * (1 - lr * weight_decay)
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            vmax[i] = np.maximum(vmax[i], v[i])
+            vv = vmax[i] if amsgrad else v[i]
+            mhat = m[i] / (1 - b1 ** t)
+            vhat = vv / (1 - b2 ** t)
+            ps[i] = ps[i] - lr * mhat / (np.sqrt(vhat) + eps)
+    return ps
+
+
+def _run(opt_cls, params, gs_steps, **kw):
+    opt = opt_cls(params, **kw)
+    for gs in gs_steps:
+        opt.zero_grad()
+        for p, g in zip(params, gs):
+            p.accumulate_grad(g)
+        opt.step()
+    return opt
+
+
+SGD_CASES = [
+    dict(lr=0.1),
+    dict(lr=0.1, momentum=0.9),
+    dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    dict(lr=0.05, momentum=0.8, weight_decay=0.1, nesterov=True),
+]
+
+
+@pytest.mark.parametrize("kw", SGD_CASES)
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 2e-6)])
+def test_sgd_matches_reference(kw, dtype, rtol):
+    ps = _params(dtype)
+    start = [p.data.copy() for p in ps]
+    gs = _grads(ps, 6)
+    _run(optim.SGD, ps, gs, **kw)
+    want = ref_sgd([s.astype(np.float64) for s in start],
+                   [[g.astype(np.float64) for g in step] for step in gs], **kw)
+    for p, w in zip(ps, want):
+        assert p.dtype == dtype
+        np.testing.assert_allclose(p.data, w, rtol=rtol, atol=rtol)
+
+
+ADAM_CASES = [dict(), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+              dict(lr=3e-3, weight_decay=0.0, amsgrad=True)]
+
+
+@pytest.mark.parametrize("kw", ADAM_CASES)
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 2e-6)])
+def test_adamw_matches_reference(kw, dtype, rtol):
+    ps = _params(dtype)
+    start = [p.data.copy() for p in ps]
+    gs = _grads(ps, 6)
+    _run(optim.AdamW, ps, gs, **kw)
+    want = ref_adamw([s.astype(np.float64) for s in start],
+                     [[g.astype(np.float64) for g in step] for step in gs], **kw)
+    for p, w in zip(ps, want):
+        np.testing.assert_allclose(p.data, w, rtol=rtol, atol=rtol)
+
+
+def test_in_place_on_flat_views_and_skips_none():
+    flat = np.random.default_rng(0).standard_normal(12 + 4)
+    p1 = nn.Parameter(flat[:12].reshape(3, 4))
+    p2 = nn.Parameter(flat[12:])
+    frozen = nn.Parameter(np.ones(2))  # never gets a gradient
+    gflat = np.zeros_like(flat)
+    p1.grad, p2.grad = gflat[:12].reshape(3, 4), gflat[12:]
+    gflat[:] = 1.0
+    before = flat.copy()
+    for cls, kw in ((optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)), (optim.AdamW, {})):
+        opt = cls([p1, p2, frozen], **kw)
+        opt.step()
+        assert p1.data.base is flat and p2.data.base is flat  # never rebound
+        assert np.all(flat != before)
+        np.testing.assert_array_equal(frozen.data, 1.0)
+        opt.zero_grad()
+        assert np.all(gflat == 0) and p1.grad.base is gflat
+        gflat[:] = 1.0
+        before = flat.copy()
+
+
+def test_param_groups():
+    a, b = _params(shapes=((3,),)), _params(seed=1, shapes=((2,),))
+    opt = optim.SGD([{"params": a}, {"params": b, "lr": 0.5}], lr=0.1)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+    assert opt.param_groups[1]["momentum"] == 0.0
+    a0, b0 = a[0].data.copy(), b[0].data.copy()
+    a[0].accumulate_grad(np.ones(3))
+    b[0].accumulate_grad(np.ones(2))
+    opt.step()
+    np.testing.assert_allclose(a[0].data, a0 - 0.1)
+    np.testing.assert_allclose(b[0].data, b0 - 0.5)
+    opt.param_groups[0]["lr"] = 1.0  # schedules edit groups between steps
+    opt.step()
+    np.testing.assert_allclose(a[0].data, a0 - 1.1)
+    with pytest.raises(ValueError, match="more than once"):
+        opt.add_param_group({"params": a})
+
+
+@pytest.mark.parametrize("cls,kw", [(optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+                                    (optim.AdamW, dict(lr=1e-2, amsgrad=True))])
+def test_state_dict_round_trip(cls, kw):
+    ps = _params()
+    gs = _grads(ps, 6)
+    opt = _run(cls, ps, gs[:3], **kw)
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1, 2]
+    assert sd["param_groups"][0]["params"] == [0, 1, 2]
+    clone = [nn.Parameter(p.data.copy()) for p in ps]
+    opt2 = cls(clone, lr=123.0)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == kw["lr"]
+    for o, params in ((opt, ps), (opt2, clone)):
+        for step in gs[3:]:
+            o.zero_grad()
+            for p, g in zip(params, step):
+                p.accumulate_grad(g)
+            o.step()
+    for p, q in zip(ps, clone):
+        np.testing.assert_array_equal(p.data, q.data)
+    bad = opt.state_dict()
+    bad["state"] = {0: {k: (v[:1] if isinstance(v, np.ndarray) else v)
+                        for k, v in bad["state"][0].items()}}
+    with pytest.raises(ValueError, match="shape"):
+        cls(clone, lr=0.1).load_state_dict(bad)
+    with pytest.raises(ValueError, match="groups"):
+        cls(clone, lr=0.1).load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_bad_arguments():
+    ps = _params()
+    with pytest.raises(ValueError, match="empty"):
+        optim.SGD([], lr=0.1)
+    with pytest.raises(TypeError, match="iterable"):
+        optim.SGD(ps[0], lr=0.1)
+    with pytest.raises(TypeError, match="Parameter"):
+        optim.SGD([np.zeros(3)], lr=0.1)
+    with pytest.raises(ValueError, match="lr"):
+        optim.SGD(ps, lr=-1.0)
+    with pytest.raises(ValueError, match="nesterov"):
+        optim.SGD(ps, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="betas"):
+        optim.AdamW(ps, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="unknown"):
+        optim.SGD([{"params": ps, "betas": (0.9, 0.9)}], lr=0.1)
+
+
+def test_matches_torch_when_installed():
+    torch = pytest.importorskip("torch")
+    for cls, tcls, kw in ((optim.SGD, torch.optim.SGD,
+                           dict(lr=0.05, momentum=0.9, weight_decay=0.1, nesterov=True)),
+                          (optim.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))):
+        ps = _params()
+        tps = [torch.tensor(p.data.copy(), requires_grad=True) for p in ps]
+        gs = _grads(ps, 5)
+        _run(cls, ps, gs, **kw)
+        topt = tcls(tps, **kw)
+        for step in gs:
+            for t, g in zip(tps, step):
+                t.grad = torch.tensor(g)
+            topt.step()
+        for p, t in zip(ps, tps):
+            np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-10, atol=1e-12)
