@@ -40,21 +40,38 @@ _BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 SUPPORTED = "float16, bfloat16 (ml_dtypes), float32, float64, int8, uint8, int32, int64, bool"
 
 
+_BY_NUM: dict = {}  # dtype.num -> code, filled as dtypes are seen (hashing a dtype is slow)
+
+
 def dtype_code(dtype: np.dtype, what: str = "array") -> int:
     """The C code of a numpy dtype; TypeError naming it when unsupported."""
+    num = getattr(dtype, "num", None)
+    code = _BY_NUM.get(num)
+    if code is not None:
+        return code
     dtype = np.dtype(dtype)
     code = _CODES.get(dtype)
     if code is not None:
+        _BY_NUM[dtype.num] = code
         return code
     # ml_dtypes.bfloat16 is an extension dtype: match it by name so ml_dtypes
     # never has to be imported unless the user already uses it.
     if dtype.name == "bfloat16" and dtype.itemsize == 2:
+        _BY_NUM[dtype.num] = _BF16
         return _BF16
     raise TypeError(f"{what} has unsupported dtype {dtype}; supported: {SUPPORTED}")
 
 
-def check_op(op, code: int, dtype: np.dtype) -> ReduceOp:
-    """Validate a reduction for a dtype code; ValueError when undefined."""
+# (op, dtype code) pairs already validated: the common case costs one lookup.
+_VALID: dict = {}
+
+
+def check_op(op, code: int, dtype: np.dtype) -> int:
+    """Validate a reduction for a dtype code; returns the C op code or raises ValueError."""
+    key = (op, code)
+    hit = _VALID.get(key)
+    if hit is not None:
+        return hit
     try:
         op = ReduceOp(op)
     except ValueError:
@@ -64,4 +81,6 @@ def check_op(op, code: int, dtype: np.dtype) -> ReduceOp:
     if op in _BITWISE and code in _FLOAT_CODES:
         raise ValueError(f"ReduceOp.{op.name} is defined for integer and bool dtypes only, "
                          f"not {np.dtype(dtype)}")
-    return op
+    if isinstance(key[0], (int, ReduceOp)):  # hashable and stable: remember it
+        _VALID[key] = int(op)
+    return int(op)

@@ -175,13 +175,20 @@ class World:
 # ---- the default group ---------------------------------------------------------
 _lock = threading.Lock()
 _default: Optional[World] = None
-_tls = threading.local()  # thread-mode ranks (ringlet.testing) keep their own
+class _RankLocal(threading.local):
+    # Class-level defaults: reading a missing thread-local attribute would cost
+    # an AttributeError on every collective call.
+    world: Optional[World] = None
+    scoped = False
+
+
+_tls = _RankLocal()  # thread-mode ranks (ringlet.testing) keep their own
 
 
 def _current() -> Optional[World]:
-    w = getattr(_tls, "world", None)
-    if w is not None or getattr(_tls, "scoped", False):
-        return w
+    t = _tls
+    if t.scoped:
+        return t.world
     return _default
 
 
@@ -190,7 +197,7 @@ def _require(group: Optional[ProcessGroup]) -> ProcessGroup:
         if not isinstance(group, ProcessGroup):
             raise TypeError(f"group must be a ringlet.ProcessGroup, got {type(group).__name__}")
         return group
-    w = _current()
+    w = _tls.world if _tls.scoped else _default
     if w is None or w.group is None:
         raise RuntimeError("ringlet is not initialised: call ringlet.init() first")
     return w.group
@@ -348,7 +355,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
         world.close()
         raise
     with _lock:
-        if getattr(_tls, "scoped", False):
+        if _tls.scoped:
             _tls.world = world
         else:
             _default = world
@@ -386,7 +393,7 @@ def shutdown() -> None:
         w = _current()
         if w is None:
             return
-        if getattr(_tls, "scoped", False):
+        if _tls.scoped:
             _tls.world = None
         else:
             _default = None

@@ -32,11 +32,11 @@ _MAX_TAG = 2**32 - 1
 def _array(x: Any, what: str, *, writable: bool) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{what} must be a numpy.ndarray, got {type(x).__name__}")
-    if not x.flags.c_contiguous:
+    flags = x.flags
+    if not flags.c_contiguous:
         raise ValueError(f"{what} must be C-contiguous (use numpy.ascontiguousarray)")
-    if writable and not x.flags.writeable:
+    if writable and not flags.writeable:
         raise ValueError(f"{what} is read-only; ringlet writes the result into it")
-    dtype_code(x.dtype, what)
     return x
 
 
@@ -106,13 +106,18 @@ class ProcessGroup:
         try:
             return fn()
         except (RingletError, KeyboardInterrupt) as exc:
-            if not isinstance(exc, GroupPoisonedError) and self._failure is None:
-                self._failure = exc
-                self._world._publish_failure(self, exc)
+            self._record(exc)
             raise
 
+    def _record(self, exc: BaseException) -> None:
+        """Remember the first failure and tell the other ranks about it."""
+        if not isinstance(exc, GroupPoisonedError) and self._failure is None:
+            self._failure = exc
+            self._world._publish_failure(self, exc)
+
     def _run(self, op: str, fn: Callable[[], Any], keep: tuple, async_op: bool) -> Any:
-        self._usable()
+        if self._closed or self.rank < 0:
+            self._usable()
 
         def locked() -> Any:
             with self._lock:
@@ -122,7 +127,14 @@ class ProcessGroup:
             return self._exec.submit(locked, Work(op, keep))
         if self._exec.busy:  # keep issue order behind queued async ops
             return self._exec.submit(locked, Work(op, keep)).result()
-        return locked()
+        with self._lock:
+            if self._failure is not None:
+                return self._guard(fn)  # raises GroupPoisonedError
+            try:
+                return fn()
+            except (RingletError, KeyboardInterrupt) as exc:
+                self._record(exc)
+                raise
 
     def _p2p_executor(self, kind: str, peer: int) -> SerialExecutor:
         with self._p2p_exec_lock:
