@@ -1,0 +1,146 @@
+"""Pipeline × data parallelism: the 2-D group layout and the gradient all-reduce.
+
+With ``pp`` pipeline stages and ``dp`` data-parallel replicas the world's
+``pp·dp`` ranks form a grid.  World rank ``d·pp + s`` runs stage s of
+replica d, so each pipeline is a block of consecutive ranks (neighbouring
+stages exchange activations most often) and the ranks that hold the same
+stage in different replicas form a data-parallel group::
+
+    pp=2, dp=2:   pipeline groups [0, 1], [2, 3]     data groups [0, 2], [1, 3]
+
+After a pipelined step every replica holds the gradients of its own data;
+``all_reduce_gradients`` averages each stage's gradients over its data group
+before the optimizer step.  (A device mesh will offer the same groups.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, NamedTuple, Optional
+
+import numpy as np
+
+import ringlet
+
+__all__ = ["PipelineDataGroups", "pipeline_data_groups", "all_reduce_gradients"]
+
+
+class PipelineDataGroups(NamedTuple):
+    """This rank's place in a pipeline × data layout.
+
+    Attributes:
+        pp_group: the pipeline group (this replica's stages, in stage order).
+        dp_group: the data-parallel group (this stage in every replica).
+        stage: this rank's pipeline rank (= its stage with one stage per rank).
+        replica: this rank's data-parallel rank.
+    """
+
+    pp_group: Any
+    dp_group: Any
+    stage: int
+    replica: int
+
+
+def pipeline_data_groups(pp_size: int, dp_size: int, *,
+                         timeout: Optional[float] = None) -> PipelineDataGroups:
+    """Create the pipeline and data-parallel groups of a ``pp_size × dp_size`` layout.
+
+    Every rank of the world calls it (it creates every group, in the same
+    order, with ``ringlet.new_group``).  World rank ``d·pp_size + s`` is stage
+    s of replica d.
+
+    Args:
+        pp_size: ranks per pipeline.
+        dp_size: number of replicas; ``pp_size * dp_size`` must equal the world size.
+        timeout: passed to ``new_group``.
+    Returns:
+        ``PipelineDataGroups(pp_group, dp_group, stage, replica)`` for this rank.
+    Raises:
+        ValueError: the sizes do not multiply to the world size.
+
+    Example::
+
+        pp_group, dp_group, stage, replica = pipeline_data_groups(2, 2)   # on 4 ranks
+    """
+    for v, what in ((pp_size, "pp_size"), (dp_size, "dp_size")):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{what} must be a positive int, got {v!r}")
+    world = ringlet.get_world_size()
+    if pp_size * dp_size != world:
+        raise ValueError(f"pp_size {pp_size} x dp_size {dp_size} = {pp_size * dp_size} ranks, "
+                         f"but the world has {world}")
+    me = ringlet.get_rank()
+    replica, stage = divmod(me, pp_size)
+    pp_group = dp_group = None
+    for d in range(dp_size):
+        g = ringlet.new_group([d * pp_size + s for s in range(pp_size)], timeout=timeout)
+        if d == replica:
+            pp_group = g
+    for s in range(pp_size):
+        g = ringlet.new_group([d * pp_size + s for d in range(dp_size)], timeout=timeout)
+        if s == stage:
+            dp_group = g
+    return PipelineDataGroups(pp_group, dp_group, stage, replica)
+
+
+def _params(items: Iterable[Any]) -> List[Any]:
+    out, seen = [], set()
+    for it in items:
+        if hasattr(it, "parameters") and callable(it.parameters):
+            ps = list(it.parameters())
+        elif hasattr(it, "data") and hasattr(it, "grad"):
+            ps = [it]
+        else:
+            raise TypeError(f"all_reduce_gradients takes PipelineStages, Modules or Parameters, "
+                            f"got {type(it).__name__}")
+        for p in ps:
+            if id(p) not in seen and getattr(p, "requires_grad", True):
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def all_reduce_gradients(stages: Any, group: Any, *, average: bool = True,
+                         timeout: Optional[float] = None) -> None:
+    """All-reduce the gradients of ``stages`` over the data-parallel ``group``, in place.
+
+    Gradients are packed into one flat buffer per dtype, reduced with one
+    all-reduce each, and written back into each ``param.grad`` in place.  A
+    parameter with no gradient yet counts as zeros (and gets a zero
+    gradient), so every replica reduces the same layout.  Call it on every
+    rank of ``group``, after ``schedule.step`` and before ``optimizer.step``.
+
+    Args:
+        stages: a ``PipelineStage``, a ``Module``, or a list of either (or of
+            ``Parameter`` s); the same structure on every rank of ``group``.
+        group: the data-parallel ``ProcessGroup`` (e.g. from ``pipeline_data_groups``).
+        average: divide by the group size (the default, matching a mean loss
+            over the global batch); False sums.
+        timeout: seconds for each all-reduce (default: the group's).
+    Raises:
+        TypeError: unsupported items.
+
+    Example::
+
+        schedule.step(x, y)
+        all_reduce_gradients(stage, dp_group)
+        optimizer.step()
+    """
+    items = stages if isinstance(stages, (list, tuple)) else [stages]
+    params = _params(items)
+    if ringlet.get_world_size(group) == 1 or not params:
+        return
+    by_dtype: dict = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = np.zeros_like(p.data, order="C")
+        by_dtype.setdefault(np.dtype(p.grad.dtype), []).append(p)
+    op = ringlet.ReduceOp.AVG if average else ringlet.ReduceOp.SUM
+    for dt in sorted(by_dtype, key=str):  # same order on every rank
+        ps = by_dtype[dt]
+        flat = np.concatenate([p.grad.reshape(-1) for p in ps])
+        ringlet.all_reduce(flat, op, group=group, timeout=timeout)
+        off = 0
+        for p in ps:
+            n = p.grad.size
+            p.grad[...] = flat[off:off + n].reshape(p.grad.shape)
+            off += n

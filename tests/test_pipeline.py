@@ -1,0 +1,728 @@
+"""Pipeline parallelism: schedules as data, the runtime, pipeline × data, failures.
+
+Oracles: a plan is checked by the simulator against hand-derived facts
+(bubble formula, per-rank activation bounds, exact small grids); a pipelined
+step is checked against the same model run unsplit on one process.  All
+parity tests run in float64 and compare with a stated tolerance of 1e-10
+(relative, plus 1e-12 absolute): the pipelined step does the same arithmetic
+per sample and only sums microbatch gradients in a different order.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import nn
+from ringlet.pipeline import (Action, ActionKind, PipelineError, PipelineStage, Plan,
+                              Schedule1F1B, ScheduleError, ScheduleGPipe,
+                              ScheduleInterleaved1F1B, all_reduce_gradients, bubble_fraction,
+                              pipeline_data_groups, plan_1f1b, plan_gpipe,
+                              plan_interleaved_1f1b, simulate, split_model)
+from ringlet.pipeline import runtime as rt
+from ringlet.testing import WorldError, run_world
+
+RTOL, ATOL = 1e-10, 1e-12
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+SA, RA, SG, RG = (ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD,
+                  ActionKind.RECV_GRAD)
+D_IN, D_H, D_OUT = 5, 7, 3
+
+
+# ---- schedules as data ------------------------------------------------------------------
+@pytest.mark.parametrize("p", range(1, 7))
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 12, 16])
+def test_gpipe_and_1f1b_plans_valid_with_bubble_and_memory(p, m):
+    theory = (p - 1) / (m + p - 1)
+    g = simulate(plan_gpipe(p, m))
+    assert g.bubble_fraction == pytest.approx(theory, abs=1e-12)
+    assert g.peak_alive == [m] * p
+    o = simulate(plan_1f1b(p, m))
+    assert o.bubble_fraction == pytest.approx(theory, abs=1e-12)
+    # Stage i keeps at most p - i microbatches alive (and exactly that many
+    # once m is large enough); never more than the number of stages.
+    assert o.peak_alive == [min(p - r, m) for r in range(p)]
+    assert max(o.peak_alive) <= p
+    # Unequal costs: same makespan for both, (m + p - 1)(tf + tb).
+    for plan in (plan_gpipe(p, m), plan_1f1b(p, m)):
+        assert simulate(plan, forward_time=1, backward_time=2).makespan == (m + p - 1) * 3
+
+
+@pytest.mark.parametrize("p", range(1, 6))
+@pytest.mark.parametrize("v", [1, 2, 3, 4])
+@pytest.mark.parametrize("rounds", [1, 2, 3, 4])
+def test_interleaved_plans_valid_with_smaller_bubble(p, v, rounds):
+    m = rounds * p
+    plan = plan_interleaved_1f1b(p, v, m)
+    assert plan.num_stages == p * v
+    assert [plan.stages_of(r) for r in range(p)] == [list(range(r, p * v, p)) for r in range(p)]
+    sim = simulate(plan)
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert sim.bubble_fraction <= bubble_fraction(p, m) + 1e-12
+    if v == 1:
+        assert plan.actions == plan_1f1b(p, m).actions
+    else:  # warm-up forwards plus the one in flight, in chunk-microbatches
+        assert sim.peak_alive == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+                                  for r in range(p)]
+
+
+def test_interleaved_needs_multiple_of_ranks():
+    with pytest.raises(ValueError, match=r"multiple of the number of pipeline ranks \(4\); "
+                                         r"got 6 \(try 8\)"):
+        plan_interleaved_1f1b(4, 2, 6)
+
+
+def test_bubble_fraction_formula_and_arguments():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction(1, 5) == 0.0
+    with pytest.raises(ValueError):
+        bubble_fraction(0, 4)
+    with pytest.raises(TypeError):
+        plan_gpipe(2.0, 4)
+    with pytest.raises(TypeError):
+        plan_1f1b(2, True)
+
+
+def test_table_grid_exact_for_small_1f1b():
+    t = plan_1f1b(2, 3).table()
+    cells = [[t.cell(a) for a in row] for row in t.grid]
+    assert cells == [["F0", "F1", ".", "B0", "F2", "B1", ".", "B2"],
+                     [".", "F0", "B0", "F1", "B1", "F2", "B2", "."]]
+    text = str(t)
+    assert "rank 0" in text and "rank 1" in text and "bubble 0.250 (theory 0.250)" in text
+    assert "peak alive microbatch-stages per rank [2, 1]" in text
+    # Interleaved cells name the stage; backward_time=2 widens backward cells.
+    ti = plan_interleaved_1f1b(2, 2, 2).table(backward_time=2)
+    assert "F0s2" in str(ti)
+    assert sum(c is not None and c.kind is B for c in ti.grid[0]) == 2 * 2 * 2
+
+
+def _swap(plan: Plan, rank: int, i: int, j: int) -> Plan:
+    acts = [list(a) for a in plan.actions]
+    acts[rank][i], acts[rank][j] = acts[rank][j], acts[rank][i]
+    return Plan(plan.name, plan.num_ranks, plan.num_stages, plan.n_microbatches,
+                tuple(tuple(a) for a in acts))
+
+
+def _with(plan: Plan, rank: int, actions) -> Plan:
+    acts = list(plan.actions)
+    acts[rank] = tuple(actions)
+    return Plan(plan.name, plan.num_ranks, plan.num_stages, plan.n_microbatches, tuple(acts))
+
+
+def test_simulator_rejects_broken_plans():
+    g = plan_gpipe(2, 2)
+    # rank 1: RA(1,0) F(1,0) RA(1,1) F(1,1) B(1,0) SG(1,0) B(1,1) SG(1,1)
+    r1 = list(g.actions[1])
+    with pytest.raises(ScheduleError, match="before receiving its input"):
+        simulate(_swap(g, 1, 0, 1))
+    with pytest.raises(ScheduleError, match="out of forward order"):
+        b0, b1 = r1.index(Action(B, 1, 0)), r1.index(Action(B, 1, 1))
+        simulate(_swap(_swap(g, 1, b0, b1), 1, b0 + 1, b1 + 1))
+    with pytest.raises(ScheduleError, match="before its own forward"):
+        simulate(_with(g, 0, [Action(B, 0, 0)] + [a for a in g.actions[0]
+                                                  if a != Action(B, 0, 0)]))
+    with pytest.raises(ScheduleError, match="runs .* twice"):
+        simulate(_with(g, 1, r1 + [r1[0]]))
+    with pytest.raises(ScheduleError, match="never runs"):
+        simulate(_with(g, 1, r1[:-1]))
+    with pytest.raises(ScheduleError, match="does not belong"):
+        simulate(_with(g, 1, r1 + [Action(F, 0, 0)]))
+    with pytest.raises(ScheduleError, match="before the forward that produces it"):
+        r0 = list(g.actions[0])
+        simulate(_swap(g, 0, r0.index(Action(F, 0, 0)), r0.index(Action(SA, 0, 0))))
+    # Rank 0 waits for a gradient before sending the activation that causes it.
+    r0 = list(g.actions[0])
+    i, j = r0.index(Action(SA, 0, 0)), r0.index(Action(RG, 0, 0))
+    bad = r0[:i] + [r0[j]] + [a for a in r0[i:] if a != r0[j]]
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits at RG"):
+        simulate(_with(g, 0, bad))
+
+
+def test_simulator_finds_every_deadlock_of_random_orders():
+    """Random per-rank orders: the simulator accepts exactly the ones a brute-force run finishes."""
+    rng = np.random.default_rng(0)
+    base = plan_1f1b(3, 3)
+    accepted = rejected = 0
+    for _ in range(300):
+        acts = [list(a) for a in base.actions]
+        r = int(rng.integers(3))
+        i, j = rng.integers(len(acts[r]), size=2)
+        acts[r][i], acts[r][j] = acts[r][j], acts[r][i]
+        plan = Plan("x", 3, 3, 3, tuple(tuple(a) for a in acts))
+        try:
+            simulate(plan)
+            ok = True
+        except ScheduleError:
+            ok = False
+        assert ok == _brute_force_runs(plan)
+        accepted += ok
+        rejected += not ok
+    assert accepted > 10 and rejected > 10
+
+
+def _brute_force_runs(plan: Plan) -> bool:
+    """Independent oracle: execute with explicit data (values, not bookkeeping)."""
+    p, S = plan.num_ranks, plan.num_stages
+    mailbox = set()
+    have = {r: set() for r in range(p)}  # ("x"|"y"|"gy"|"gx", s, m) held by rank r
+    fwd_seq = {s: [] for s in range(S)}
+    pos = [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(plan.actions[r]):
+                a = plan.actions[r][pos[r]]
+                s, m = a.stage, a.microbatch
+                if a.kind is RA:
+                    if ("act", s - 1, m) not in mailbox:
+                        break
+                    have[r].add(("x", s, m))
+                elif a.kind is RG:
+                    if ("grad", s + 1, m) not in mailbox:
+                        break
+                    have[r].add(("gy", s, m))
+                elif a.kind is SA:
+                    if ("y", s, m) not in have[r]:
+                        return False
+                    mailbox.add(("act", s, m))
+                elif a.kind is SG:
+                    if ("gx", s, m) not in have[r]:
+                        return False
+                    mailbox.add(("grad", s, m))
+                elif a.kind is F:
+                    if s > 0 and ("x", s, m) not in have[r]:
+                        return False
+                    have[r].add(("y", s, m))
+                    have[r].add(("ctx", s, m))
+                    fwd_seq[s].append(m)
+                    if s == S - 1:
+                        have[r].add(("gy", s, m))
+                else:
+                    if ("ctx", s, m) not in have[r] or ("gy", s, m) not in have[r]:
+                        return False
+                    if fwd_seq[s][0] != m:  # FIFO contexts
+                        return False
+                    fwd_seq[s].pop(0)
+                    have[r].add(("gx", s, m))
+                pos[r] += 1
+                progress = True
+    return all(pos[r] == len(plan.actions[r]) for r in range(p))
+
+
+# ---- wire format ---------------------------------------------------------------------------
+def test_wire_format_round_trip_and_poison():
+    a = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    d = rt._parse_declaration(rt._declaration(7, 2, a.shape, a.dtype), 7, 2, "x")
+    assert (d.kind, d.shape, d.dtype, d.nbytes) == (rt._KIND_DATA, (3, 4, 5), np.float32, 240)
+    assert rt._parse_declaration(rt._declaration(7, 2, a.shape, a.dtype), 8, 2,
+                                 "x").error.startswith("x: declaration for step 7")
+    p = rt._parse_declaration(rt._poison_declaration(7, 2, origin=3), 7, 2, "x")
+    assert (p.kind, p.origin) == (rt._KIND_POISON, 3)
+    bad = rt._declaration(7, 2, a.shape, a.dtype)
+    bad[0] = 1
+    assert "malformed" in rt._parse_declaration(bad, 7, 2, "x").error
+    frame = rt._frame(7, 2, 9, a, a.nbytes)
+    assert frame.size == 128 + 240
+    assert rt._parse_frame(frame, 7, 2, 9, "x") == (rt._KIND_DATA, -1, None)
+    np.testing.assert_array_equal(frame[128:].view(np.float32).reshape(a.shape), a)
+    assert "microbatch 9 where step 7, stage 2, microbatch 8" in \
+        rt._parse_frame(frame, 7, 2, 8, "x")[2]
+    poison = rt._frame(7, 2, -1, None, 240, origin=1)
+    assert poison.size == frame.size
+    assert rt._parse_frame(poison, 7, 2, 4, "x")[:2] == (rt._KIND_POISON, 1)
+    with pytest.raises(ValueError, match="at most 8 dimensions"):
+        rt._declaration(1, 0, (1,) * 9, np.float64)
+    with pytest.raises(TypeError, match="cannot carry dtype complex128"):
+        rt._declaration(1, 0, (2,), np.dtype(np.complex128))
+    # Tags of different message types, stages and microbatches never collide.
+    tags = {rt._tag(c, s, m) for c in range(1, 5) for s in (0, 1, 4095) for m in (0, 1, 65535)}
+    assert len(tags) == 4 * 3 * 3 and max(tags) < 2 ** 32
+
+
+# ---- split_model -------------------------------------------------------------------------------
+def test_split_model_balance_and_param_count():
+    model = nn.Sequential(nn.Linear(4, 8, rng=0), nn.Tanh(), nn.Linear(8, 8, rng=1), nn.Tanh(),
+                          nn.Linear(8, 2, rng=2))
+    parts = split_model(model, 2, balance=[3, 2])
+    assert [len(s) for s in parts] == [3, 2]
+    assert parts[0][0] is model[0] and parts[1][1] is model[4]
+    # By parameter count (40, 0, 72, 0, 18): best max is 72 alone... keep activations
+    # with the layer before them.
+    assert [len(s) for s in split_model(model, 2)] == [2, 3]
+    assert [len(s) for s in split_model(model, 3)] == [2, 2, 1]
+    assert [len(s) for s in split_model(model, 5)] == [1, 1, 1, 1, 1]
+    x = np.ones((2, 4))
+    y = model(x)
+    z = x
+    for part in split_model(model, 3):
+        z = part(z)
+    np.testing.assert_array_equal(y, z)
+    model.clear_context()
+    for part in split_model(model, 3):
+        part.clear_context()
+    with pytest.raises(ValueError, match="covers 4 layers, the model has 5"):
+        split_model(model, 2, balance=[2, 2])
+    with pytest.raises(ValueError, match="at least one layer"):
+        split_model(model, 2, balance=[5, 0])
+    with pytest.raises(ValueError, match=r"n_stages must be in \[1, 5\]"):
+        split_model(model, 6)
+    with pytest.raises(TypeError, match="Sequential"):
+        split_model([model], 1)
+
+
+# ---- the runtime: parity with the unsplit model -----------------------------------------------
+def _model(n_layers_pairs: int, seed: int = 0) -> nn.Sequential:
+    layers = [nn.Linear(D_IN, D_H, dtype=np.float64, rng=seed), nn.Tanh()]
+    for i in range(n_layers_pairs - 1):
+        layers += [nn.Linear(D_H, D_H, dtype=np.float64, rng=seed + 1 + i), nn.Tanh()]
+    layers.append(nn.Linear(D_H, D_OUT, dtype=np.float64, rng=seed + 99))
+    return nn.Sequential(*layers)
+
+
+def _data(batch: int, seed: int = 5):
+    g = np.random.default_rng(seed)
+    return g.normal(size=(batch, D_IN)), g.normal(size=(batch, D_OUT))
+
+
+def _reference(n_pairs: int, x, y, loss_fn=nn.mse_loss):
+    model = _model(n_pairs)
+    loss, g = loss_fn(model(x), y)
+    model.backward(g)
+    return loss, [p.grad.copy() for p in model.parameters()]
+
+
+def _build(kind: str, rank: int, p: int, m: int, group=None, v: int = 2, **kw):
+    n_stages = p * v if kind == "interleaved" else p
+    model = _model(n_stages)
+    chunks = split_model(model, n_stages)
+    if kind == "interleaved":
+        stages = [PipelineStage(chunks[s], s, n_stages, group=group)
+                  for s in range(rank, n_stages, p)]
+        return stages, ScheduleInterleaved1F1B(stages, m, loss_fn=nn.mse_loss, **kw)
+    stage = PipelineStage(chunks[rank], rank, n_stages, group=group)
+    cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+    return [stage], cls(stage, m, loss_fn=nn.mse_loss, **kw)
+
+
+def _grads(stages):
+    return {st.stage_index: [p.grad.copy() for p in st.parameters()] for st in stages}
+
+
+def _parity_rank(rank, p, kind, m, batch, steps=2):
+    stages, sched = _build(kind, rank, p, m, timeout=30)
+    x, y = _data(batch)
+    losses = []
+    for _ in range(steps):  # a second step accumulates: gradients double
+        losses.append(sched.step(x if rank == 0 else None, y if rank == p - 1 else None))
+    return losses, _grads(stages), sched.last_stats
+
+
+def _check_parity(results, n_pairs, x, y, steps=2):
+    ref_loss, ref_grads = _reference(n_pairs, x, y)
+    got = {}
+    for losses, grads, _ in results:
+        got.update(grads)
+    flat = [g for s in sorted(got) for g in got[s]]
+    assert len(flat) == len(ref_grads)
+    for g, r in zip(flat, ref_grads):
+        np.testing.assert_allclose(g, steps * r, rtol=RTOL, atol=ATOL)
+    last = results[-1][0]
+    for loss in last:
+        assert loss == pytest.approx(ref_loss, rel=RTOL, abs=ATOL)
+    assert all(r[0] == [None] * steps for r in results[:-1])
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_pipelined_step_matches_unsplit_model(kind, p):
+    m, batch = p + 2, 3 * (p + 2)  # more microbatches than stages, 3 samples each
+    results = run_world(_parity_rank, p, args=(kind, m, batch), timeout=60)
+    x, y = _data(batch)
+    _check_parity(results, p, x, y)
+    for rank, (_, _, stats) in enumerate(results):
+        want = m if kind == "gpipe" else p - rank
+        assert stats.peak_alive == want
+        assert stats.peak_activation_bytes > 0
+        assert 0 < stats.compute_time < stats.step_time
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_interleaved_two_virtual_stages_matches_unsplit_model(p):
+    m, batch = 2 * p, 4 * p
+    results = run_world(_parity_rank, p, args=("interleaved", m, batch), timeout=60)
+    x, y = _data(batch)
+    _check_parity(results, 2 * p, x, y)
+    for rank, (_, grads, _) in enumerate(results):
+        assert sorted(grads) == [rank, rank + p]
+
+
+def test_fewer_microbatches_than_stages_and_single_rank():
+    results = run_world(_parity_rank, 3, args=("1f1b", 1, 4), timeout=60)
+    x, y = _data(4)
+    _check_parity(results, 3, x, y)
+    # One rank holding several stages: hand-offs stay local, no messages.
+    results = run_world(_parity_rank, 1, args=("interleaved", 3, 6), timeout=60)
+    x, y = _data(6)
+    _check_parity(results, 2, x, y)
+
+
+def _classify_rank(rank, p, m):
+    model = nn.Sequential(nn.Linear(D_IN, D_H, dtype=np.float64, rng=3), nn.GELU(),
+                          nn.Linear(D_H, 4, dtype=np.float64, rng=4))
+    stage = PipelineStage(split_model(model, p, balance=[2, 1])[rank], rank, p,
+                          input_shape=(None, D_IN) if rank == 0 else (None, D_H),
+                          input_dtype=np.float64)
+    sched = Schedule1F1B(stage, m)
+    x = np.random.default_rng(1).normal(size=(8, D_IN))
+    t = np.arange(8) % 4
+    loss = sched.step(x if rank == 0 else None, t if rank == p - 1 else None,
+                      loss_fn=nn.cross_entropy)
+    return loss, [q.grad.copy() for q in stage.parameters()]
+
+
+def test_cross_entropy_loss_passed_to_step():
+    (l0, g0), (l1, g1) = run_world(_classify_rank, 2, args=(4,), timeout=60)
+    model = nn.Sequential(nn.Linear(D_IN, D_H, dtype=np.float64, rng=3), nn.GELU(),
+                          nn.Linear(D_H, 4, dtype=np.float64, rng=4))
+    x = np.random.default_rng(1).normal(size=(8, D_IN))
+    loss, g = nn.cross_entropy(model(x), np.arange(8) % 4)
+    model.backward(g)
+    assert l0 is None and l1 == pytest.approx(loss, rel=RTOL)
+    for a, b in zip(g0 + g1, [q.grad for q in model.parameters()]):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+# ---- pipeline × data ---------------------------------------------------------------------------
+def _pp_dp_rank(rank, world, m):
+    layout = pipeline_data_groups(2, 2)
+    stages, sched = _build("1f1b", layout.stage, 2, m, group=layout.pp_group, timeout=30)
+    x, y = _data(16)
+    shard = slice(8 * layout.replica, 8 * layout.replica + 8)  # each replica: half the batch
+    loss = sched.step(x[shard] if layout.stage == 0 else None,
+                      y[shard] if layout.stage == 1 else None)
+    before = _grads(stages)
+    all_reduce_gradients(stages, layout.dp_group)
+    return layout, loss, before, _grads(stages)
+
+
+def test_pipeline_times_data_parallel_on_four_ranks():
+    results = run_world(_pp_dp_rank, 4, args=(4,), timeout=60)
+    assert [(r[0].stage, r[0].replica) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [r[0].pp_group.ranks for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[0].dp_group.ranks for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    x, y = _data(16)
+    ref_loss, ref_grads = _reference(2, x, y)
+    # Each replica's own loss is its half's mean; their average is the global mean.
+    shard_losses = [results[1][1], results[3][1]]
+    assert np.mean(shard_losses) == pytest.approx(ref_loss, rel=RTOL)
+    assert shard_losses[0] != pytest.approx(shard_losses[1])
+    for replica in (0, 1):
+        got = {}
+        for r in (2 * replica, 2 * replica + 1):
+            got.update(results[r][3])
+        flat = [g for s in sorted(got) for g in got[s]]
+        for g, ref in zip(flat, ref_grads):
+            np.testing.assert_allclose(g, ref, rtol=RTOL, atol=ATOL)
+    # Before the all-reduce the replicas really differed.
+    assert not np.allclose(results[0][2][0][0], results[2][2][0][0])
+
+
+# ---- errors ---------------------------------------------------------------------------
+def _config_errors(rank, p):
+    model = _model(2 * p)
+    chunks = split_model(model, 2 * p)
+    other = (rank + 1) % p
+    with pytest.raises(ValueError, match=rf"stage {other} belongs on pipeline rank {other} "
+                                         rf"\(looping placement, group size {p}\), but this "
+                                         rf"is rank {rank}"):
+        PipelineStage(chunks[other], other, 2 * p)
+    mine = PipelineStage(chunks[rank], rank, 2 * p)
+    with pytest.raises(ValueError, match=r"4 stages but the group has 2 ranks"):
+        Schedule1F1B(mine, 4)
+    with pytest.raises(ValueError, match=r"4 stages but the group has 2 ranks"):
+        ScheduleGPipe(mine, 4)
+    both = [mine, PipelineStage(chunks[rank + p], rank + p, 2 * p)]
+    with pytest.raises(ValueError, match=r"multiple of the pipeline group size 2, got 3"):
+        ScheduleInterleaved1F1B(both, 3)
+    with pytest.raises(ValueError, match=r"must hold stages \[\d, \d\]"):
+        ScheduleInterleaved1F1B([mine], 4)
+    with pytest.raises(ValueError, match="n_microbatches must be in"):
+        ScheduleInterleaved1F1B(both, 0)
+    with pytest.raises(TypeError, match="takes one PipelineStage"):
+        ScheduleGPipe(both, 2)
+    with pytest.raises(ValueError, match=r"num_stages \(3\) must be a multiple"):
+        PipelineStage(chunks[rank], rank, 3)
+    with pytest.raises(TypeError, match="forward"):
+        PipelineStage(object(), rank, 2)
+
+
+def test_configuration_errors_on_every_rank():
+    assert issubclass(PipelineError, ringlet.RingletError)
+    run_world(_config_errors, 2, timeout=60)
+
+
+class _Boom(nn.Module):
+    """Identity that raises on microbatch ``at`` of the first step (forward or backward)."""
+
+    def __init__(self, where: str, at: int) -> None:
+        super().__init__()
+        self.where, self.at, self.calls = where, at, {"forward": 0, "backward": 0}
+
+    def _count(self, what: str) -> None:
+        k = self.calls[what]
+        self.calls[what] += 1
+        if self.where == what and k == self.at:  # later steps count past it
+            raise RuntimeError(f"boom in {what} of microbatch {self.at}")
+
+    def forward(self, x):
+        self._count("forward")
+        self._save(None)
+        return x
+
+    def backward(self, g):
+        self._count("backward")
+        self._pop()
+        return g
+
+
+def _failing_rank(rank, p, kind, bad_rank, where, at):
+    m = 2 * p
+    n_stages = 2 * p if kind == "interleaved" else p
+    model = _model(n_stages)
+    chunks = split_model(model, n_stages)
+    for s in range(n_stages):
+        chunks[s].append(_Boom(where if s == bad_rank else "none", at))
+    if kind == "interleaved":
+        stages = [PipelineStage(chunks[s], s, n_stages) for s in range(rank, n_stages, p)]
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=nn.mse_loss, timeout=30)
+    else:
+        stages = [PipelineStage(chunks[rank], rank, n_stages)]
+        cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+        sched = cls(stages[0], m, loss_fn=nn.mse_loss, timeout=30)
+    x, y = _data(2 * m)
+    t0 = time.monotonic()
+    err = None
+    try:
+        sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    except Exception as e:  # noqa: BLE001 - inspected by the test
+        err = e
+    took = time.monotonic() - t0
+    # The group is still usable: a clean second step gives the reference result.
+    for st in stages:
+        st.module.zero_grad()
+    loss = sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    return type(err).__name__, str(err), getattr(err, "failures", None), took, loss, \
+        _grads(stages)
+
+
+@pytest.mark.parametrize("kind,p,bad_rank,where,at", [
+    ("gpipe", 3, 1, "forward", 2),
+    ("1f1b", 4, 2, "backward", 0),
+    ("1f1b", 3, 0, "backward", 5),      # first stage, last microbatch: peers are done
+    ("1f1b", 2, 1, "forward", 0),       # last stage, very first forward
+    ("interleaved", 2, 1, "forward", 3),
+])
+def test_stage_raising_mid_step_fails_every_rank_fast_then_recovers(kind, p, bad_rank,
+                                                                     where, at):
+    results = run_world(_failing_rank, p, args=(kind, bad_rank, where, at), timeout=60)
+    for rank, (name, msg, failures, took, loss, grads) in enumerate(results):
+        assert took < 10, f"rank {rank} took {took:.1f}s to fail (timeout is 30s)"
+        if rank == bad_rank:
+            assert name == "RuntimeError" and f"boom in {where} of microbatch {at}" in msg
+        else:
+            assert name == PipelineError.__name__, msg
+            assert f"pipeline rank {bad_rank}: stage(s)" in msg and "boom" in msg
+            assert list(failures) == [bad_rank]
+    # Recovery: the second step matches the unsplit model (contexts were cleared).
+    n_pairs = 2 * p if kind == "interleaved" else p
+    x, y = _data(4 * p)
+    _check_parity([([r[4]], r[5], None) for r in results], n_pairs, x, y, steps=1)
+
+
+class _Misbehave(nn.Module):
+    """Identity, except on some calls: a ragged output or a wrong-shaped input gradient."""
+
+    def __init__(self, kind: str, calls: range) -> None:
+        super().__init__()
+        self.kind, self.calls, self.n = kind, calls, {"forward": 0, "backward": 0}
+        self.active = True  # the test switches it off after the failing step
+
+    def forward(self, x):
+        k = self.n["forward"]
+        self.n["forward"] += 1
+        self._save(None)
+        return x[:, :-1] if self.active and self.kind == "ragged" and k in self.calls else x
+
+    def backward(self, g):
+        k = self.n["backward"]
+        self.n["backward"] += 1
+        self._pop()
+        if self.active and self.kind == "grad" and k in self.calls:
+            return np.zeros((g.shape[0], g.shape[1] + 1))
+        return g
+
+
+def _bad_input_rank(rank, p, case):
+    m = 4
+    chunks = split_model(_model(p), p)
+    odd = None
+    if case == "ragged" and rank == 0:  # microbatch 1's output is narrower
+        odd = _Misbehave("ragged", range(1, 2))
+        chunks[0].append(odd)
+    if case == "grad" and rank == 1:  # every input gradient is too wide
+        odd = _Misbehave("grad", range(10 ** 6))
+        chunks[1] = nn.Sequential(odd, *chunks[1])
+    shape = (None, D_H + 1) if case == "shape" and rank == p - 1 else None
+    stage = PipelineStage(chunks[rank], rank, p, input_shape=shape)
+    sched = Schedule1F1B(stage, m, loss_fn=nn.mse_loss, timeout=30)
+    x, y = _data(8)
+    bad_x = {"indivisible": _data(9)[0], "missing": None}.get(case, x)
+    try:
+        sched.step(bad_x if rank == 0 else None, y if rank == p - 1 else None)
+        err = (None, None)
+    except Exception as e:  # noqa: BLE001
+        err = (type(e).__name__, str(e))
+    if case == "shape":
+        return err, None
+    if odd is not None:
+        odd.active = False
+    stage.module.zero_grad()  # the failed step may have accumulated some gradients
+    loss = sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    return err, ([loss], _grads([stage]), None)
+
+
+@pytest.mark.parametrize("case,bad_rank,pattern", [
+    ("indivisible", 0, r"shape \(9, 5\): dimension 0 must split evenly into n_microbatches=4"),
+    ("missing", 0, "holds stage 0 and must pass inputs"),
+    ("shape", 2, r"stage 2: input from stage 1 has shape \(2, 7\) \(expected \(\*, 8\)\)"),
+    ("ragged", 0, r"stage 0: output of microbatch 1 has shape \(2, 6\) float64, but this "
+                  r"step's first was \(2, 7\) float64"),
+    ("grad", 0, r"stage 0: the gradients from stage 1 have shape \(2, 8\) float64, but the "
+                r"activations sent were \(2, 7\) float64"),
+])
+def test_bad_inputs_raise_there_and_peers_get_pipeline_error(case, bad_rank, pattern):
+    p = 3
+    results = run_world(_bad_input_rank, p, args=(case,), timeout=60)
+    for rank, ((name, msg), _) in enumerate(results):
+        if rank == bad_rank:
+            assert name in ("ValueError", "TypeError")
+            assert re.search(pattern, msg), msg
+        else:
+            assert name == PipelineError.__name__ and f"pipeline rank {bad_rank}" in msg
+    if case != "shape":  # nothing stale is left: the next step is exact
+        x, y = _data(8)
+        _check_parity([r[1] for r in results], p, x, y, steps=1)
+
+
+def test_run_world_error_is_reported_not_hung():
+    """A rank that never calls step: its peers fail by the schedule's timeout, not hang."""
+    def body(rank, p):
+        stages, sched = _build("gpipe", rank, p, 2, timeout=2)
+        if rank == 1:
+            return "skipped"
+        x, y = _data(4)
+        sched.step(x, None)
+
+    t0 = time.monotonic()
+    with pytest.raises(WorldError, match="rank"):
+        run_world(body, 2, timeout=30)
+    assert time.monotonic() - t0 < 20
+
+
+class _Crash(nn.Module):
+    """Identity whose process dies (no exception, no cleanup) on forward number ``at``."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > self.at:
+            import os
+
+            os._exit(3)
+        self._save(None)
+        return x
+
+    def backward(self, g):
+        self._pop()
+        return g
+
+
+def _crashing_rank(rank, p):
+    chunks = split_model(_model(p), p)
+    if rank == 1:
+        chunks[1].append(_Crash(at=1))
+    stage = PipelineStage(chunks[rank], rank, p)
+    sched = Schedule1F1B(stage, 4, loss_fn=nn.mse_loss, timeout=60)
+    x, y = _data(8)
+    t0 = time.monotonic()
+    try:
+        sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    except ringlet.RingletError as e:
+        return type(e).__name__, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def test_crashed_stage_process_fails_peers_fast():
+    """A stage's process dies mid-step: its peers get a ringlet error well before the timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(WorldError) as e:
+        run_world(_crashing_rank, 3, mode="process", timeout=90)
+    assert list(e.value.failures) == [1] and "exited with code 3" in e.value.failures[1]
+    for rank in (0, 2):
+        name, took = e.value.results[rank]
+        assert name is not None and took < 30, (rank, name, took)
+    assert time.monotonic() - t0 < 60
+
+
+# ---- the example ------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra", [[], ["--schedule", "interleaved", "--dp", "2",
+                                        "--microbatches", "4"]])
+def test_example_trains_under_ringlet_run(extra):
+    """``ringlet run -n 4 examples/train_pipeline.py``: the loss goes down (it checks)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_pipeline.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGLET_")}
+    out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "4", str(script),
+                          "--steps", "40"] + extra, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"loss \d\.\d+ -> \d\.\d+ in 40 steps", out.stdout), out.stdout
+
+
+def _custom_plan_rank(rank, p):
+    from ringlet.pipeline import PipelineSchedule
+
+    chunks = split_model(_model(p), p)
+    stage = PipelineStage(chunks[rank], rank, p)
+    good = plan_1f1b(p, 4)
+    broken = _swap(good, 1, 0, 1)  # rank 1 computes before receiving its input
+    with pytest.raises(ScheduleError, match="before receiving its input"):
+        PipelineSchedule([stage], 4, broken)
+    with pytest.raises(ValueError, match="the plan has 4 microbatches, not 2"):
+        PipelineSchedule([stage], 2, good)
+    with pytest.raises(ValueError, match="the plan is for 3 ranks"):
+        PipelineSchedule([stage], 4, plan_gpipe(3, 4))
+    sched = PipelineSchedule([stage], 4, good, loss_fn=nn.mse_loss, timeout=30)
+    x, y = _data(8)
+    loss = sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    return [loss], _grads([stage]), None
+
+
+def test_custom_plan_runs_through_the_generic_runtime_after_validation():
+    results = run_world(_custom_plan_rank, 2, timeout=60)
+    x, y = _data(8)
+    _check_parity(results, 2, x, y, steps=1)
