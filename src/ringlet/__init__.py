@@ -30,6 +30,8 @@ from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, GroupP
                      PeerClosedError, ProtocolError, RendezvousError, RingletError)
 from .group import ProcessGroup
 from .work import Work
+from .mesh import DeviceMesh  # noqa: E402  (after the core: it builds on new_group)
+from .dtensor import DTensor, Partial, Placement, Replicate, Shard, distribute  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -39,6 +41,7 @@ __all__ = [
     "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
     "all_to_all_v", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier",
     "broadcast_object", "all_gather_object", "errors",
+    "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement", "distribute",
     "RingletError", "CollectiveTimeout", "PeerClosedError", "DesyncError", "RendezvousError",
     "AuthenticationError", "GroupPoisonedError", "ProtocolError",
 ]

@@ -26,9 +26,18 @@ from .layers import (BatchNorm1d, Dropout, Embedding, GELU, Identity, LayerNorm,
 from .losses import cross_entropy, mse_loss
 from .module import (HookHandle, IncompatibleKeys, Module, Parameter, enable_grad,
                      is_grad_enabled, no_grad)
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelGather,
+                              SequenceParallelScatter, VocabParallelEmbedding,
+                              gather_from_sequence_parallel, mark_sequence_parallel,
+                              scatter_to_sequence_parallel, vocab_parallel_cross_entropy)
 
 __all__ = [
     "Module", "Parameter", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle",
     "IncompatibleKeys", "Linear", "ReLU", "GELU", "Tanh", "Dropout", "LayerNorm", "Embedding",
     "BatchNorm1d", "Sequential", "Identity", "mse_loss", "cross_entropy", "functional",
+    "SyncBatchNorm", "convert_sync_batchnorm", "ColumnParallelLinear", "RowParallelLinear",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "SequenceParallelScatter",
+    "SequenceParallelGather", "scatter_to_sequence_parallel", "gather_from_sequence_parallel",
+    "mark_sequence_parallel",
 ]

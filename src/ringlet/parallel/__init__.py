@@ -9,5 +9,6 @@
 
 from . import comm_hooks
 from .ddp import DDP, DistributedDataParallel, GradBucket
+from .finalize import finalize_model_grads
 
-__all__ = ["DistributedDataParallel", "DDP", "GradBucket", "comm_hooks"]
+__all__ = ["DistributedDataParallel", "DDP", "GradBucket", "comm_hooks", "finalize_model_grads"]

@@ -1,0 +1,229 @@
+"""``SyncBatchNorm``: batch normalisation whose statistics cover the whole data-parallel batch.
+
+With data parallelism each rank sees only its slice of the batch, and
+``BatchNorm1d`` would normalise with that slice's statistics.
+``SyncBatchNorm`` reduces them over a group so every rank normalises with
+the statistics of the concatenated batch, whatever each rank's batch size.
+
+Forward (training) packs, per channel, the local sum and sum of squares,
+plus the local count, into one float64 array of ``2C + 1`` values and
+all-reduces it once: ``mean = S1 / N``, ``var = S2 / N - mean**2`` (biased,
+for normalising; the running variance gets the unbiased ``var * N/(N-1)``).
+Sums are taken in float64 whatever the layer's dtype, so the
+``E[x^2] - E[x]^2`` form keeps its precision for activations of ordinary
+scale.  A rank may hold zero samples; the global count must exceed one.
+
+Backward needs two per-channel sums over the whole batch, ``sum(dy)`` and
+``sum(dy * xhat)``; they are packed into one array of ``2C`` values and
+all-reduced once.  Then, with ``g = dy * weight``,
+``dx = rstd * (g - weight*sum(dy)/N - xhat * weight*sum(dy*xhat)/N)``.
+The parameter gradients stay local sums over this rank's samples (a
+data-parallel wrapper averages or sums them as for any parameter).
+
+Evaluation mode uses the running statistics and communicates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+import ringlet
+
+from .layers import BatchNorm1d, _float_input, _grad_like
+from .module import Module
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+
+
+def _check_group(group: Any, what: str) -> Any:
+    if group is not None and not isinstance(group, ringlet.ProcessGroup):
+        raise TypeError(f"{what}: group must be a ringlet.ProcessGroup or None, got "
+                        f"{type(group).__name__}")
+    return group
+
+
+class SyncBatchNorm(BatchNorm1d):
+    """``BatchNorm1d`` with batch statistics reduced over ``group``.
+
+    Takes (N, C) or (N, C, L) inputs like ``BatchNorm1d`` and has the same
+    parameters, buffers and running-statistics rule (so state dicts are
+    interchangeable).  In training mode every rank of ``group`` must call
+    forward and backward the same number of times (each is one all-reduce).
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats, dtype: as ``BatchNorm1d``.
+        group: the ``ProcessGroup`` to reduce over (default: the world).
+        timeout: seconds for each all-reduce (default: the group's).
+    Raises:
+        TypeError / ValueError: as ``BatchNorm1d``; also when the whole group
+            holds at most one value per channel in training.
+
+    Example::
+
+        bn = SyncBatchNorm(64, group=dp_group)
+        y = bn(x_local)            # normalised with the statistics of every rank's x
+        gx = bn.backward(gy)
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, *,
+                 group: Any = None, timeout: Optional[float] = None,
+                 dtype: Any = np.float32) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, dtype=dtype)
+        self.group = _check_group(group, "SyncBatchNorm")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"SyncBatchNorm: timeout must be positive, got {timeout!r}")
+        self.timeout = timeout
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", group=world" if self.group is None
+                                       else f", group={self.group.ranks}")
+
+    def _all_reduce(self, arr: np.ndarray) -> None:
+        ringlet.all_reduce(arr, group=self.group, timeout=self.timeout)
+
+    def forward(self, x: Any) -> np.ndarray:
+        dt = self.weight.data.dtype if self.weight is not None else self._dtype
+        x = _float_input(x, "SyncBatchNorm", dt)
+        C = self.num_features
+        if x.ndim not in (2, 3) or x.shape[1] != C:
+            raise ValueError(f"SyncBatchNorm: expected input (N, {C}) or (N, {C}, L), got "
+                             f"shape {x.shape}")
+        axes = (0,) if x.ndim == 2 else (0, 2)
+        bshape = (1, C) + ((1,) if x.ndim == 3 else ())
+        use_batch = self.training or not self.track_running_stats
+        n_global = 0
+        if use_batch:
+            # One fused all-reduce: [sum x (C), sum x^2 (C), count (1)], in float64.
+            x64 = x.astype(np.float64, copy=False)
+            stats = np.empty(2 * C + 1, np.float64)
+            stats[:C] = x64.sum(axis=axes)
+            stats[C:2 * C] = np.square(x64).sum(axis=axes)
+            stats[2 * C] = x.size // C
+            self._all_reduce(stats)
+            n_global = int(round(stats[2 * C]))
+            if n_global <= 1:
+                raise ValueError(f"SyncBatchNorm: training needs more than one value per "
+                                 f"channel over the group, got {n_global} (this rank's input "
+                                 f"shape {x.shape})")
+            mean64 = stats[:C] / n_global
+            var64 = np.maximum(stats[C:2 * C] / n_global - mean64 * mean64, 0.0)
+            if self.training and self.track_running_stats:
+                self.num_batches_tracked += 1
+                m = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                     else self.momentum)
+                unbiased = var64 * (n_global / (n_global - 1))
+                self.running_mean *= (1.0 - m)
+                self.running_mean += (m * mean64).astype(self.running_mean.dtype)
+                self.running_var *= (1.0 - m)
+                self.running_var += (m * unbiased).astype(self.running_var.dtype)
+            mean = mean64.astype(dt)
+            var = var64.astype(dt)
+        else:
+            mean, var = self.running_mean, self.running_var
+        xc = x - mean.reshape(bshape)
+        rstd = (1.0 / np.sqrt(var + self.eps)).astype(dt, copy=False).reshape(bshape)
+        xhat = xc * rstd
+        y = xhat
+        if self.weight is not None:
+            y = xhat * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+        self._save((xhat, rstd, axes, bshape, use_batch, n_global), (self.weight, self.bias))
+        return y
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        xhat, rstd, axes, bshape, use_batch, n_global = self._pop()
+        g = _grad_like(grad_output, xhat.shape, xhat.dtype, "SyncBatchNorm")
+        C = self.num_features
+        sum_g = g.sum(axis=axes)
+        sum_gx = (g * xhat).sum(axis=axes)
+        if self.weight is not None:
+            if self.weight.requires_grad:
+                self.weight.accumulate_grad(sum_gx)
+            if self.bias.requires_grad:
+                self.bias.accumulate_grad(sum_g)
+            w = self.weight.data.reshape(bshape)
+        else:
+            w = None
+        gxhat = g if w is None else g * w
+        if not use_batch:  # running statistics are constants
+            return gxhat * rstd
+        # One fused all-reduce of the two per-channel sums backward needs.
+        sums = np.empty(2 * C, np.float64)
+        sums[:C] = sum_g
+        sums[C:] = sum_gx
+        self._all_reduce(sums)
+        m1 = (sums[:C] / n_global).astype(xhat.dtype).reshape(bshape)
+        m2 = (sums[C:] / n_global).astype(xhat.dtype).reshape(bshape)
+        if w is not None:
+            m1 = m1 * w
+            m2 = m2 * w
+        return rstd * (gxhat - m1 - xhat * m2)
+
+
+def convert_sync_batchnorm(module: Module, group: Any = None) -> Module:
+    """Replace every ``BatchNorm1d`` in ``module`` (recursively) with a ``SyncBatchNorm``.
+
+    The new layers take over the old ones' ``Parameter`` objects and buffer
+    arrays (so optimizers built on the old parameters keep working) and the
+    training flag.  A layer reachable under several names is replaced by one
+    ``SyncBatchNorm``.  Existing ``SyncBatchNorm`` layers are left alone.
+
+    Args:
+        module: a ``Module`` (or a ``BatchNorm1d`` itself).
+        group: the group to reduce over (default: the world).
+    Returns:
+        ``module`` with its batch norms replaced, or the new ``SyncBatchNorm``
+        when ``module`` itself is a ``BatchNorm1d``.
+    Raises:
+        TypeError: ``module`` is not a Module; bad group.
+
+    Example::
+
+        model = convert_sync_batchnorm(model, group=dp_group)
+        ddp = DistributedDataParallel(model, group=dp_group)
+    """
+    if not isinstance(module, Module):
+        raise TypeError(f"convert_sync_batchnorm: expected a ringlet.nn.Module, got "
+                        f"{type(module).__name__}")
+    _check_group(group, "convert_sync_batchnorm")
+    memo: Dict[int, Module] = {}
+    root = _convert_one(module, group, memo)
+    if root is not module:
+        return root
+    seen = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for name, child in list(m._modules.items()):
+            if child is None:
+                continue
+            new = _convert_one(child, group, memo)
+            if new is not child:
+                # Assign in place so the child keeps its position (Sequential order).
+                m._modules[name] = new
+            stack.append(new)
+    return module
+
+
+def _convert_one(m: Module, group: Any, memo: Dict[int, Module]) -> Module:
+    if not isinstance(m, BatchNorm1d) or isinstance(m, SyncBatchNorm):
+        return m
+    if id(m) in memo:
+        return memo[id(m)]
+    # The layer's real dtype (``Module.to`` may have cast it since construction).
+    ref = m.weight if m.weight is not None else m.running_mean
+    dtype = ref.dtype if ref is not None else m._dtype
+    new = SyncBatchNorm(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats,
+                        group=group, dtype=dtype)
+    for name in ("weight", "bias"):
+        new._parameters[name] = m._parameters.get(name)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        new._buffers[name] = m._buffers.get(name)
+    object.__setattr__(new, "training", m.training)
+    memo[id(m)] = new
+    return new

@@ -1,0 +1,275 @@
+"""DTensor: every redistribution against a numpy oracle, with uneven shards.
+
+Oracle: the expected piece of a rank is computed here with
+``numpy.array_split`` applied mesh dimension by mesh dimension (the
+documented nesting), independently of ``ringlet.dtensor``.  After each
+redistribution every rank's local array is collected with
+``all_gather_object`` (not through DTensor) and checked:
+
+* a rank's local array equals its expected piece when no mesh dimension is
+  Partial;
+* with Partial dimensions, the SUM (or MAX) over the ranks that differ only
+  in Partial coordinates equals the piece;
+* ranks that differ only in Replicate coordinates hold identical arrays.
+
+Values are small integers in float64, so sums are exact and comparisons
+are exact equality.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import ReduceOp
+from ringlet.dtensor import (DTensor, Partial, Replicate, Shard, distribute, shard_sizes)
+from ringlet.mesh import DeviceMesh
+from ringlet.testing import run_world
+
+GLOBAL = np.arange(35, dtype=np.float64).reshape(7, 5) - 11.0  # dims 7 and 5: uneven
+
+
+def expected_piece(g: np.ndarray, mesh_shape, placements, coord) -> np.ndarray:
+    piece = g
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            piece = np.array_split(piece, mesh_shape[i], axis=p.dim)[coord[i]]
+    return piece
+
+
+def check_layout(dt: DTensor, g: np.ndarray) -> None:
+    """Collective: verify every rank's piece of ``dt`` against ``g`` (see module doc)."""
+    mesh = dt.mesh
+    coord = mesh.coordinate
+    allv = ringlet.all_gather_object([list(coord), dt.to_local()])
+    locals_by = {tuple(c): np.asarray(a) for c, a in allv}
+    ps = dt.placements
+    partial = [i for i, p in enumerate(ps) if isinstance(p, Partial)]
+    replicate = [i for i, p in enumerate(ps) if isinstance(p, Replicate)]
+    want = expected_piece(g, mesh.shape, ps, coord)
+    mine = dt.to_local()
+    assert mine.shape == want.shape == dt.local_shape
+    assert dt.shape == g.shape and mine.dtype == g.dtype
+    if not partial:
+        np.testing.assert_array_equal(mine, want)
+    else:
+        ops = {ps[i].op for i in partial}
+        # Reduce over all coordinates of the Partial dims, others fixed at mine.
+        ranges = [range(mesh.shape[i]) if i in partial else [coord[i]]
+                  for i in range(mesh.ndim)]
+        parts = [locals_by[c] for c in itertools.product(*ranges)]
+        if ops == {ReduceOp.SUM}:
+            total = np.sum(parts, axis=0)
+        elif ops == {ReduceOp.MAX}:
+            total = np.max(parts, axis=0)
+        elif ops == {ReduceOp.MIN}:
+            total = np.min(parts, axis=0)
+        elif ops == {ReduceOp.AVG}:
+            total = np.mean(parts, axis=0)
+        else:
+            raise AssertionError(f"oracle does not mix ops {ops}")
+        np.testing.assert_array_equal(total, want)
+    for i in replicate:
+        for c in range(mesh.shape[i]):
+            other = list(coord)
+            other[i] = c
+            np.testing.assert_array_equal(locals_by[tuple(other)], mine)
+
+
+PLACEMENTS = [Shard(0), Shard(1), Replicate(), Partial()]
+
+
+def _all_pairs(rank, n, shape, ranks=None):
+    mesh = DeviceMesh(shape, tuple("abc"[:len(shape)]), ranks=ranks)
+    combos = list(itertools.product(PLACEMENTS, repeat=len(shape)))
+    count = 0
+    for src in combos:
+        x = distribute(GLOBAL, mesh, src)
+        check_layout(x, GLOBAL)
+        for dst in combos:
+            y = x.redistribute(dst)
+            assert y.placements == tuple(dst)
+            check_layout(y, GLOBAL)
+            count += 1
+        np.testing.assert_array_equal(x.to_local(), distribute(GLOBAL, mesh, src).to_local(),
+                                      err_msg="redistribute modified its input")
+    return count
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_redistribute_every_pair_1d_uneven(n):
+    # 7 and 5 over 2 and 3 ranks: pieces (4,3), (3,2,2), (3,2), (2,2,1).
+    assert run_world(_all_pairs, n, args=((n,),)) == [16] * n
+
+
+def test_redistribute_every_pair_2x3_nested_uneven():
+    # 16 placements per 2-D mesh, 256 pairs, including nested shards of one
+    # tensor dim (Shard(0) twice: 7 -> (4, 3) -> (2, 1, 1) / (1, 1, 1)).
+    assert run_world(_all_pairs, 6, args=((2, 3),), timeout=120) == [256] * 6
+
+
+def test_redistribute_every_pair_with_out_of_order_lines():
+    # Group ranks differ from line coordinates: shards must follow the coordinates.
+    assert run_world(_all_pairs, 3, args=((3,), [2, 0, 1])) == [16] * 3
+    assert run_world(_all_pairs, 6, args=((2, 3), [[4, 0, 2], [5, 3, 1]]),
+                     timeout=120) == [256] * 6
+
+
+def _empty_pieces(rank, n):
+    # 2 rows over 3 ranks: one rank holds an empty piece.
+    mesh = DeviceMesh((3,), ("x",))
+    g = np.arange(8.0).reshape(2, 4)
+    for src in PLACEMENTS:
+        x = distribute(g, mesh, [src])
+        for dst in PLACEMENTS:
+            check_layout(x.redistribute([dst]), g)
+    return True
+
+
+def test_redistribute_with_empty_pieces():
+    assert all(run_world(_empty_pieces, 3))
+
+
+def _other_ops(rank, n):
+    mesh = DeviceMesh((2, 2), ("a", "b"))
+    g = GLOBAL
+    for op in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG):
+        for other in (Shard(0), Shard(1), Replicate()):
+            for partial_dim in (0, 1):
+                src = [other, other]
+                src[partial_dim] = Partial(op)
+                x = distribute(g, mesh, src)
+                check_layout(x, g)
+                for dst in itertools.product([Shard(0), Shard(1), Replicate(), Partial(op)],
+                                             repeat=2):
+                    check_layout(x.redistribute(dst), g)
+    # Partial(SUM) -> Partial(MAX): all_reduce(SUM) then keep.
+    x = distribute(g, mesh, [Partial(ReduceOp.SUM), Replicate()])
+    check_layout(x.redistribute([Partial(ReduceOp.MAX), Replicate()]), g)
+    return True
+
+
+def test_partial_max_min_avg():
+    assert all(run_world(_other_ops, 4, timeout=120))
+
+
+def _integer_dtypes(rank, n):
+    # Integer identities (iinfo.min / iinfo.max) for Shard -> Partial(MAX/MIN).
+    mesh = DeviceMesh((n,), ("x",))
+    for dt in (np.int32, np.int64, np.float32):
+        g = (GLOBAL * 3).astype(dt)
+        for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN):
+            ps = [Shard(0), Shard(1), Replicate(), Partial(op)]
+            for src in ps:
+                x = distribute(g, mesh, [src])
+                for dst in ps:
+                    y = x.redistribute([dst])
+                    assert y.dtype == g.dtype
+                    check_layout(y, g)
+    return True
+
+
+def test_integer_and_float32_dtypes():
+    assert all(run_world(_integer_dtypes, 3))
+
+
+def _real_partial(rank, n):
+    # A row-parallel matmul: each rank's partial product; Partial -> Shard is a
+    # reduce_scatter, Partial -> Replicate an all_reduce.
+    mesh = DeviceMesh((n,), ("tp",))
+    rng = np.random.default_rng(0)
+    a = rng.integers(-3, 4, (5, 9)).astype(np.float64)
+    b = rng.integers(-3, 4, (9, 4)).astype(np.float64)
+    k = np.array_split(np.arange(9), n)[rank]
+    part = DTensor.from_local(a[:, k] @ b[k, :], mesh, [Partial()])
+    assert part.shape == (5, 4)
+    np.testing.assert_array_equal(part.full_tensor(), a @ b)
+    rows = part.redistribute([Shard(0)])
+    np.testing.assert_array_equal(rows.to_local(), np.array_split(a @ b, n, axis=0)[rank])
+    return True
+
+
+def test_partial_from_matmul():
+    assert all(run_world(_real_partial, 3))
+
+
+def _from_local_infers_shape(rank, n):
+    mesh = DeviceMesh((2, 3), ("a", "b"))
+    ps = [Shard(0), Shard(0)]   # nested: 7 -> (4, 3) -> thirds
+    piece = expected_piece(GLOBAL, mesh.shape, ps, mesh.coordinate)
+    x = DTensor.from_local(piece.copy(), mesh, ps)
+    assert x.shape == GLOBAL.shape
+    np.testing.assert_array_equal(x.full_tensor(), GLOBAL)
+    rows = expected_piece(np.arange(7)[:, None] * np.ones((1, 5), int), mesh.shape, ps,
+                          mesh.coordinate)
+    assert x.local_offsets() == (int(rows[0, 0]), 0)
+    # A wrong explicit shape is caught locally (13 -> (7, 6) -> (3, 2, 2) / (2, 2, 2)).
+    with pytest.raises(ValueError, match="local array has shape"):
+        DTensor.from_local(piece.copy(), mesh, ps, shape=(13, 5))
+    return True
+
+
+def test_from_local_infers_global_shape():
+    assert all(run_world(_from_local_infers_shape, 6))
+
+
+def _bad_from_local(rank, n):
+    mesh = DeviceMesh((2,), ("a",))
+    local = np.zeros((2 if rank == 0 else 4, 3))   # not array_split sizes
+    with pytest.raises(ValueError, match="array_split"):
+        DTensor.from_local(local, mesh, [Shard(0)])
+    return True
+
+
+def test_from_local_rejects_non_array_split_pieces():
+    assert all(run_world(_bad_from_local, 2))
+
+
+def _distribute_from_src(rank, n):
+    mesh = DeviceMesh((2, 2), ("a", "b"), ranks=[3, 1, 0, 2])   # out-of-order lines
+    g = GLOBAL.astype(np.float32)
+    for src_rank in range(n):
+        for ps in ([Shard(0), Shard(1)], [Replicate(), Shard(0)], [Partial(), Replicate()]):
+            x = distribute(g if rank == src_rank else None, mesh, ps, src=src_rank)
+            check_layout(x, g)
+            np.testing.assert_array_equal(x.full_tensor(), g)
+    return True
+
+
+def test_distribute_from_one_rank_with_custom_layout():
+    assert all(run_world(_distribute_from_src, 4))
+
+
+def _bad_args(rank, n):
+    mesh = DeviceMesh((2,), ("a",))
+    with pytest.raises(ValueError, match="1 entries but the mesh has"):
+        distribute(GLOBAL, DeviceMesh((1, 2)), [Shard(0)])
+    with pytest.raises(ValueError, match="out of range"):
+        distribute(GLOBAL, mesh, [Shard(2)])
+    with pytest.raises(TypeError, match="placement"):
+        distribute(GLOBAL, mesh, ["shard"])
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        distribute([1, 2], mesh, [Shard(0)])
+    with pytest.raises(ValueError, match="not in the mesh"):
+        distribute(GLOBAL, mesh, [Shard(0)], src=5)
+    with pytest.raises(ValueError, match="op must be one of"):
+        Partial(ReduceOp.BAND)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        Shard(1.5)
+    x = distribute(GLOBAL, mesh, [Shard(-1)])
+    assert x.placements == (Shard(1),)
+    assert x.redistribute([Shard(1)]) is x
+    return True
+
+
+def test_bad_arguments():
+    assert all(run_world(_bad_args, 2))
+
+
+def test_shard_sizes_is_array_split():
+    for length in range(0, 12):
+        for n in range(1, 6):
+            assert shard_sizes(length, n) == [len(a) for a in np.array_split(np.arange(length), n)]
