@@ -193,3 +193,29 @@ def test_mesh_in_process_mode():
     coords = run_world(_check_mesh, 4, mode="process", timeout=120,
                        args=((2, 2), ("dp", "tp")))
     assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _pp_dp_from_mesh(rank, P):
+    import numpy as np
+
+    import ringlet
+    from ringlet.pipeline import pipeline_data_groups
+
+    mesh = ringlet.DeviceMesh((2, 2), ("dp", "pp"))
+    pp, dp, stage, replica = pipeline_data_groups(mesh=mesh)
+    x = np.array([rank], np.int64)
+    pp.all_reduce(x)
+    y = np.array([rank], np.int64)
+    dp.all_reduce(y)
+    return stage, replica, int(x[0]), int(y[0])
+
+
+def test_pipeline_data_groups_accept_a_mesh():
+    from ringlet.testing import run_world
+
+    res = run_world(_pp_dp_from_mesh, 4, mode="thread", timeout=60)
+    # row-major (dp, pp): world rank = dp * 2 + pp
+    for r, (stage, replica, pp_sum, dp_sum) in enumerate(res):
+        assert (replica, stage) == divmod(r, 2)
+        assert pp_sum == sum(replica * 2 + s for s in range(2))
+        assert dp_sum == sum(d * 2 + stage for d in range(2))

@@ -40,7 +40,8 @@ class PipelineDataGroups(NamedTuple):
     replica: int
 
 
-def pipeline_data_groups(pp_size: int, dp_size: int, *,
+def pipeline_data_groups(pp_size: Optional[int] = None, dp_size: Optional[int] = None, *,
+                         mesh=None, pp_dim: str = "pp", dp_dim: str = "dp",
                          timeout: Optional[float] = None) -> PipelineDataGroups:
     """Create the pipeline and data-parallel groups of a ``pp_size × dp_size`` layout.
 
@@ -51,6 +52,8 @@ def pipeline_data_groups(pp_size: int, dp_size: int, *,
     Args:
         pp_size: ranks per pipeline.
         dp_size: number of replicas; ``pp_size * dp_size`` must equal the world size.
+        mesh: instead of sizes, a ``ringlet.DeviceMesh`` with dimensions named
+            ``pp_dim`` and ``dp_dim`` (its groups already exist; nothing is created).
         timeout: passed to ``new_group``.
     Returns:
         ``PipelineDataGroups(pp_group, dp_group, stage, replica)`` for this rank.
@@ -61,6 +64,19 @@ def pipeline_data_groups(pp_size: int, dp_size: int, *,
 
         pp_group, dp_group, stage, replica = pipeline_data_groups(2, 2)   # on 4 ranks
     """
+    if mesh is not None:
+        if pp_size is not None or dp_size is not None:
+            raise ValueError("give either mesh= or pp_size/dp_size, not both")
+        names = tuple(mesh.dim_names)
+        for d in (pp_dim, dp_dim):
+            if d not in names:
+                raise ValueError(f"mesh has no dimension {d!r} (it has {names})")
+        coord = mesh.coordinate
+        if coord is None:
+            raise ValueError("this rank is not part of the mesh")
+        return PipelineDataGroups(mesh.get_group(pp_dim), mesh.get_group(dp_dim),
+                                  int(coord[names.index(pp_dim)]),
+                                  int(coord[names.index(dp_dim)]))
     for v, what in ((pp_size, "pp_size"), (dp_size, "dp_size")):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{what} must be a positive int, got {v!r}")
