@@ -1,0 +1,130 @@
+"""Atomic replacement of a checkpoint directory (run by group rank 0 only).
+
+Names, for a checkpoint at ``parent/name``:
+
+* ``parent/.name.tmp-<random>``: the save being written;
+* ``parent/.name.old``: the previous checkpoint, moved aside during a commit.
+
+The commit, after every rank has written and fsynced its shard file:
+
+1. write ``manifest.json`` into the temporary directory, fsync it and the
+   directory;
+2. if ``name`` exists: rename it to ``.name.old``, fsync ``parent``;
+3. rename the temporary directory to ``name``, fsync ``parent``;
+4. remove ``.name.old``, fsync ``parent``.
+
+A crash (SIGKILL, power loss) at any point leaves a loadable checkpoint:
+
+* before step 2 completes: ``name`` is the old checkpoint, untouched; the
+  temporary directory is garbage (removed by the next save);
+* between 2 and 3: ``name`` is missing and ``.name.old`` is the complete old
+  checkpoint: ``load`` reads it from there, the next save renames it back;
+* after 3: ``name`` is the new checkpoint; a leftover ``.name.old`` (whole or
+  half removed) is deleted by the next save.
+
+``name`` itself never holds a mix: its content only ever changes by a
+rename of a complete directory, and renames within one filesystem are
+atomic.  This needs the temporary directory on the same filesystem as
+``name`` (it is its sibling) and, with several ranks, a filesystem every rank
+sees (shared, e.g. NFS/Lustre/GPFS or one machine's disk).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from typing import Optional
+
+from .format import fsync_dir, is_checkpoint_dir
+
+
+def _failpoint(name: str) -> None:
+    """A no-op; crash tests replace it to kill the process at commit step ``name``."""
+
+
+def old_path(path: str) -> str:
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.old")
+
+
+def _tmp_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.tmp-"
+
+
+def recover(path: str) -> None:
+    """Finish what a crashed commit left: restore or remove ``.name.old``."""
+    old = old_path(path)
+    if not os.path.lexists(old):
+        return
+    parent = os.path.dirname(path)
+    if not os.path.lexists(path) and is_checkpoint_dir(old):
+        os.rename(old, path)  # crash between steps 2 and 3: the old one is the latest
+    else:
+        shutil.rmtree(old)  # crash after step 3 (or during step 4)
+    fsync_dir(parent)
+
+
+def resolve_for_load(path: str) -> str:
+    """The directory ``load`` should read: ``path``, or its old copy after a crash."""
+    if is_checkpoint_dir(path):
+        return path
+    old = old_path(path)
+    if not os.path.lexists(path) and is_checkpoint_dir(old):
+        return old
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is not a checkpoint (it has no manifest.json)")
+    raise FileNotFoundError(f"no checkpoint at {path!r}")
+
+
+def prepare(path: str) -> str:
+    """Check ``path`` may be (re)placed, tidy leftovers, create the temporary directory.
+
+    Returns:
+        The temporary directory's path.
+    Raises:
+        FileExistsError: ``path`` exists and is neither a checkpoint nor an
+            empty directory (ringlet never replaces other data).
+    """
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    recover(path)
+    if os.path.lexists(path):
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise FileExistsError(f"{path!r} exists and is not a directory; refusing to "
+                                  f"replace it with a checkpoint")
+        if not is_checkpoint_dir(path) and os.listdir(path):
+            raise FileExistsError(f"{path!r} is a non-empty directory that is not a ringlet "
+                                  f"checkpoint; refusing to replace it")
+    prefix = _tmp_prefix(path)
+    for entry in os.listdir(parent):
+        if entry.startswith(prefix):  # left by a save that crashed
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    tmp = os.path.join(parent, prefix + secrets.token_hex(8))
+    os.mkdir(tmp)
+    return tmp
+
+
+def commit(tmp: str, path: str) -> None:
+    """Steps 2-4 above; the manifest is already in ``tmp`` and fsynced."""
+    parent = os.path.dirname(path)
+    fsync_dir(tmp)
+    _failpoint("manifest")
+    old: Optional[str] = None
+    if os.path.lexists(path):
+        old = old_path(path)
+        os.rename(path, old)
+        fsync_dir(parent)
+        _failpoint("aside")
+    os.rename(tmp, path)
+    fsync_dir(parent)
+    _failpoint("renamed")
+    if old is not None:
+        shutil.rmtree(old)
+        fsync_dir(parent)
+
+
+def abort(tmp: Optional[str]) -> None:
+    """Remove a failed save's temporary directory (best effort)."""
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,208 @@
+"""On-disk format: safetensors shard files, the JSON manifest, checksums, fsync.
+
+A checkpoint is a directory::
+
+    manifest.json              written last; JSON (never pickle)
+    rank00000.safetensors      the pieces rank 0 wrote
+    rank00001.safetensors      ...  (a rank with nothing to write has no file)
+
+Each shard file is a standard safetensors file (8-byte little-endian header
+length, JSON header padded with spaces to a multiple of 8, then the raw
+little-endian tensor bytes back to back), so ``safetensors.safe_open`` reads
+it.  Its tensors are named by their dotted state-dict key; a flat piece is
+stored 1-D, a box piece with its box's shape.  ringlet writes the format
+itself (rather than ``safetensors.numpy.save_file``) to stream each piece
+from the caller's array without building the whole file in memory, to hash
+while writing, and to support bfloat16 without a framework.
+
+Checksums, all SHA-256, computed in one pass while writing:
+
+* per piece, the digest of each ``chunk_bytes`` chunk of its bytes (the last
+  chunk may be shorter).  ``load`` reads only the chunks covering the bytes it
+  needs and verifies exactly those.
+* per file, ``sha256_tree`` = SHA-256 of the file's header bytes (the 8-byte
+  length and the JSON) followed by the raw 32-byte digests of every chunk of
+  every piece in file order.  Pieces lie back to back after the header, so
+  this covers every byte of the file, and it costs no second pass over the
+  data (a plain file SHA-256 would double the hashing work of a save).
+  ``verify()`` recomputes it, and on a mismatch names the damaged tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from typing import Any, Dict, Sequence, Tuple
+
+import numpy as np
+
+from .errors import CheckpointError
+
+FORMAT = "ringlet-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+DEFAULT_CHUNK_BYTES = 4 << 20
+WRITE_BLOCK = 16 << 20  # write() and hash() granularity when chunks are larger
+
+# numpy dtype name -> safetensors dtype code
+_ST_CODES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
+    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64",
+    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
+
+def dtype_name(dtype: np.dtype, key: str) -> str:
+    """The dtype's name if checkpoints support it, else TypeError naming ``key``."""
+    dt = np.dtype(dtype)
+    if dt.name not in _ST_CODES:
+        raise TypeError(f"{key!r} has dtype {dt} which checkpoints do not support; supported: "
+                        f"{', '.join(sorted(_ST_CODES))}")
+    return dt.name
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _as_bytes(arr: np.ndarray) -> np.ndarray:
+    """The array's bytes, little-endian, C order, as a flat uint8 view (copy if needed)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = np.ascontiguousarray(arr)
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def write_shard_file(path: str, pieces: Sequence[Tuple[str, np.ndarray, Tuple[int, ...]]],
+                     chunk_bytes: int, rank: int) -> Dict[str, Any]:
+    """Write a safetensors file holding ``pieces`` and fsync it.
+
+    Args:
+        pieces: (name, array, stored shape); the array's size must match the shape.
+        chunk_bytes: granularity of the per-piece checksums.
+    Returns:
+        {"size", "sha256", "pieces": {name: {"offset", "nbytes", "chunks"}}} where
+        ``offset`` is the absolute byte offset of the piece in the file.
+    """
+    header: Dict[str, Any] = {"__metadata__": {"format": FORMAT, "rank": str(rank)}}
+    pos = 0
+    for name, arr, shape in pieces:
+        nbytes = arr.size * arr.dtype.itemsize
+        header[name] = {"dtype": _ST_CODES[arr.dtype.name], "shape": list(shape),
+                        "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    hjson = json.dumps(header, separators=(",", ":")).encode()
+    hjson += b" " * (-len(hjson) % 8)  # safetensors aligns the data start to 8 bytes
+    head = struct.pack("<Q", len(hjson)) + hjson
+    tree = hashlib.sha256(head)
+    info: Dict[str, Any] = {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _write_all(fd, memoryview(head))
+        offset = len(head)
+        for name, arr, _shape in pieces:
+            raw = _as_bytes(arr)
+            chunks = []
+            for c0 in range(0, raw.size, chunk_bytes):
+                chunk = raw[c0:c0 + chunk_bytes]
+                chunk_hash = hashlib.sha256()
+                # Huge chunks go out in blocks: the kernel copies each write()
+                # into the page cache, and smaller blocks keep that cache-warm.
+                for b0 in range(0, chunk.size, WRITE_BLOCK):
+                    block = memoryview(chunk[b0:b0 + WRITE_BLOCK])
+                    chunk_hash.update(block)
+                    _write_all(fd, block)
+                digest = chunk_hash.digest()
+                tree.update(digest)
+                chunks.append(digest.hex())
+            info[name] = {"offset": offset, "nbytes": int(raw.size), "chunks": chunks}
+            offset += raw.size
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": offset, "sha256_tree": tree.hexdigest(), "pieces": info}
+
+
+# ---- reading ----------------------------------------------------------------------
+def pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Fill ``buf`` (uint8, contiguous) from ``fd`` at ``offset``; returns bytes read.
+
+    Short reads are retried; end of file before ``buf`` is full returns the
+    count so far (the caller turns that into a "truncated" error).
+    """
+    mv = memoryview(buf).cast("B")
+    got = 0
+    while got < len(mv):
+        n = os.preadv(fd, [mv[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+# ---- manifest -----------------------------------------------------------------------
+def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
+    data = json.dumps(manifest, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+    path = os.path.join(directory, MANIFEST)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(directory: str) -> Dict[str, Any]:
+    """Parse and sanity-check ``directory/manifest.json``; CheckpointError when damaged."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no checkpoint at {directory!r}: {path!r} does not exist") \
+            from None
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: {exc}",
+                              file=path) from exc
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is not a ringlet checkpoint manifest", file=path)
+    if m.get("version") != VERSION:
+        raise CheckpointError(f"{path!r} has format version {m.get('version')!r}; this ringlet "
+                              f"reads version {VERSION}", file=path)
+    for field, kind in (("tensors", dict), ("values", dict), ("files", dict),
+                        ("chunk_bytes", int), ("world_size", int)):
+        if not isinstance(m.get(field), kind):
+            raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: field {field!r} "
+                                  f"is missing or malformed", file=path)
+    if m["chunk_bytes"] < 64 or m["chunk_bytes"] % 64:
+        raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: bad chunk_bytes "
+                              f"{m['chunk_bytes']}", file=path)
+    return m
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def chunk_hash_ok(data: np.ndarray, expected: str) -> bool:
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest() == expected

@@ -1,0 +1,936 @@
+"""ringlet.checkpoint: round trips, resharding, crash safety, integrity, async.
+
+Multi-rank cases run ranks as threads (``run_world``); the crash cases run
+real processes and SIGKILL them at each step of the commit.  Every tensor is
+checked bit for bit against a numpy oracle built from the global tensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ringlet
+from ringlet.checkpoint import (AsyncCheckpointer, CheckpointError, ShardedTensor, ShardSpec,
+                                load, save, verify)
+from ringlet.checkpoint import _region
+from ringlet.checkpoint import format as ckfmt
+from ringlet.testing import WorldError, run_world
+
+pytest.importorskip("safetensors")
+from safetensors import safe_open  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+# ---- global tensors and layouts ---------------------------------------------------
+SHAPES = {"a": (7, 5), "b": (13,), "c": (2, 3, 4), "s": (), "z": (0, 4)}
+
+
+def global_tensor(key, dtype=np.float32):
+    shape = SHAPES[key]
+    n = int(np.prod(shape))
+    return (np.arange(n, dtype=np.float64) * 1.5 + len(key) * 100 + ord(key[0])) \
+        .astype(dtype).reshape(shape)
+
+
+def split(n, P, r, uneven):
+    """Rank r's [start, stop) of n items over P ranks.
+
+    Even: FSDP-style ceil(n/P) per rank, so the last ranks may get less or
+    nothing (their part of the flat buffer is padding).  Uneven: fixed
+    irregular cut points, some pieces empty.
+    """
+    if uneven:
+        cuts = [0] + sorted((i * i * 7919) % (n + 1) for i in range(1, P)) + [n]
+        return cuts[r], cuts[r + 1]
+    per = -(-n // P) if n else 0
+    return min(n, r * per), min(n, (r + 1) * per)
+
+
+def make_state(layout, r, P, fill=True):
+    """A state dict in ``layout`` for rank r of P: full / flat / flatu / rows / cols."""
+    model = {}
+    for k, shape in SHAPES.items():
+        g = global_tensor(k) if fill else np.zeros(shape, np.float32)
+        if layout == "full" or (layout in ("rows", "cols") and not shape):
+            model[k] = g.copy()
+        elif layout in ("flat", "flatu"):
+            s, e = split(g.size, P, r, layout == "flatu")
+            model[k] = ShardedTensor(g.reshape(-1)[s:e].copy(), ShardSpec.flat(shape, s, e))
+        else:
+            d = 0 if layout == "rows" else len(shape) - 1
+            s, e = split(shape[d], P, r, True)
+            off, ln = [0] * len(shape), list(shape)
+            off[d], ln[d] = s, e - s
+            sl = tuple(slice(o, o + n) for o, n in zip(off, ln))
+            model[k] = ShardedTensor(g[sl].copy(), ShardSpec.box(shape, off, ln))
+    return {"model": model, "step": 3 if fill else 0, "rng": {"seed": [1, 2] if fill else None}}
+
+
+def local(x):
+    return x.local if isinstance(x, ShardedTensor) else x
+
+
+def assert_state_equal(got, want):
+    for k in SHAPES:
+        a, b = local(got["model"][k]), local(want["model"][k])
+        assert a.shape == b.shape, k
+        assert a.tobytes() == b.tobytes(), (k, a, b)
+
+
+def save_world(layout, P, path, **kw):
+    run_world(lambda r, n: save(make_state(layout, r, n), path, **kw), P)
+
+
+def errors_of(fn):
+    """Wrap a rank function so it returns (exception type name, exception) instead of raising."""
+    def body(r, P, *a):
+        try:
+            return ("ok", fn(r, P, *a))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return (type(exc).__name__, exc)
+    return body
+
+
+def leftovers(path):
+    parent, name = os.path.split(path)
+    return sorted(e for e in os.listdir(parent) if e.startswith(f".{name}."))
+
+
+# ---- round trip ---------------------------------------------------------------------
+def _all_dtypes():
+    dts = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64,
+           np.int64, np.float16, np.float32, np.float64]
+    try:
+        import ml_dtypes
+        dts.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    return [np.dtype(d) for d in dts]
+
+
+def _random_bits(shape, dtype, seed):
+    raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dtype.itemsize,
+                                               dtype=np.uint8)
+    if dtype == np.bool_:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def test_round_trip_is_bit_exact_for_every_dtype_and_value(tmp_path):
+    tensors = {}
+    for i, dt in enumerate(_all_dtypes()):
+        tensors[f"{dt.name}"] = _random_bits((5, 3), dt, i)  # NaN payloads, -0.0, subnormals
+    tensors["scalar0d"] = np.array(2.5)
+    tensors["empty"] = np.zeros((0, 7), np.int32)
+    tensors["strided"] = np.arange(24, dtype=np.int64).reshape(4, 6).T  # not C-contiguous
+    tensors["bigendian"] = np.arange(6, dtype=">f4")
+    values = {"int": 7, "big": 2**100 + 1, "neg": -3, "f": 0.1, "nan": float("nan"),
+              "inf": float("-inf"), "s": "héllo ✓", "none": None, "t": True,
+              "list": [1, [2.5, "x", None], {"k": 1}], "np": np.float32(1.5)}
+    state = {"model": tensors, "user": values, "opt": {"state": {0: {"m": np.ones(3)}}}}
+    path = str(tmp_path / "ck")
+
+    def body(r, P):
+        save(state, path)
+        tmpl = {"model": {k: np.zeros(v.shape, v.dtype) for k, v in tensors.items()},
+                "user": {k: None for k in values}, "opt": {"state": {0: {"m": np.zeros(3)}}}}
+        res = load(tmpl, path)
+        for k, v in tensors.items():
+            got = tmpl["model"][k]
+            assert got.dtype == v.dtype and got.shape == v.shape
+            assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(v).tobytes(), k
+        u = res.state_dict["user"]
+        assert u["big"] == 2**100 + 1 and u["s"] == "héllo ✓" and u["none"] is None
+        assert np.isnan(u["nan"]) and u["inf"] == float("-inf") and u["t"] is True
+        assert u["list"] == [1, [2.5, "x", None], {"k": 1}] and u["np"] == 1.5
+        assert res.state_dict["opt"]["state"][0]["m"] is tmpl["opt"]["state"][0]["m"]
+        assert np.array_equal(tmpl["opt"]["state"][0]["m"], np.ones(3))
+        return res.bytes_read
+
+    for P in (1, 3):
+        run_world(body, P)
+    m = verify(path)
+    assert m["world_size"] == 3
+    # Every shard file is standard safetensors and holds exactly the recorded pieces.
+    got = {}
+    for fname in m["files"]:
+        with safe_open(os.path.join(path, fname), framework="numpy") as f:
+            for k in f.keys():
+                got[k] = got.get(k, 0) + f.get_tensor(k).size
+    for k, v in tensors.items():
+        assert got.get(f"model.{k}", 0) == v.size, k
+
+
+def test_replicated_arrays_are_written_once_and_spread_over_ranks(tmp_path):
+    path = str(tmp_path / "ck")
+    state = {f"w{i}": np.full((64,), i, np.float32) for i in range(8)}
+    state["big"] = np.arange(1000, dtype=np.float64)  # 8000 bytes >= split_bytes: split
+    run_world(lambda r, P: save(state, path, split_bytes=4096), 4)
+    m = json.load(open(os.path.join(path, "manifest.json")))
+    assert sorted(m["files"]) == [f"rank{r:05d}.safetensors" for r in range(4)]
+    assert [p["rank"] for p in m["tensors"]["big"]["pieces"]] == [0, 1, 2, 3]
+    for k in state:  # each element stored exactly once
+        total = sum(p["nbytes"] for p in m["tensors"][k]["pieces"])
+        assert total == state[k].nbytes
+    sizes = [sum(p["nbytes"] for t in m["tensors"].values() for p in t["pieces"]
+                 if p["rank"] == r) for r in range(4)]
+    assert max(sizes) - min(sizes) <= 256  # 8 small arrays of 256 B balanced over 4 ranks
+
+
+# ---- resharding -------------------------------------------------------------------------
+RESHARD = [
+    ("flat", 4, "flat", 2), ("flat", 2, "flat", 4), ("flatu", 3, "flatu", 2),
+    ("flat", 4, "full", 1), ("full", 2, "flat", 3), ("flatu", 3, "full", 2),
+    ("rows", 2, "cols", 3), ("cols", 3, "flat", 4), ("flat", 3, "rows", 4),
+    ("full", 1, "rows", 4), ("rows", 4, "flatu", 3), ("full", 4, "full", 2),
+]
+
+
+@pytest.mark.parametrize("src,p_src,dst,p_dst", RESHARD)
+def test_resharding(tmp_path, src, p_src, dst, p_dst):
+    path = str(tmp_path / "ck")
+    save_world(src, p_src, path, chunk_bytes=64, split_bytes=64)
+    verify(path)
+
+    def body(r, P):
+        tmpl = make_state(dst, r, P, fill=False)
+        res = load(tmpl, path)
+        assert_state_equal(tmpl, make_state(dst, r, P))
+        assert res.state_dict["step"] == 3 and res.state_dict["rng"]["seed"] == [1, 2]
+        return res.bytes_read
+
+    run_world(body, p_dst)
+
+
+def test_load_reads_only_the_bytes_each_rank_needs(tmp_path, monkeypatch):
+    # 2 -> 4 ranks, flat shards, 64-byte chunks: each new rank needs half of
+    # one old piece; it must read exactly that (rounded out to whole chunks).
+    path = str(tmp_path / "ck")
+    n = 4096  # float32: 16 KiB, chunk multiple at every cut
+    g = np.arange(n, dtype=np.float32)
+
+    def saver(r, P):
+        s, e = split(n, P, r, False)
+        save({"w": ShardedTensor(g[s:e].copy(), ShardSpec.flat((n,), s, e))}, path,
+             chunk_bytes=64)
+
+    run_world(saver, 2)
+    counts = {}
+    real = ckfmt.pread_into
+    lock = threading.Lock()
+
+    def counting(fd, buf, offset):  # independent of LoadResult's own count
+        got = real(fd, buf, offset)
+        with lock:
+            name = threading.current_thread().name
+            counts[name] = counts.get(name, 0) + got
+        return got
+
+    monkeypatch.setattr(ckfmt, "pread_into", counting)
+
+    def loader(r, P, uneven):
+        s, e = split(n, P, r, uneven)
+        out = np.zeros(e - s, np.float32)
+        res = load({"w": ShardedTensor(out, ShardSpec.flat((n,), s, e))}, path)
+        assert np.array_equal(out, g[s:e])
+        return threading.current_thread().name, s, e, res.bytes_read
+
+    for r_name, s, e, br in run_world(loader, 4, args=(False,)):
+        assert br == counts[r_name] == (e - s) * 4  # aligned: not one byte more
+    counts.clear()
+    for r_name, s, e, br in run_world(loader, 3, args=(True,)):
+        # uneven cuts: at most one partial chunk at each end of each piece read
+        pieces = sum(1 for q in range(2) if max(s, split(n, 2, q, False)[0])
+                     < min(e, split(n, 2, q, False)[1]))
+        assert (e - s) * 4 <= br == counts[r_name] <= (e - s) * 4 + 2 * 64 * pieces
+
+
+def test_box_resharding_reads_only_needed_rows(tmp_path):
+    # rows of a (64, 16) float64 matrix saved by 4 ranks, loaded as rows by 2:
+    # each loader reads exactly two old pieces.
+    path = str(tmp_path / "ck")
+    g = np.arange(64 * 16, dtype=np.float64).reshape(64, 16)
+
+    def saver(r, P):
+        s, e = r * 16, (r + 1) * 16
+        save({"w": ShardedTensor(g[s:e].copy(), ShardSpec.box(g.shape, (s, 0), (16, 16)))},
+             path, chunk_bytes=128)
+
+    run_world(saver, 4)
+
+    def loader(r, P):
+        out = np.zeros((32, 16))
+        res = load({"w": ShardedTensor(out, ShardSpec.box(g.shape, (32 * r, 0), (32, 16)))}, path)
+        assert np.array_equal(out, g[32 * r:32 * (r + 1)])
+        return res.bytes_read
+
+    assert run_world(loader, 2) == [32 * 16 * 8] * 2
+
+
+def test_fsdp_flat_shards_to_full_model_and_back(tmp_path):
+    """Emulates FSDP: params packed into one flat buffer padded to a multiple of
+    the world size, each rank owning a contiguous part, each parameter's share
+    given as a ShardedTensor with a flat spec (empty where the rank holds none).
+    (Once ringlet.fsdp exists, a test with its real sharded_state_dict() is due.)"""
+    params = {"embed": (10, 4), "layer.w": (4, 4), "layer.b": (4,), "head": (4, 3)}
+    glob = {k: np.random.default_rng(i).standard_normal(s).astype(np.float32)
+            for i, (k, s) in enumerate(params.items())}
+
+    def fsdp_state(r, P, fill):
+        total = sum(int(np.prod(s)) for s in params.values())
+        per = -(-total // P)
+        lo, hi = r * per, (r + 1) * per  # this rank's part of the padded flat buffer
+        out, base = {}, 0
+        for k, shape in params.items():
+            n = int(np.prod(shape))
+            s, e = min(max(lo - base, 0), n), min(max(hi - base, 0), n)
+            vals = glob[k].reshape(-1)[s:e].copy() if fill else np.zeros(e - s, np.float32)
+            out[k] = ShardedTensor(vals, ShardSpec.flat(shape, s, e))
+            base += n
+        return {"model": out}
+
+    fsdp_path, ddp_path = str(tmp_path / "fsdp"), str(tmp_path / "ddp")
+    run_world(lambda r, P: save(fsdp_state(r, P, True), fsdp_path), 3)
+
+    def to_ddp(r, P):
+        model = {k: np.zeros(s, np.float32) for k, s in params.items()}
+        load({"model": model}, fsdp_path)
+        for k in params:
+            assert np.array_equal(model[k], glob[k])
+        save({"model": model}, ddp_path)  # a DDP checkpoint of the same model
+
+    run_world(to_ddp, 2)
+
+    def to_fsdp(r, P):
+        st = fsdp_state(r, P, False)
+        load(st, ddp_path)
+        want = fsdp_state(r, P, True)
+        for k in params:
+            assert np.array_equal(st["model"][k].local, want["model"][k].local)
+
+    run_world(to_fsdp, 4)
+
+
+# ---- training resumes exactly -------------------------------------------------------------
+def _sgd_state(r, P, fill_from=None):
+    """Params replicated (DDP); momentum sharded flat over ranks (ZeRO-1 style)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 3)) if fill_from is None else np.zeros((6, 3))
+    s, e = split(w.size, P, r, False)
+    mom = np.zeros(e - s)
+    return {"model": {"w": w}, "optim": {"momentum": {"w": ShardedTensor(mom, ShardSpec.flat(
+        w.shape, s, e))}, "lr": 0.05, "beta": 0.9}, "step": 0,
+            "rng": np.random.default_rng(1234).bit_generator.state}
+
+
+def _train(state, steps, r, P):
+    w = state["model"]["w"]
+    m = state["optim"]["momentum"]["w"]
+    s, e = m.spec.flat_range
+    bg = np.random.PCG64()
+    bg.state = state["rng"]
+    rng = np.random.Generator(bg)
+    target = np.arange(18.0).reshape(6, 3) / 10
+    for _ in range(steps):
+        x = rng.standard_normal((5, 6))  # the same batch on every rank (shared RNG state)
+        grad = x.T @ (x @ w - x @ target) / 5
+        flat_w, flat_g = w.reshape(-1), grad.reshape(-1)
+        m.local[...] = state["optim"]["beta"] * m.local + flat_g[s:e]
+        mine = flat_w[s:e] - state["optim"]["lr"] * m.local
+        # every rank contributes its updated slice; all_reduce of disjoint slices
+        # rebuilds the full parameters on every rank
+        full = np.zeros_like(flat_w)
+        full[s:e] = mine
+        ringlet.all_reduce(full)
+        w[...] = full.reshape(w.shape)
+        state["step"] += 1
+    state["rng"] = bg.state
+    return state
+
+
+def test_optimizer_state_resumes_exactly(tmp_path):
+    path = str(tmp_path / "ck")
+
+    def body(r, P):
+        st = _train(_sgd_state(r, P), 4, r, P)
+        save(st, path)
+        ref = _train(st, 5, r, P)  # uninterrupted
+        fresh = _sgd_state(r, P, fill_from=path)
+        res = load(fresh, path)
+        loaded = res.state_dict
+        assert loaded["step"] == 4
+        resumed = _train(loaded, 5, r, P)
+        assert np.array_equal(resumed["model"]["w"], ref["model"]["w"])
+        assert np.array_equal(resumed["optim"]["momentum"]["w"].local,
+                              ref["optim"]["momentum"]["w"].local)
+        assert resumed["step"] == ref["step"] == 9
+        return ref["model"]["w"]
+
+    ws = run_world(body, 2)
+    assert np.array_equal(ws[0], ws[1])
+
+
+# ---- atomic commit under SIGKILL -------------------------------------------------------------
+_CRASH = """
+import os, signal, sys
+import numpy as np
+sys.path.insert(0, {src!r})
+from ringlet.checkpoint import commit, save
+point = sys.argv[2]
+def failpoint(name):
+    if name == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+commit._failpoint = failpoint
+save({{"w": np.full((64, 64), float(sys.argv[3]), np.float32), "v": {{"gen": int(sys.argv[3])}}}},
+     sys.argv[1])
+"""
+
+
+def _run_crash(path, point, gen):
+    script = _CRASH.format(src=SRC)
+    env = dict(os.environ, PYTHONPATH=SRC)
+    for k in [k for k in env if k.startswith("RINGLET_")]:
+        del env[k]
+    return subprocess.run([sys.executable, "-c", script, path, point, str(gen)], env=env,
+                          timeout=120, capture_output=True, text=True)
+
+
+def _gen_of(path):
+    w = np.zeros((64, 64), np.float32)
+    res = load({"w": w, "v": {"gen": None}}, path)
+    gen = res.state_dict["v"]["gen"]
+    assert np.all(w == gen), "tensor data from a different save than the values"
+    return gen
+
+
+@pytest.mark.parametrize("point,survivor", [("written", 1), ("manifest", 1), ("aside", 1),
+                                            ("renamed", 2)])
+def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, point, survivor):
+    path = str(tmp_path / "ck")
+    ok = _run_crash(path, "never", 1)
+    assert ok.returncode == 0, ok.stderr
+    killed = _run_crash(path, point, 2)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert _gen_of(path) == survivor  # old before the swap, new after it; never a mix
+    verify(path)
+    again = _run_crash(path, "never", 3)  # the next save repairs and tidies
+    assert again.returncode == 0, again.stderr
+    assert _gen_of(path) == 3 and leftovers(path) == []
+
+
+def _die_while_saving(r, P, path):
+    from ringlet.checkpoint import commit
+
+    def failpoint(name):
+        if name == "written" and r == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    commit._failpoint = failpoint
+    t0 = time.monotonic()
+    try:
+        save({"w": np.full(100, 2.0)}, path, timeout=30, split_bytes=64)  # both ranks write
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return type(exc).__name__, time.monotonic() - t0
+    return "saved", time.monotonic() - t0
+
+
+def test_rank_killed_mid_save_fails_the_others_fast_and_keeps_old(tmp_path):
+    path = str(tmp_path / "ck")
+    save({"w": np.full(100, 1.0)}, path)
+    with pytest.raises(WorldError) as info:
+        run_world(_die_while_saving, 2, mode="process", timeout=90, args=(path,))
+    err = info.value
+    assert 1 in err.failures and "signal 9" in err.failures[1]
+    kind, waited = err.results[0]
+    assert kind != "saved" and waited < 25  # noticed the death, not the 30 s timeout
+    w = np.zeros(100)
+    load({"w": w}, path)
+    assert np.all(w == 1.0)
+
+
+# ---- integrity errors ------------------------------------------------------------------------
+def _two_tensor_ckpt(path):
+    save({"a": np.arange(256, dtype=np.float32), "b": np.arange(64, dtype=np.int64)}, path,
+         chunk_bytes=256)
+    m = json.load(open(os.path.join(path, "manifest.json")))
+    return m, os.path.join(path, "rank00000.safetensors")
+
+
+def _tmpl():
+    return {"a": np.zeros(256, np.float32), "b": np.zeros(64, np.int64)}
+
+
+def test_flipped_byte_names_file_tensor_and_bytes(tmp_path):
+    path = str(tmp_path / "ck")
+    m, f = _two_tensor_ckpt(path)
+    piece = m["tensors"]["a"]["pieces"][0]
+    at = piece["offset"] + 300  # inside chunk 1 of tensor 'a'
+    with open(f, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CheckpointError, match="checksum mismatch") as info:
+        load(_tmpl(), path)
+    e = info.value
+    assert e.file == f and e.key == "a"
+    lo = piece["offset"] + 256
+    assert f"bytes {lo}..{lo + 256}" in str(e)
+    # A rank that needs only chunk 0 of 'a' never reads the damaged chunk.
+    part = np.zeros(64, np.float32)
+    load({"a": ShardedTensor(part, ShardSpec.flat((256,), 0, 64))}, path, strict=False)
+    assert np.array_equal(part, np.arange(64, dtype=np.float32))
+    with pytest.raises(CheckpointError, match="checksum mismatch") as v:
+        verify(path)
+    assert v.value.key == "a" and f"bytes {lo}..{lo + 256}" in str(v.value)
+
+
+def test_verify_catches_a_damaged_header_that_load_never_reads(tmp_path):
+    path = str(tmp_path / "ck")
+    _m, f = _two_tensor_ckpt(path)
+    data = bytearray(open(f, "rb").read())
+    at = data.index(b"ringlet-checkpoint")  # the header's metadata: still valid JSON after
+    data[at] ^= 0x20
+    open(f, "wb").write(bytes(data))
+    load(_tmpl(), path)  # the tensors themselves are intact
+    with pytest.raises(CheckpointError, match="file checksum") as v:
+        verify(path)
+    assert v.value.file == f
+    data[10] = 0xFF  # now the JSON itself is broken
+    open(f, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted safetensors header"):
+        verify(path)
+
+
+def test_truncated_shard_names_file_and_tensor(tmp_path):
+    path = str(tmp_path / "ck")
+    _m, f = _two_tensor_ckpt(path)
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) - 10)
+    with pytest.raises(CheckpointError, match="truncated") as info:
+        load(_tmpl(), path)
+    assert info.value.file == f and info.value.key in ("a", "b")
+    assert repr(info.value.key) in str(info.value) and f in str(info.value)
+    with pytest.raises(CheckpointError, match="truncated"):
+        verify(path)
+
+
+def test_missing_shard_file_names_file_and_tensor(tmp_path):
+    path = str(tmp_path / "ck")
+    _m, f = _two_tensor_ckpt(path)
+    os.remove(f)
+    with pytest.raises(CheckpointError, match="missing") as info:
+        load(_tmpl(), path)
+    assert info.value.file == f and info.value.key == "a"
+    with pytest.raises(CheckpointError, match="missing"):
+        verify(path)
+
+
+def test_corrupted_manifest_and_missing_checkpoint(tmp_path):
+    path = str(tmp_path / "ck")
+    _two_tensor_ckpt(path)
+    with open(os.path.join(path, "manifest.json"), "r+b") as fh:
+        fh.seek(5)
+        fh.write(b"\x00")
+    with pytest.raises(CheckpointError, match="manifest"):
+        load(_tmpl(), path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load(_tmpl(), str(tmp_path / "nothing"))
+
+
+def test_manifest_that_leaves_a_hole_is_caught(tmp_path):
+    path = str(tmp_path / "ck")
+    run_world(lambda r, P: save({"w": np.arange(100.0)}, path, split_bytes=64), 2)
+    mpath = os.path.join(path, "manifest.json")
+    m = json.load(open(mpath))
+    assert len(m["tensors"]["w"]["pieces"]) == 2
+    del m["tensors"]["w"]["pieces"][1]
+    json.dump(m, open(mpath, "w"))
+    with pytest.raises(CheckpointError, match="does not cover tensor 'w'"):
+        load({"w": np.zeros(100)}, path)
+
+
+def test_damage_seen_by_one_rank_fails_every_rank(tmp_path):
+    path = str(tmp_path / "ck")
+    save_world("rows", 2, path)
+    os.remove(os.path.join(path, "rank00001.safetensors"))
+
+    def body(r, P):  # each rank loads only its own rows: rank 1 hits the missing file
+        return load(make_state("rows", r, P, fill=False), path)
+
+    res = run_world(errors_of(body), 2)
+    assert res[1][0] == "CheckpointError" and "rank00001" in res[1][1].file
+    assert res[0][0] == "CheckpointError" and set(res[0][1].failed_ranks) == {1}
+    assert "rank 1" in str(res[0][1])
+
+
+# ---- keys -------------------------------------------------------------------------------------
+def test_missing_and_unexpected_keys(tmp_path):
+    path = str(tmp_path / "ck")
+    save({"a": np.ones(3), "b": np.ones(2), "step": 5}, path)
+    with pytest.raises(CheckpointError) as info:
+        load({"a": np.zeros(3), "c": np.zeros(2), "step": 0}, path)
+    assert info.value.missing_keys == {0: ["c"]} and info.value.unexpected_keys == ["b"]
+    a, c = np.zeros(3), np.zeros(2)
+    res = load({"a": a, "c": c, "step": 0}, path, strict=False)
+    assert res.missing_keys == ["c"] and res.unexpected_keys == ["b"]
+    assert np.all(a == 1) and np.all(c == 0) and res.state_dict["step"] == 5
+
+
+def test_keys_are_matched_against_the_union_of_all_ranks(tmp_path):
+    # Per-rank values under per-rank keys: rank r loads only its own, and
+    # nothing is "unexpected" because some rank asks for every key.
+    path = str(tmp_path / "ck")
+    run_world(lambda r, P: save({"w": np.ones(4), f"rng.rank{r}": [r, r + 1]}, path), 3)
+
+    def body(r, P):
+        res = load({"w": np.zeros(4), f"rng.rank{r}": None}, path)
+        assert res.state_dict[f"rng.rank{r}"] == [r, r + 1] and res.unexpected_keys == []
+
+    run_world(body, 3)
+
+
+def test_tensor_vs_value_and_shape_mismatch(tmp_path):
+    path = str(tmp_path / "ck")
+    save({"a": np.ones((2, 3), np.float32), "v": 1}, path)
+    with pytest.raises(ValueError, match=r"'a' is float32\[2, 3\] in the checkpoint"):
+        load({"a": np.zeros((3, 2), np.float32), "v": 0}, path)
+    with pytest.raises(ValueError, match="float32"):
+        load({"a": np.zeros((2, 3), np.float64), "v": 0}, path)
+    with pytest.raises(ValueError, match="plain value in the checkpoint"):
+        load({"a": np.zeros((2, 3), np.float32), "v": np.zeros(1)}, path)
+    ro = np.zeros((2, 3), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        load({"a": ro, "v": 0}, path)
+
+
+# ---- save-side failures ---------------------------------------------------------------------
+def test_bad_leaf_on_one_rank_aborts_the_save_everywhere(tmp_path):
+    path = str(tmp_path / "ck")
+    save({"w": np.ones(2)}, path)
+
+    def body(r, P):
+        save({"w": np.full(2, 2.0), "x": object() if r == 2 else 1}, path)
+
+    res = run_world(errors_of(body), 3)
+    assert res[2][0] == "TypeError" and "'x'" in str(res[2][1])
+    for r in (0, 1):
+        assert res[r][0] == "CheckpointError" and set(res[r][1].failed_ranks) == {2}
+    w = np.zeros(2)
+    load({"w": w}, path)
+    assert np.all(w == 1.0) and leftovers(path) == []
+
+
+def test_write_failure_on_one_rank_aborts_and_names_it(tmp_path, monkeypatch):
+    path = str(tmp_path / "ck")
+    save({"w": np.ones(2)}, path)
+    real = ckfmt.write_shard_file
+
+    def flaky(p, pieces, chunk, rank):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(p, pieces, chunk, rank)
+
+    save_mod = importlib.import_module("ringlet.checkpoint.save")  # the module, not the function
+    monkeypatch.setattr(save_mod, "write_shard_file", flaky)
+
+    def body(r, P):
+        save({f"w{i}": np.full(8, float(i)) for i in range(6)}, path)
+
+    res = run_world(errors_of(body), 3)
+    assert res[1][0] == "OSError"
+    assert res[0][0] == res[2][0] == "CheckpointError"
+    assert "rank 1" in str(res[0][1]) and "No space left" in str(res[0][1])
+    w = np.zeros(2)
+    load({"w": w}, path)
+    assert np.all(w == 1.0) and leftovers(path) == []
+
+
+@pytest.mark.parametrize("case,match", [
+    ("shape", r"'w' is float64\[4\] on rank 0 but float64\[5\] on rank 1"),
+    ("overlap", "overlap"),
+    ("hole", "cover 3 of the 4"),
+    ("value", "value 'step' differs between rank 0"),
+    ("mixed", "full array on rank 0 but a ShardedTensor"),
+    ("path", "different checkpoint paths"),
+])
+def test_inconsistent_ranks_are_rejected_on_every_rank(tmp_path, case, match):
+    path = str(tmp_path / "ck")
+
+    def body(r, P):
+        sd, p = {"step": 1}, path
+        if case == "shape":
+            sd["w"] = np.zeros(4 + r)
+        elif case == "overlap":
+            sd["w"] = ShardedTensor(np.zeros(3), ShardSpec.flat((4,), r, r + 3))
+        elif case == "hole":
+            sd["w"] = ShardedTensor(np.zeros(1 + r), ShardSpec.flat((4,), 2 * r, 3 * r + 1))
+        elif case == "value":
+            sd["step"] = r
+        elif case == "mixed":
+            sd["w"] = np.zeros(4) if r == 0 else ShardedTensor(np.zeros(4), ShardSpec.flat(
+                (4,), 0, 4))
+        else:
+            p = path + str(r)
+        save(sd, p)
+
+    res = run_world(errors_of(body), 2)
+    for kind, exc in res:
+        assert kind == "ValueError", (kind, exc)
+        assert re.search(match, str(exc)), str(exc)
+    assert os.listdir(tmp_path) == []  # nothing created, temporary directory removed
+
+
+def test_identical_shards_on_several_ranks_are_deduplicated(tmp_path):
+    # hybrid sharding: ranks {0,2} and {1,3} hold the same halves
+    path = str(tmp_path / "ck")
+    g = np.arange(10.0)
+
+    def body(r, P):
+        s, e = (0, 5) if r % 2 == 0 else (5, 10)
+        save({"w": ShardedTensor(g[s:e].copy(), ShardSpec.flat((10,), s, e))}, path)
+
+    run_world(body, 4)
+    m = verify(path)
+    assert [p["rank"] for p in m["tensors"]["w"]["pieces"]] == [0, 1]
+    w = np.zeros(10)
+    load({"w": w}, path)
+    assert np.array_equal(w, g)
+
+
+def test_refuses_to_replace_other_data(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="not a ringlet checkpoint"):
+        save({"w": np.ones(1)}, str(d))
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        save({"w": np.ones(1)}, str(f))
+    assert (d / "keep.txt").read_text() == "precious"
+    (tmp_path / "empty").mkdir()
+    save({"w": np.ones(1)}, str(tmp_path / "empty"))  # an empty directory is fine
+    verify(str(tmp_path / "empty"))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="must be a dict"):
+        save([np.ones(1)], "/tmp/never")
+    with pytest.raises(TypeError, match="path must be"):
+        save({"a": np.ones(1)}, 3)
+    with pytest.raises(TypeError, match="complex64"):
+        save({"a": np.ones(1, np.complex64)}, "/tmp/never-ringlet-ck")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        save({"a": np.ones(1)}, "/tmp/never-ringlet-ck", chunk_bytes=100)
+    with pytest.raises(TypeError, match="key"):
+        save({("t",): np.ones(1)}, "/tmp/never-ringlet-ck")
+    with pytest.raises(ValueError, match="same key"):
+        save({"a.b": 1, "a": {"b": 2}}, "/tmp/never-ringlet-ck")
+    with pytest.raises(TypeError, match="numpy array inside a list"):
+        save({"a": [np.ones(1)]}, "/tmp/never-ringlet-ck")
+    with pytest.raises(ValueError, match="reserved"):
+        save({"__metadata__": np.ones(1)}, "/tmp/never-ringlet-ck")
+    with pytest.raises(ValueError, match="timeout"):
+        save({"a": np.ones(1)}, "/tmp/never-ringlet-ck", timeout=-1)
+    with pytest.raises(ValueError, match="timeout"):
+        load({"a": np.ones(1)}, "/tmp/never-ringlet-ck", timeout=0)
+    assert not os.path.exists("/tmp/never-ringlet-ck")
+    with pytest.raises(ValueError, match="does not fit"):
+        ShardSpec.box((4, 4), (2, 0), (3, 4))
+    with pytest.raises(ValueError, match="not inside"):
+        ShardSpec.flat((4, 4), 10, 17)
+    with pytest.raises(TypeError, match="ints"):
+        ShardSpec.box((4, 4.0), (0, 0), (1, 1))
+    with pytest.raises(ValueError, match="needs"):
+        ShardedTensor(np.zeros(3), ShardSpec.flat((4,), 0, 4))
+    with pytest.raises(TypeError, match="ShardSpec"):
+        ShardedTensor(np.zeros(3), (0, 3))
+
+
+def test_save_and_load_on_a_subgroup(tmp_path):
+    # ranks 1 and 3 checkpoint through their own group (its rank 0 is world
+    # rank 1) while ranks 0 and 2 stay out; then a 2-rank world reloads it.
+    path = str(tmp_path / "ck")
+
+    def body(r, P):
+        g = ringlet.new_group([1, 3])
+        if r in (1, 3):
+            gr = g.rank
+            s, e = (0, 6) if gr == 0 else (6, 10)
+            st = {"w": ShardedTensor(np.arange(10.0)[s:e].copy(), ShardSpec.flat((10,), s, e)),
+                  "who": "odd"}
+            save(st, path, group=g, timeout=60)
+            with AsyncCheckpointer(group=g) as ck:
+                ck.save_async(st, path + "-async")
+            w = np.zeros(10)
+            res = load({"w": w, "who": None}, path, group=g)
+            assert np.array_equal(w, np.arange(10.0)) and res.state_dict["who"] == "odd"
+        ringlet.barrier()
+
+    run_world(body, 4)
+    assert verify(path)["world_size"] == 2
+    assert _files_of(path) == _files_of(path + "-async")
+
+
+# ---- async ---------------------------------------------------------------------------------------
+def _files_of(path):
+    return {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+
+
+def test_async_save_overlapped_with_training_matches_sync(tmp_path):
+    a_path, s_path = str(tmp_path / "async"), str(tmp_path / "sync")
+
+    def body(r, P):
+        ck = AsyncCheckpointer()
+        state = make_state("flatu", r, P)
+        state["model"]["big"] = np.arange(200_000, dtype=np.float32) + r * 0  # replicated
+        snapshot = {"model": {k: (ShardedTensor(v.local.copy(), v.spec)
+                                  if isinstance(v, ShardedTensor) else v.copy())
+                              for k, v in state["model"].items()}, "step": 3,
+                    "rng": {"seed": [1, 2]}}
+        ck.save_async(state, a_path)
+        # training continues and mutates the live state while the save runs
+        for i in range(20):
+            grad = np.full(64, float(r + i))
+            ringlet.all_reduce(grad)
+            state["model"]["big"] += 1.0
+            for v in state["model"].values():
+                local(v)[...] = 0
+        ck.wait()
+        assert ck.done()
+        save(snapshot, s_path)
+        ck.close()
+
+    run_world(body, 3)
+    assert _files_of(a_path) == _files_of(s_path)  # manifest and every shard, byte for byte
+
+
+def test_async_one_save_in_flight_and_results_in_order(tmp_path):
+    def body(r, P):
+        ck = AsyncCheckpointer()
+        for i in range(4):
+            ck.save_async({"w": np.full(1000, float(i)), "i": i}, str(tmp_path / f"c{i % 2}"))
+            if i:  # save_async waited: the previous save is already committed
+                with open(tmp_path / f"c{(i - 1) % 2}" / "manifest.json") as f:
+                    assert json.load(f)["values"]["i"] == i - 1
+        ck.wait()
+        out = []
+        for i in (0, 1):
+            w = np.zeros(1000)
+            res = load({"w": w, "i": None}, str(tmp_path / f"c{i}"))
+            out.append((res.state_dict["i"], float(w[0])))
+        return out
+
+    assert run_world(body, 2) == [[(2, 2.0), (3, 3.0)]] * 2
+
+
+def test_async_errors_surface_on_wait(tmp_path):
+    (tmp_path / "file").write_text("x")
+
+    def body(r, P):
+        ck = AsyncCheckpointer()
+        ck.save_async({"w": np.ones(3)}, str(tmp_path / "file"))  # rank 0 cannot prepare it
+        deadline = time.monotonic() + 30
+        while not ck.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ck.done()
+        try:
+            ck.wait()
+        except Exception as exc:  # noqa: BLE001
+            kind = type(exc).__name__
+        else:
+            kind = "ok"
+        ck.wait()  # an error is raised once
+        ck.save_async({"w": np.ones(3)}, str(tmp_path / "good"))  # usable afterwards
+        ck.wait()
+        return kind
+
+    assert run_world(body, 2) == ["FileExistsError", "CheckpointError"]
+    verify(str(tmp_path / "good"))
+
+
+def test_async_bad_state_raises_at_once_and_fails_peers(tmp_path):
+    def body(r, P):
+        ck = AsyncCheckpointer()
+        try:
+            ck.save_async({"w": np.ones(3), "bad": object() if r == 1 else 0},
+                          str(tmp_path / "ck"))
+        except TypeError:
+            ck.wait()  # already reported: nothing more to raise
+            return "TypeError at save_async"
+        try:
+            ck.wait()
+        except CheckpointError as exc:
+            return f"CheckpointError {sorted(exc.failed_ranks)}"
+        return "ok"
+
+    assert run_world(body, 2) == ["CheckpointError [1]", "TypeError at save_async"]
+    assert not os.path.exists(tmp_path / "ck")
+
+
+# ---- geometry (property-based) ----------------------------------------------------------------
+@st.composite
+def shape_and_region(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=0, max_size=4)))
+    n = int(np.prod(shape))
+    if draw(st.booleans()):
+        a = draw(st.integers(0, n))
+        b = draw(st.integers(a, n))
+        return shape, _region.Region((0,) * len(shape), shape, a, b)
+    off = [draw(st.integers(0, s - 1)) for s in shape]
+    ext = [draw(st.integers(1, s - o)) for s, o in zip(shape, off)]
+    return shape, _region.Region.whole_box(off, ext)
+
+
+def _mask(shape, reg):
+    m = np.zeros(shape, bool)
+    for off, ext in reg.boxes():
+        sl = tuple(slice(o, o + e) for o, e in zip(off, ext)) + (Ellipsis,)
+        assert not m[sl].any(), "boxes overlap"
+        m[sl] = True
+    return m
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape_and_region())
+def test_region_copy_matches_numpy(sr):
+    shape, a = sr
+    n = int(np.prod(shape))
+    g = np.arange(n, dtype=np.int64).reshape(shape)
+    # boxes of a region are disjoint and cover exactly its elements
+    m = _mask(shape, a)
+    if a.is_whole_box:
+        want = np.zeros(shape, bool)
+        want[tuple(slice(o, o + e) for o, e in zip(a.off, a.ext)) + (Ellipsis,)] = True
+    else:
+        want = np.zeros(n, bool)
+        want[a.start:a.stop] = True
+        want = want.reshape(shape)
+    assert np.array_equal(m, want)
+    # copy region a's storage into a whole-tensor storage through the overlap boxes
+    b = _region.Region((0,) * len(shape), shape, 0, n)
+    if a.is_whole_box:  # stored with its box's shape
+        a_store = g[tuple(slice(o, o + e) for o, e in zip(a.off, a.ext)) + (Ellipsis,)].copy()
+    else:  # stored flat
+        a_store = g[m].reshape(-1).copy()
+    b_store = np.full(n, -1, np.int64)
+    for box in _region.overlaps(a, b):
+        _region.view(b, b_store, box)[...] = _region.view(a, a_store, box)
+    got = b_store.reshape(shape)
+    assert np.array_equal(got[m], g[m]) and np.all(got[~m] == -1)
