@@ -84,3 +84,20 @@ def _gil_free(rank, P):
 def test_python_runs_while_async_op_is_in_flight():
     spins = run_world(_gil_free, 2, mode="thread", timeout=60)
     assert max(spins) > 0
+
+
+def _pending_irecv_at_shutdown(rank, P):
+    # An irecv nobody will answer must not block shutdown for long or crash it.
+    w = ringlet.irecv(np.empty(4, np.float32), (rank + 1) % P, tag=99, timeout=300)
+    return w
+
+
+def test_shutdown_with_unanswered_irecv_is_bounded_and_safe():
+    import time
+
+    t0 = time.monotonic()
+    works = run_world(_pending_irecv_at_shutdown, 2, mode="thread", timeout=60)
+    took = time.monotonic() - t0
+    assert took < 30, took
+    for w in works:
+        assert w.is_completed() and w.exception() is not None

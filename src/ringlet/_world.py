@@ -144,7 +144,7 @@ class World:
             return
         self._closed = True
         for g in list(self._groups):
-            g._drain(min(self.timeout, 30.0))
+            g._drain(min(self.timeout, 5.0))
         self._watch_stop.set()
         if self._watch_store is not None:
             self._watch_store.close()  # wakes the watcher's blocked get

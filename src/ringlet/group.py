@@ -408,10 +408,15 @@ class ProcessGroup:
                 for r in range(self.size)]
 
     # ---- lifecycle -----------------------------------------------------------
-    def _drain(self, timeout: float) -> None:
-        self._exec.drain(timeout)
-        for ex in list(self._p2p_exec.values()):
-            ex.drain(timeout)
+    def _executors(self) -> list:
+        return [self._exec, *list(self._p2p_exec.values())]
+
+    def _drain(self, timeout: float) -> bool:
+        """Wait for queued async work; True when every executor is idle."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        return all(ex.drain(max(0.0, deadline - time.monotonic())) for ex in self._executors())
 
     def _cancel(self, status: int, reason: str) -> None:
         for comm in (self._coll, self._p2pc):
@@ -423,8 +428,13 @@ class ProcessGroup:
 
     def _close(self) -> None:
         self._closed = True
-        self._exec.close()
-        for ex in self._p2p_exec.values():
+        if not self._drain(0.0):
+            # Work still blocked in C (an irecv nobody answers, say): wake it
+            # with a cancel, and never free a communicator a thread is inside.
+            self._cancel(3, f"rank {self.rank}: the group was shut down with work pending")
+            if not self._drain(5.0):
+                self._coll = self._p2pc = None  # leaked on purpose: a thread still uses it
+        for ex in self._executors():
             ex.close()
         for comm in (self._coll, self._p2pc):
             if comm is not None:
