@@ -32,7 +32,9 @@ from ringlet.testing import WorldError, run_world
 pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+# The directory the ringlet under test was imported from (an install in CI, src/ in a
+# development tree), so child interpreters run the same build.
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
 
 
 # ---- global tensors and layouts ---------------------------------------------------
