@@ -149,6 +149,9 @@ class SerialExecutor:
             else:
                 work._finish(result)
             finally:
+                # Drop our references now: an idle worker must not keep the last
+                # closure (and the buffers it captured) alive until the next item.
+                fn = work = result = None
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()

@@ -10,5 +10,7 @@
 from . import comm_hooks
 from .ddp import DDP, DistributedDataParallel, GradBucket
 from .finalize import finalize_model_grads
+from .fsdp import FSDP, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 
-__all__ = ["DistributedDataParallel", "DDP", "GradBucket", "comm_hooks", "finalize_model_grads"]
+__all__ = ["DistributedDataParallel", "DDP", "GradBucket", "comm_hooks", "finalize_model_grads",
+           "FullyShardedDataParallel", "FSDP", "MixedPrecision", "ShardingStrategy"]

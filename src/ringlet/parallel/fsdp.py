@@ -1,0 +1,1115 @@
+"""``FullyShardedDataParallel`` (alias ``FSDP``): shard parameters, gradients and optimizer state.
+
+How it works (details and measurements: docs/fsdp.md):
+
+- **Units.**  The model is cut into units: by default every child of a
+  ``Sequential`` that holds parameters, plus the root for whatever is left;
+  or a user policy (``auto_wrap``).  A unit's parameters, grouped by dtype
+  (and by ``requires_grad``), become one flat buffer padded to a multiple of
+  the shard count S (``_flat.FlatLayout``), so no parameter size needs to
+  divide S.  Each rank keeps only its shard, as an ``nn.Parameter``: that is
+  what ``fsdp.parameters()`` yields and what ``ringlet.optim`` updates, so the
+  optimizer state is sharded as well.
+- **Forward.**  Each unit is replaced in its parent by a wrapper module.  When
+  it runs, its shard is all-gathered into a fresh flat buffer whose slices
+  become the original parameters' ``.data``; after the unit's forward the
+  buffer is dropped (FULL_SHARD, HYBRID_SHARD) or kept until the unit's
+  backward (SHARD_GRAD_OP).  With ``prefetch`` the next unit's all-gather is
+  issued asynchronously before the current unit computes.
+- **Backward.**  The unit is re-gathered if needed (prefetched in backward
+  order), its parameters' ``.grad`` become views into one flat full-size
+  gradient buffer, and once the unit's backward is complete (every forward of
+  it back-propagated) the buffer is reduce-scattered (``ReduceOp.AVG``)
+  asynchronously into a shard-sized buffer that is added to the shard's
+  ``.grad``.  HYBRID_SHARD then all-reduces that shard across the replica
+  group; NO_SHARD (S = 1) just all-reduces.  ``fsdp.backward`` returns when
+  every reduction has finished, so the optimizer may step right after.
+- Collectives are issued in program order, identical on every rank, on the
+  shard group (gathers, reduce-scatters) and the replica group (all-reduces),
+  whose async operations run in issue order.
+
+Why not parameter ready hooks: the wrapper knows exactly when its unit's
+backward is complete (forward count back to zero), including parameters that
+got no gradient, for which ready hooks never fire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import hashlib
+import time
+from collections import OrderedDict, deque
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import ringlet
+from ringlet import nn
+
+from ._flat import FlatLayout, MemoryTracker
+from ._fsdp_state import _StateDictMixin
+
+__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "MixedPrecision"]
+
+_WRAPPED = "_fsdp_wrapped_module"
+_NUMPY_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+class ShardingStrategy(enum.Enum):
+    """What is sharded across the data-parallel ranks.
+
+    - ``FULL_SHARD``: parameters, gradients and optimizer state (ZeRO-3); full
+      parameters exist only while their unit runs.
+    - ``SHARD_GRAD_OP``: gradients and optimizer state (ZeRO-2); a unit's full
+      parameters are kept from its forward until its backward.
+    - ``NO_SHARD``: nothing; gradients are all-reduced (like DDP).
+    - ``HYBRID_SHARD``: FULL_SHARD inside a shard group, replicated across
+      groups (gradient shards are all-reduced over the replica group).
+    """
+
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+    NO_SHARD = "no_shard"
+    HYBRID_SHARD = "hybrid_shard"
+
+
+def _low_dtype(d: Any, what: str) -> Optional[np.dtype]:
+    if d is None:
+        return None
+    if isinstance(d, str) and d == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ImportError(f"{what}: bfloat16 needs the ml_dtypes package "
+                              f"(pip install ml_dtypes)") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        dt = np.dtype(d)
+    except TypeError:
+        raise TypeError(f"{what}: {d!r} is not a numpy dtype") from None
+    if dt in _NUMPY_FLOATS or (dt.name == "bfloat16" and dt.itemsize == 2):
+        return dt
+    raise TypeError(f"{what} must be float16, bfloat16, float32 or float64, got {dt}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Low-precision parameters and gradient reduction; shards and optimizer stay as they are.
+
+    Args:
+        param_dtype: dtype in which full parameters are all-gathered and the
+            unit computes (float16: numpy computes in float16).  bfloat16
+            (``ml_dtypes.bfloat16`` or ``"bfloat16"``) is gathered in bfloat16
+            and then widened to float32 for compute, because numpy has no
+            bfloat16 kernels: the values are bfloat16-rounded, the arithmetic
+            float32.  None: the shard's dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter/all-reduce.  None:
+            the dtype the gradients were computed in.
+    Raises:
+        TypeError: a dtype that is not float16/bfloat16/float32/float64.
+
+    Example::
+
+        FSDP(model, mixed_precision=MixedPrecision(param_dtype=np.float16,
+                                                   reduce_dtype=np.float32))
+    """
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype", _low_dtype(self.param_dtype,
+                                                           "MixedPrecision.param_dtype"))
+        object.__setattr__(self, "reduce_dtype", _low_dtype(self.reduce_dtype,
+                                                            "MixedPrecision.reduce_dtype"))
+
+
+# ---- process groups -----------------------------------------------------------------------
+class _Grp:
+    """A group as FSDP uses it: the handle passed to collectives, size, rank, world ranks."""
+
+    __slots__ = ("pg", "size", "rank", "ranks")
+
+    def __init__(self, pg: Any, size: int, rank: int, ranks: Sequence[int]) -> None:
+        self.pg, self.size, self.rank, self.ranks = pg, size, rank, list(ranks)
+
+    @classmethod
+    def of(cls, pg: Any, what: str) -> "_Grp":
+        if pg is None:
+            n = ringlet.get_world_size()
+            return cls(None, n, ringlet.get_rank(), range(n))
+        if not all(hasattr(pg, a) for a in ("rank", "size", "ranks")):
+            raise TypeError(f"FSDP: {what} must be a ringlet.ProcessGroup or None, got "
+                            f"{type(pg).__name__}")
+        if pg.rank < 0:
+            raise ValueError(f"FSDP: this rank (world rank {ringlet.get_rank()}) is not a member "
+                             f"of {what} (world ranks {list(pg.ranks)})")
+        return cls(pg, int(pg.size), int(pg.rank), pg.ranks)
+
+
+def _mesh_group(mesh: Any, dim: int) -> Any:
+    get = getattr(mesh, "get_group", None)
+    if not callable(get):
+        raise TypeError(f"FSDP: mesh must have a get_group(dim) method (a DeviceMesh), got "
+                        f"{type(mesh).__name__}")
+    return get(dim)
+
+
+def _hybrid_groups(parent: Any, shard_size: Any) -> Tuple[Any, Any]:
+    if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)):
+        raise TypeError(f"FSDP: shard_size must be an int, got {type(shard_size).__name__}")
+    p = _Grp.of(parent, "group")
+    s = int(shard_size)
+    if s < 1 or p.size % s:
+        raise ValueError(f"FSDP: shard_size={s} must be positive and divide the group size "
+                         f"{p.size}")
+    ranks = p.ranks
+    shard = replicate = None
+    # Every rank creates every group, in the same order (new_group's contract).
+    for i in range(p.size // s):
+        g = ringlet.new_group(ranks[i * s:(i + 1) * s], group=parent)
+        if g.rank >= 0:
+            shard = g
+    for j in range(s):
+        g = ringlet.new_group(ranks[j::s], group=parent)
+        if g.rank >= 0:
+            replicate = g
+    return shard, replicate
+
+
+# ---- per-unit flat groups ---------------------------------------------------------------------
+class _FlatGroup:
+    """One unit's parameters of one (dtype, requires_grad): layout, shard and live buffers."""
+
+    def __init__(self, name: str, params: List[nn.Parameter], names: List[str],
+                 dtype: np.dtype, requires_grad: bool, shards: int, shard_rank: int,
+                 mp: Optional[MixedPrecision]) -> None:
+        self.name = name
+        self.params = params
+        self.names = names
+        self.dtype = np.dtype(dtype)
+        self.requires_grad = requires_grad
+        self.shard_rank = shard_rank
+        self.layout = FlatLayout([p.shape for p in params], shards)
+        pd = mp.param_dtype if mp is not None else None
+        rd = mp.reduce_dtype if mp is not None else None
+        self.comm_dtype = pd if pd is not None else self.dtype
+        self.compute_dtype = (self.comm_dtype if self.comm_dtype in _NUMPY_FLOATS
+                              else np.dtype(np.float32))
+        self.reduce_dtype = rd if rd is not None else self.compute_dtype
+        self.sentinels = []
+        for p in params:
+            s = np.empty((0,), self.dtype)
+            s.flags.writeable = False
+            self.sentinels.append(s)
+        self.bindings: List[Tuple[nn.Module, str, int]] = []
+        self.shard: Optional[nn.Parameter] = None
+        # Views of the shard itself, never gathered nor freed (NO_SHARD, no cast).
+        self.permanent = shards == 1 and self.compute_dtype == self.dtype
+        self.full: Optional[np.ndarray] = None
+        self.views: Optional[List[np.ndarray]] = None
+        self.gather: Optional[Tuple[Any, np.ndarray, np.ndarray]] = None
+        self.grad_full: Optional[np.ndarray] = None
+
+
+class _Pending:
+    """A unit's gradient reduction in flight."""
+
+    __slots__ = ("fg", "work", "inp", "out", "stage")
+
+    def __init__(self, fg: _FlatGroup, work: Any, inp: np.ndarray, out: np.ndarray,
+                 stage: int) -> None:
+        self.fg, self.work, self.inp, self.out, self.stage = fg, work, inp, out, stage
+
+
+class _FSDPUnit(nn.Module):
+    """Wrapper that replaces a unit in its parent: gathers around forward and backward.
+
+    Attribute lookups it cannot answer fall through to the wrapped module, so
+    ``model.layer.weight`` still works (its ``.data`` is only the full value
+    while the unit runs).
+    """
+
+    def __init__(self, owner: "FullyShardedDataParallel", module: nn.Module, name: str,
+                 is_root: bool) -> None:
+        super().__init__()
+        self.add_module(_WRAPPED, module)
+        object.__setattr__(self, "_fsdp_owner", owner)
+        object.__setattr__(self, "unit_name", name)
+        object.__setattr__(self, "is_root", is_root)
+        object.__setattr__(self, "flat_groups", [])
+        object.__setattr__(self, "fwd_pending", 0)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fsdp_owner._unit_forward(self, args, kwargs)
+
+    def backward(self, grad_output: Any) -> Any:
+        return self._fsdp_owner._unit_backward(self, grad_output)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Assignments reach the wrapped module (``layer.weight = ...`` must not
+        # silently register a new parameter on the wrapper).
+        mods = self.__dict__.get("_modules")
+        if mods is not None and mods.get(_WRAPPED) is not None:
+            setattr(mods[_WRAPPED], name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            mods = self.__dict__.get("_modules")
+            if mods is not None and mods.get(_WRAPPED) is not None:
+                return getattr(mods[_WRAPPED], name)
+            raise
+
+    def extra_repr(self) -> str:
+        n = sum(fg.layout.numel for fg in self.flat_groups)
+        return f"unit={self.unit_name or '<root>'!r}, numel={n}"
+
+
+def _strip(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part != _WRAPPED)
+
+
+# ---- the wrapper ------------------------------------------------------------------------------
+class FullyShardedDataParallel(_StateDictMixin):
+    """Shard a ``ringlet.nn`` model's parameters, gradients and optimizer state over ranks.
+
+    Every rank of the group(s) constructs it with the same model structure and
+    options.  The module's parameters are replaced by shards (the module is
+    changed in place: its units are wrapped, its parameters' ``.data`` are
+    empty outside their unit's forward and backward).  Build the optimizer on
+    ``fsdp.parameters()``, call ``fsdp(x)`` and ``fsdp.backward(grad)``, then
+    ``opt.step()``: gradients on the shards are the mean over all ranks.
+
+    Args:
+        module: the model, fully materialised on every rank (rank 0's values
+            win with ``sync_module_states``).
+        group: process group to shard over (None: the world).  HYBRID_SHARD:
+            a ``(shard_group, replicate_group)`` pair, or the parent group to
+            split with ``shard_size``.
+        strategy: a ``ShardingStrategy`` (or its name).
+        auto_wrap: how units are chosen: ``"sequential"`` (default: each
+            child of any ``nn.Sequential``), None (one unit: the whole model),
+            a tuple of ``Module`` classes (each instance is a unit), or a
+            callable ``policy(name, module) -> bool``.  Modules with no
+            parameters of their own never become units.
+        prefetch: issue the next unit's all-gather asynchronously (forward and
+            backward order, as recorded in the previous pass) before
+            computing the current one.
+        mixed_precision: a ``MixedPrecision``, or None.
+        mesh: instead of ``group``: an object with ``get_group(dim)``; 1-D for
+            FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, 2-D (dim 0 replicate, dim 1
+            shard) for HYBRID_SHARD.
+        shard_size: HYBRID_SHARD without groups: shard inside consecutive
+            blocks of this many ranks of ``group`` (every rank creates all
+            sub-groups, in the same order).
+        sync_module_states: broadcast rank 0's parameters and buffers at
+            construction.
+        broadcast_buffers: broadcast rank 0's buffers (batch-norm statistics)
+            at every forward, so buffers stay replicated.
+        overlap_reduce: let a unit's gradient reduction run while the next
+            unit's backward computes (True), or finish it first (False: at most
+            one unit's full gradient exists; with ``prefetch=False`` a rank
+            holds at most one unit's full parameters and gradients).
+    Raises:
+        TypeError/ValueError: bad arguments, a parameter shared between two
+            units, ranks whose models/options differ, groups that do not form
+            a shard x replica grid, or a rank outside the group.
+
+    Example::
+
+        ringlet.init()
+        model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+        fsdp = FSDP(model)                                 # FULL_SHARD
+        opt = ringlet.optim.AdamW(fsdp.parameters(), lr=1e-3)
+        for x, y in local_batches:
+            opt.zero_grad()
+            loss, g = nn.cross_entropy(fsdp(x), y)
+            fsdp.backward(g)                               # gradients reduced and sharded
+            opt.step()
+    """
+
+    def __init__(self, module: nn.Module, *, group: Any = None,
+                 strategy: Any = ShardingStrategy.FULL_SHARD, auto_wrap: Any = "sequential",
+                 prefetch: bool = True, mixed_precision: Optional[MixedPrecision] = None,
+                 mesh: Any = None, shard_size: Optional[int] = None,
+                 sync_module_states: bool = True, broadcast_buffers: bool = True,
+                 overlap_reduce: bool = True) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDP: module must be a ringlet.nn.Module, got "
+                            f"{type(module).__name__}")
+        if any(isinstance(m, _FSDPUnit) for m in module.modules()):
+            raise ValueError("FSDP: the module is already wrapped by FSDP")
+        self.strategy = self._check_strategy(strategy)
+        for flag, v in (("prefetch", prefetch), ("overlap_reduce", overlap_reduce)):
+            if not isinstance(v, bool):
+                raise TypeError(f"FSDP: {flag} must be a bool, got {type(v).__name__}")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"FSDP: mixed_precision must be a MixedPrecision or None, got "
+                            f"{type(mixed_precision).__name__}")
+        policy = self._check_policy(auto_wrap)
+        self.module = module
+        self.prefetch = prefetch
+        self.overlap_reduce = overlap_reduce
+        self.mixed_precision = mixed_precision
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self._resolve_groups(group, mesh, shard_size)
+        self.reshard_after_forward = self.strategy in (ShardingStrategy.FULL_SHARD,
+                                                       ShardingStrategy.HYBRID_SHARD)
+        self.memory = MemoryTracker()
+        self.stats: Dict[str, float] = {}
+        self.reset_stats()
+
+        # Names are taken from the model as given, before any wrapping.
+        self._entries = self._state_entries(module)
+        units = self._plan_units(module, policy)
+        self._build(module, units)
+        self._verify()
+        self._materialise_shards(bool(sync_module_states))
+        self._wrap(module)
+
+        self._pending: Deque[_Pending] = deque()
+        self._no_sync_depth = 0
+        self._require_sync = True
+        self._in_call = 0
+        self._fwd_order_cur: List[_FSDPUnit] = []
+        self._fwd_order_prev: List[_FSDPUnit] = list(self._units)  # registration order first
+        self._bwd_order_cur: List[_FSDPUnit] = []
+        self._bwd_order_prev: Optional[List[_FSDPUnit]] = None
+        self.memory.reset_peak()
+
+    # ---- construction ----------------------------------------------------------------------
+    @staticmethod
+    def _check_strategy(strategy: Any) -> ShardingStrategy:
+        if isinstance(strategy, ShardingStrategy):
+            return strategy
+        if isinstance(strategy, str):
+            try:
+                return ShardingStrategy[strategy.upper()]
+            except KeyError:
+                pass
+        raise ValueError(f"FSDP: strategy must be a ShardingStrategy "
+                         f"({', '.join(s.name for s in ShardingStrategy)}), got {strategy!r}")
+
+    @staticmethod
+    def _check_policy(auto_wrap: Any) -> Callable[[str, nn.Module], bool]:
+        if auto_wrap is None or auto_wrap is False:
+            return lambda name, m: False
+        if isinstance(auto_wrap, str):
+            if auto_wrap != "sequential":
+                raise ValueError(f"FSDP: auto_wrap string must be 'sequential', got "
+                                 f"{auto_wrap!r}")
+            return None  # type: ignore[return-value]  # resolved with the parents in _plan_units
+        if isinstance(auto_wrap, (tuple, list, set, frozenset)):
+            classes = tuple(auto_wrap)
+            if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module)
+                                      for c in classes):
+                raise TypeError("FSDP: auto_wrap as a collection must hold nn.Module classes")
+            return lambda name, m: isinstance(m, classes)
+        if callable(auto_wrap):
+            return auto_wrap
+        raise TypeError(f"FSDP: auto_wrap must be 'sequential', None, a tuple of Module classes "
+                        f"or a callable(name, module), got {type(auto_wrap).__name__}")
+
+    def _resolve_groups(self, group: Any, mesh: Any, shard_size: Any) -> None:
+        st = self.strategy
+        if mesh is not None and group is not None:
+            raise ValueError("FSDP: pass either group or mesh, not both")
+        if st is ShardingStrategy.HYBRID_SHARD:
+            if mesh is not None:
+                ndim = getattr(mesh, "ndim", 2)
+                if ndim != 2:
+                    raise ValueError(f"FSDP: HYBRID_SHARD needs a 2-D mesh (replicate, shard), "
+                                     f"got {ndim} dimensions")
+                sg, rg = _mesh_group(mesh, 1), _mesh_group(mesh, 0)
+            elif isinstance(group, (tuple, list)):
+                if len(group) != 2:
+                    raise ValueError("FSDP: HYBRID_SHARD group must be a (shard_group, "
+                                     "replicate_group) pair")
+                sg, rg = group
+                if shard_size is not None:
+                    raise ValueError("FSDP: give shard_size or a pair of groups, not both")
+            elif shard_size is not None:
+                sg, rg = _hybrid_groups(group, shard_size)
+            else:
+                raise ValueError("FSDP: HYBRID_SHARD needs a (shard_group, replicate_group) "
+                                 "pair, a 2-D mesh, or shard_size")
+            self._shard = _Grp.of(sg, "the shard group")
+            rep = _Grp.of(rg, "the replicate group")
+            self._replicate: Optional[_Grp] = rep if rep.size > 1 else None
+            if set(self._shard.ranks) & set(rep.ranks) != {self._shard.ranks[self._shard.rank]}:
+                raise ValueError(f"FSDP: the shard group (world ranks {self._shard.ranks}) and "
+                                 f"the replicate group (world ranks {rep.ranks}) must share "
+                                 f"exactly this rank")
+        else:
+            if shard_size is not None:
+                raise ValueError(f"FSDP: shard_size is for HYBRID_SHARD, not {st.name}")
+            if isinstance(group, (tuple, list)):
+                raise ValueError(f"FSDP: a pair of groups is for HYBRID_SHARD, not {st.name}")
+            if mesh is not None:
+                if getattr(mesh, "ndim", 1) != 1:
+                    raise ValueError(f"FSDP: {st.name} needs a 1-D mesh; use HYBRID_SHARD for "
+                                     f"a 2-D one")
+                group = _mesh_group(mesh, 0)
+            dp = _Grp.of(group, "group")
+            if st is ShardingStrategy.NO_SHARD:
+                self._shard = _Grp(None, 1, 0, [dp.ranks[dp.rank]])
+                self._replicate = dp if dp.size > 1 else None
+            else:
+                self._shard, self._replicate = dp, None
+        S = self._shard.size
+        R = self._replicate.size if self._replicate is not None else 1
+        self.shard_world_size, self.replicate_world_size = S, R
+        self.world_size = S * R
+        self.rank = (self._replicate.rank if self._replicate is not None else 0) * S \
+            + self._shard.rank
+
+    @staticmethod
+    def _state_entries(root: nn.Module) -> List[tuple]:
+        # Same keys and order as root.state_dict() (shared parameters under every name).
+        out: List[tuple] = []
+
+        def walk(m: nn.Module, prefix: str) -> None:
+            for name, p in m._parameters.items():
+                if p is not None:
+                    out.append(("param", prefix + name, p))
+            for name, b in m._buffers.items():
+                if b is not None:
+                    out.append(("buffer", prefix + name, m, name))
+            for name, c in m._modules.items():
+                if c is not None:
+                    walk(c, prefix + name + ".")
+
+        walk(root, "")
+        return out
+
+    def _plan_units(self, root: nn.Module, policy: Optional[Callable]) -> List[Tuple[str, nn.Module]]:
+        named = list(root.named_modules())
+        if policy is None:  # "sequential": children of any Sequential
+            kids = set()
+            for _, m in named:
+                if isinstance(m, nn.Sequential):
+                    kids.update(id(c) for c in m.children())
+            cands = [(n, m) for n, m in named if m is not root and id(m) in kids]
+        else:
+            cands = []
+            for n, m in named:
+                if m is root:
+                    continue
+                v = policy(n, m)
+                if not isinstance(v, (bool, np.bool_)):
+                    raise TypeError(f"FSDP: auto_wrap policy returned {type(v).__name__} for "
+                                    f"'{n}', expected a bool")
+                if v:
+                    cands.append((n, m))
+        # Descendants come after ancestors in pre-order: decide them first, so
+        # a candidate owns only what no kept descendant owns.
+        kept: Dict[int, str] = {}
+        for n, m in reversed(cands):
+            if self._own_params(m, kept):
+                kept[id(m)] = n
+        return [(n, m) for n, m in cands if id(m) in kept]
+
+    @staticmethod
+    def _own_params(m: nn.Module, units: Dict[int, str]) -> List[Tuple[nn.Module, str, nn.Parameter]]:
+        out: List[Tuple[nn.Module, str, nn.Parameter]] = []
+        seen = set()
+
+        def walk(x: nn.Module) -> None:
+            if id(x) in seen:
+                return
+            seen.add(id(x))
+            for attr, p in x._parameters.items():
+                if p is not None:
+                    out.append((x, attr, p))
+            for c in x._modules.values():
+                if c is not None and id(c) not in units:
+                    walk(c)
+
+        walk(m)
+        return out
+
+    def _build(self, root: nn.Module, units: List[Tuple[str, nn.Module]]) -> None:
+        first_name: Dict[int, str] = {}
+        for kind, name, *rest in self._entries:
+            if kind == "param":
+                first_name.setdefault(id(rest[0]), name)
+        unit_ids = {id(m): n for n, m in units}
+        self._units: List[_FSDPUnit] = []
+        owner_of: Dict[int, str] = {}
+        wrappers: Dict[int, _FSDPUnit] = {}
+        for name, m in [("", root)] + units:
+            w = _FSDPUnit(self, m, name, is_root=m is root)
+            owned = self._own_params(m, {k: v for k, v in unit_ids.items() if k != id(m)})
+            by_key: "OrderedDict[Tuple[str, bool], List[nn.Parameter]]" = OrderedDict()
+            index: Dict[int, Tuple[Tuple[str, bool], int]] = {}
+            for mod, attr, p in owned:
+                if id(p) in owner_of and owner_of[id(p)] != name:
+                    raise ValueError(
+                        f"FSDP: parameter '{first_name.get(id(p), attr)}' is shared by units "
+                        f"'{owner_of[id(p)] or '<root>'}' and '{name or '<root>'}'; put the "
+                        f"modules sharing it in one unit (adjust auto_wrap)")
+                owner_of[id(p)] = name
+                key = (p.dtype.str, bool(p.requires_grad))
+                lst = by_key.setdefault(key, [])
+                if id(p) not in index:
+                    index[id(p)] = (key, len(lst))
+                    lst.append(p)
+            groups: Dict[Tuple[str, bool], _FlatGroup] = {}
+            for gi, (key, params) in enumerate(by_key.items()):
+                base = f"{name}.flat_param" if name else "flat_param"
+                fg_name = base if len(by_key) == 1 else f"{base}_{gi}"
+                fg = _FlatGroup(fg_name, params, [first_name.get(id(p), "?") for p in params],
+                                np.dtype(key[0]), key[1], self._shard.size, self._shard.rank,
+                                self.mixed_precision)
+                groups[key] = fg
+                w.flat_groups.append(fg)
+            for mod, attr, p in owned:
+                key, i = index[id(p)]
+                groups[key].bindings.append((mod, attr, i))
+            if m is root:
+                self._root = w
+            self._units.append(w)
+            wrappers[id(m)] = w
+        self._wrappers = wrappers
+        self._groups: List[_FlatGroup] = [fg for u in self._units for fg in u.flat_groups]
+        if not self._groups:
+            raise ValueError("FSDP: the module has no parameters")
+
+    def _describe(self) -> str:
+        mp = self.mixed_precision
+        units = [(u.unit_name, [(fg.dtype.str, fg.requires_grad,
+                                 [(n, p.shape) for n, p in zip(fg.names, fg.params)])
+                                for fg in u.flat_groups]) for u in self._units]
+        return repr((self.strategy.name, self.shard_world_size, self.replicate_world_size,
+                     None if mp is None else (str(mp.param_dtype), str(mp.reduce_dtype)),
+                     self.prefetch, self.overlap_reduce, self.broadcast_buffers, units,
+                     [e[1] for e in self._entries]))
+
+    def _verify(self) -> None:
+        """All ranks must agree on model layout and options, and the groups must form a grid."""
+        digest = hashlib.sha256(self._describe().encode()).hexdigest()
+        problems: List[str] = []
+        sh, rep = self._shard, self._replicate
+        R = rep.size if rep is not None else 1
+        rrank = rep.rank if rep is not None else 0
+        if sh.size > 1:
+            got = ringlet.all_gather_object([digest, R, rrank], group=sh.pg)
+            bad = [sh.ranks[i] for i, g in enumerate(got) if g[0] != digest]
+            if bad:
+                problems.append(f"world ranks {bad} of the shard group {sh.ranks} built a "
+                                f"different model (names, shapes, dtypes, units) or different "
+                                f"FSDP options than world rank {sh.ranks[sh.rank]}")
+            if any(g[1] != R or g[2] != rrank for g in got):
+                problems.append(f"the shard group {sh.ranks} mixes ranks of different replica "
+                                f"positions/sizes {[tuple(g[1:]) for g in got]}; shard and "
+                                f"replicate groups must form a grid")
+        if rep is not None:
+            got = ringlet.all_gather_object([digest, sh.size, sh.rank], group=rep.pg)
+            bad = [rep.ranks[i] for i, g in enumerate(got) if g[0] != digest]
+            if bad:
+                problems.append(f"world ranks {bad} of the replicate group {rep.ranks} built a "
+                                f"different model or different FSDP options than world rank "
+                                f"{rep.ranks[rep.rank]}")
+            if any(g[1] != sh.size or g[2] != sh.rank for g in got):
+                problems.append(f"the replicate group {rep.ranks} holds ranks with different "
+                                f"shard positions/sizes {[tuple(g[1:]) for g in got]}; shard "
+                                f"and replicate groups must form a grid (each replicate group "
+                                f"the same shard index of every shard group)")
+        # One flag reduced over both groups, so every rank raises, not just some.
+        flag = np.array([1 if problems else 0], np.int32)
+        if sh.size > 1:
+            ringlet.all_reduce(flag, ringlet.ReduceOp.MAX, group=sh.pg)
+        if rep is not None:
+            ringlet.all_reduce(flag, ringlet.ReduceOp.MAX, group=rep.pg)
+        if sh.size > 1 and rep is not None:
+            ringlet.all_reduce(flag, ringlet.ReduceOp.MAX, group=sh.pg)
+        if problems:
+            raise ValueError("FSDP: ranks disagree: " + "; ".join(problems))
+        if int(flag[0]):
+            raise ValueError("FSDP: other ranks found a mismatch in model layout, options or "
+                             "groups (see their errors); construct FSDP identically everywhere")
+
+    def _bcast_array(self, a: np.ndarray) -> None:
+        """Broadcast ``a`` from data-parallel rank 0 to every rank, in place."""
+        sh, rep = self._shard, self._replicate
+        if sh.size > 1 and (rep is None or rep.rank == 0):
+            ringlet.broadcast(a, 0, group=sh.pg)
+        if rep is not None:
+            ringlet.broadcast(a, 0, group=rep.pg)
+
+    def _bcast_object(self, obj: Any) -> Any:
+        sh, rep = self._shard, self._replicate
+        if sh.size > 1 and (rep is None or rep.rank == 0):
+            obj = ringlet.broadcast_object(obj, 0, group=sh.pg)
+        if rep is not None:
+            obj = ringlet.broadcast_object(obj, 0, group=rep.pg)
+        return obj
+
+    def _materialise_shards(self, sync: bool) -> None:
+        for fg in self._groups:
+            # One unit's full buffer at a time.
+            full = fg.layout.pack([p.data for p in fg.params], fg.dtype)
+            if sync and self.world_size > 1:
+                self._bcast_array(full)
+            lo, hi = fg.layout.shard_bounds(fg.shard_rank)
+            data = full if fg.layout.shards == 1 else full[lo:hi].copy()
+            fg.shard = nn.Parameter(data, requires_grad=fg.requires_grad)
+            self.memory.track("sharded_params", data)
+            for i, p in enumerate(fg.params):
+                p.grad = None
+                p.data = fg.sentinels[i]
+            if fg.permanent:
+                self._bind(fg, data)
+        if sync and self.world_size > 1:
+            self._broadcast_buffers_now()
+
+    def _wrap(self, root: nn.Module) -> None:
+        for m in list(root.modules()):
+            for attr, c in list(m._modules.items()):
+                if c is not None and c is not root and id(c) in self._wrappers:
+                    m._modules[attr] = self._wrappers[id(c)]
+
+    # ---- buffers ------------------------------------------------------------------------------
+    def _live_buffers(self) -> List[np.ndarray]:
+        out, seen = [], set()
+        for e in self._entries:
+            if e[0] == "buffer":
+                b = e[2]._buffers.get(e[3])
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    out.append(b)
+        return out
+
+    def _broadcast_buffers_now(self) -> None:
+        arrays = self._live_buffers()
+        by_dtype: Dict[np.dtype, List[np.ndarray]] = {}
+        for a in arrays:
+            by_dtype.setdefault(a.dtype, []).append(a)
+        for dt, lst in by_dtype.items():  # one broadcast per dtype
+            packed = np.concatenate([a.reshape(-1) for a in lst])
+            self._bcast_array(packed)
+            off = 0
+            for a in lst:
+                a[...] = packed[off: off + a.size].reshape(a.shape)
+                off += a.size
+
+    # ---- parameter materialisation ----------------------------------------------------------
+    def _check_bindings(self, fg: _FlatGroup, expect_sentinel: bool) -> None:
+        for mod, attr, i in fg.bindings:
+            if mod._parameters.get(attr) is not fg.params[i]:
+                raise RuntimeError(f"FSDP: parameter '{fg.names[i]}' was replaced after "
+                                   f"wrapping; FSDP manages it through its shard")
+        for i, p in enumerate(fg.params):
+            want = fg.sentinels[i] if expect_sentinel else fg.views[i]  # type: ignore[index]
+            if p.data is not want:
+                raise ValueError(
+                    f"FSDP: parameter '{fg.names[i]}' changed after wrapping (its data is now "
+                    f"shape {p.data.shape}, dtype {p.data.dtype}; FSDP laid it out as "
+                    f"{fg.layout.shapes[i]}, {fg.dtype}); parameter shapes and dtypes are "
+                    f"fixed once wrapped: change the model before constructing FSDP")
+
+    def _bind(self, fg: _FlatGroup, full: np.ndarray) -> None:
+        fg.full = full
+        fg.views = fg.layout.views(full)
+        for p, v in zip(fg.params, fg.views):
+            p.data = v
+
+    def _issue_gather(self, fg: _FlatGroup) -> None:
+        if fg.full is not None or fg.gather is not None:
+            return
+        self._check_bindings(fg, expect_sentinel=True)
+        if fg.layout.shards == 1:  # NO_SHARD with a cast: a local copy
+            full = self.memory.track("full_params", fg.shard.data.astype(fg.compute_dtype))
+            self._bind(fg, full)
+            return
+        mem = self.memory
+        inp = fg.shard.data
+        if fg.comm_dtype != fg.dtype:
+            inp = mem.track("comm", inp.astype(fg.comm_dtype))
+        out = mem.alloc("full_params", fg.layout.padded, fg.comm_dtype)
+        work = ringlet.all_gather(out, inp, group=self._shard.pg, async_op=True)
+        self.stats["all_gathers"] += 1
+        fg.gather = (work, out, inp)
+
+    def _wait_gather(self, fg: _FlatGroup) -> None:
+        if fg.gather is None:
+            return
+        work, out, inp = fg.gather
+        t0 = time.perf_counter()
+        try:
+            work.wait()
+        finally:
+            self.stats["gather_wait_s"] += time.perf_counter() - t0
+            fg.gather = None
+            if inp is not fg.shard.data:
+                self.memory.release(inp)
+        if fg.compute_dtype != fg.comm_dtype:  # bfloat16 gathered, float32 compute
+            full = self.memory.track("full_params", out.astype(fg.compute_dtype))
+            self.memory.release(out)
+            out = full
+        self._bind(fg, out)
+
+    def _gather_unit(self, u: _FSDPUnit) -> None:
+        for fg in u.flat_groups:
+            if fg.permanent:
+                self._check_bindings(fg, expect_sentinel=False)
+            else:
+                self._issue_gather(fg)
+        for fg in u.flat_groups:
+            self._wait_gather(fg)
+
+    def _free_full(self, fg: _FlatGroup) -> None:
+        if fg.permanent:
+            return
+        if fg.gather is not None:  # a prefetch nobody used: let it land, then drop it
+            self._wait_gather(fg)
+        if fg.full is None:
+            return
+        self._check_bindings(fg, expect_sentinel=False)
+        for p, s in zip(fg.params, fg.sentinels):
+            p.data = s
+        self.memory.release(fg.full)
+        fg.full = fg.views = None
+
+    def _prefetch(self, u: _FSDPUnit, backward: bool) -> None:
+        if not self.prefetch:
+            return
+        if backward:
+            order = self._bwd_order_prev
+            if order is None:
+                order = self._fwd_order_prev[::-1]
+        else:
+            order = self._fwd_order_prev
+        try:
+            i = order.index(u)
+        except ValueError:
+            return
+        if i + 1 >= len(order):
+            return
+        nxt = order[i + 1]
+        if backward and nxt.fwd_pending == 0:
+            return  # it will not run backward in this pass
+        for fg in nxt.flat_groups:
+            if not fg.permanent and fg.full is None and fg.gather is None:
+                self._issue_gather(fg)
+                self.stats["prefetches"] += 1
+
+    # ---- gradients ------------------------------------------------------------------------------
+    def _prepare_grads(self, fg: _FlatGroup) -> None:
+        if fg.grad_full is None:
+            if fg.permanent and fg.reduce_dtype == fg.dtype:
+                # NO_SHARD in one dtype: gradients accumulate straight into the
+                # shard's gradient (DDP's layout); it is all-reduced in place.
+                if fg.shard.grad is None:
+                    fg.shard.grad = self.memory.alloc("sharded_grads", fg.layout.padded,
+                                                      fg.dtype, zero=True)
+                fg.grad_full = fg.shard.grad
+            else:
+                fg.grad_full = self.memory.alloc("full_grads", fg.layout.padded,
+                                                 fg.compute_dtype, zero=True)
+        for p, v in zip(fg.params, fg.layout.views(fg.grad_full)):
+            if p.grad is not v:
+                p.grad = v
+
+    def _reduce_grads(self, fg: _FlatGroup) -> None:
+        """Start the unit's gradient reduction (unless in no_sync); the buffer is then theirs."""
+        if not self._require_sync or fg.grad_full is None:
+            return
+        for p in fg.params:
+            p.grad = None
+        g, fg.grad_full = fg.grad_full, None
+        mem = self.memory
+        inp = g
+        if fg.reduce_dtype != g.dtype:
+            inp = mem.track("comm", g.astype(fg.reduce_dtype))
+            mem.release(g)
+        sh, rep = self._shard, self._replicate
+        if sh.size > 1:
+            if fg.shard.grad is None:
+                fg.shard.grad = mem.alloc("sharded_grads", fg.layout.shard_numel, fg.dtype,
+                                          zero=True)
+            # After zero_grad the shard gradient is zero: reduce straight into
+            # it, no staging buffer (else stage, then add: gradients accumulate).
+            if fg.reduce_dtype == fg.dtype and not fg.shard.grad.any():
+                out = fg.shard.grad
+            else:
+                out = mem.alloc("comm", fg.layout.shard_numel, fg.reduce_dtype)
+            work = ringlet.reduce_scatter(out, inp, ringlet.ReduceOp.AVG, group=sh.pg,
+                                          async_op=True)
+            self.stats["reduce_scatters"] += 1
+            self._pending.append(_Pending(fg, work, inp, out, 1))
+        else:
+            work = None
+            if rep is not None:
+                work = ringlet.all_reduce(inp, ringlet.ReduceOp.AVG, group=rep.pg,
+                                          async_op=True)
+                self.stats["all_reduces"] += 1
+            self._pending.append(_Pending(fg, work, inp, inp, 2))
+
+    def _progress(self, block: bool, keep: int = 0) -> None:
+        """Advance finished reductions, strictly in issue order (same order on every rank).
+
+        ``block``: wait until at most ``keep`` reductions are still in flight.
+        """
+        while self._pending:
+            pend = self._pending[0]
+            if pend.work is not None:
+                if not pend.work.is_completed():
+                    if not block or len(self._pending) <= keep:
+                        return
+                    t0 = time.perf_counter()
+                    try:
+                        pend.work.wait()
+                    finally:
+                        self.stats["reduce_wait_s"] += time.perf_counter() - t0
+                else:
+                    pend.work.wait()  # raises the operation's error, if any
+            if pend.stage == 1:
+                if pend.inp is not pend.out:
+                    self.memory.release(pend.inp)
+                pend.inp = pend.out
+                pend.stage = 2
+                if self._replicate is not None:
+                    pend.work = ringlet.all_reduce(pend.out, ringlet.ReduceOp.AVG,
+                                                   group=self._replicate.pg, async_op=True)
+                    self.stats["all_reduces"] += 1
+                    continue
+                pend.work = None
+            fg = pend.fg
+            if pend.out is not fg.shard.grad:
+                if fg.shard.grad is None:
+                    fg.shard.grad = self.memory.alloc("sharded_grads", fg.layout.shard_numel,
+                                                      fg.dtype, zero=True)
+                np.add(fg.shard.grad, pend.out, out=fg.shard.grad, casting="unsafe")
+                self.memory.release(pend.out)
+            self._pending.popleft()
+
+    # ---- unit hooks (called by the wrappers) ----------------------------------------------------
+    def _check_in_call(self, what: str) -> None:
+        if not self._in_call:
+            raise RuntimeError(f"FSDP: a unit's {what} ran outside the FSDP wrapper; call "
+                               f"fsdp(x) and fsdp.backward(grad), not fsdp.module directly")
+
+    def _unit_forward(self, u: _FSDPUnit, args: tuple, kwargs: dict) -> Any:
+        self._check_in_call("forward")
+        if u not in self._fwd_order_cur:
+            self._fwd_order_cur.append(u)
+        grad = nn.is_grad_enabled()
+        self._gather_unit(u)
+        self._prefetch(u, backward=False)
+        ok = False
+        try:
+            out = getattr(u, "_modules")[_WRAPPED](*args, **kwargs)
+            ok = True
+        finally:
+            if ok and grad:
+                object.__setattr__(u, "fwd_pending", u.fwd_pending + 1)
+            if u.fwd_pending == 0 or (self.reshard_after_forward and not u.is_root):
+                for fg in u.flat_groups:
+                    self._free_full(fg)
+        return out
+
+    def _unit_backward(self, u: _FSDPUnit, grad_output: Any) -> Any:
+        self._check_in_call("backward")
+        if u.fwd_pending == 0:
+            raise RuntimeError(f"FSDP: backward of unit '{u.unit_name or '<root>'}' without a "
+                               f"matching forward (it ran under no_grad(), or backward was "
+                               f"called more often than forward)")
+        if u not in self._bwd_order_cur:
+            self._bwd_order_cur.append(u)
+        # At most one earlier unit's reduction stays in flight while this unit
+        # allocates its gradient (none without overlap_reduce): full gradients
+        # never exceed two units (one).
+        self._progress(block=True, keep=1 if self.overlap_reduce else 0)
+        self._gather_unit(u)
+        self._prefetch(u, backward=True)
+        for fg in u.flat_groups:
+            if fg.requires_grad:
+                self._prepare_grads(fg)
+        gin = getattr(u, "_modules")[_WRAPPED].backward(grad_output)
+        object.__setattr__(u, "fwd_pending", u.fwd_pending - 1)
+        if u.fwd_pending == 0:
+            for fg in u.flat_groups:
+                if fg.requires_grad:
+                    self._reduce_grads(fg)
+                self._free_full(fg)
+        self._progress(block=False)
+        return gin
+
+    # ---- public API -----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model; units gather their parameters as they run.
+
+        A forward started while no backward is outstanding begins a new
+        iteration: parameters left gathered by an abandoned forward are
+        dropped first (the optimizer may have changed the shards).
+        """
+        if self._root.fwd_pending == 0:
+            self._start_iteration()
+        if nn.is_grad_enabled():
+            self._require_sync = self._no_sync_depth == 0
+        if self.broadcast_buffers and self.world_size > 1:
+            self._broadcast_buffers_now()
+        self._fwd_order_cur = []
+        self._in_call += 1
+        try:
+            out = self._root(*args, **kwargs)
+        finally:
+            self._in_call -= 1
+        self._fwd_order_prev = self._fwd_order_cur
+        return out
+
+    def backward(self, grad_output: Any) -> Any:
+        """Back-propagate through the oldest outstanding forward; returns the input gradient.
+
+        Gradient reductions overlap the backward pass; this returns once they
+        have all finished, so ``fsdp.parameters()`` hold the mean gradient over
+        all ranks (added to what they held, as with plain backward).
+
+        Raises:
+            RuntimeError: no forward (with gradients enabled) to back-propagate.
+        """
+        if self._root.fwd_pending == 0:
+            raise RuntimeError("FSDP.backward: no forward to back-propagate (call fsdp(x) "
+                               "with gradients enabled first; forwards under no_grad() save "
+                               "nothing)")
+        self._bwd_order_cur = []
+        self._in_call += 1
+        try:
+            gin = self._root.backward(grad_output)
+        finally:
+            self._in_call -= 1
+        self._bwd_order_prev = self._bwd_order_cur
+        self._progress(block=True)
+        if self._root.fwd_pending == 0:
+            for fg in self._groups:  # backward prefetches that found no taker
+                self._free_full(fg)
+        return gin
+
+    def _start_iteration(self) -> None:
+        self._progress(block=True)
+        for u in self._units:
+            object.__setattr__(u, "fwd_pending", 0)
+            for fg in u.flat_groups:
+                self._free_full(fg)
+
+    def clear_context(self) -> None:
+        """Abandon outstanding forwards: drop saved contexts and gathered parameters.
+
+        Accumulated ``no_sync`` gradients are kept.
+        """
+        self.module.clear_context()
+        self._start_iteration()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager: forwards inside it skip gradient reduction (gradient accumulation).
+
+        Their gradients accumulate in each unit's full-size gradient buffer
+        (which therefore stays allocated); the first iteration outside reduces
+        the sum.  Every rank must use it identically.
+
+        Example::
+
+            with fsdp.no_sync():
+                fsdp.backward(nn.mse_loss(fsdp(x0), y0)[1])
+            fsdp.backward(nn.mse_loss(fsdp(x1), y1)[1])   # reduces both
+            opt.step()
+        """
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's shard parameters (flat, 1-D): give these to the optimizer."""
+        for fg in self._groups:
+            yield fg.shard  # type: ignore[misc]
+
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """(name, shard) pairs, e.g. ``("0.flat_param", Parameter(shape=(n,)))``."""
+        for fg in self._groups:
+            yield fg.name, fg.shard  # type: ignore[misc]
+
+    def zero_grad(self) -> None:
+        """Zero the shard gradients (and gradients accumulated under ``no_sync``) in place."""
+        for fg in self._groups:
+            if fg.shard.grad is not None:
+                fg.shard.grad[...] = 0
+            if fg.grad_full is not None:
+                fg.grad_full[...] = 0
+
+    def train(self, mode: bool = True) -> "FullyShardedDataParallel":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "FullyShardedDataParallel":
+        self.module.eval()
+        return self
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the shard gradients so their global L2 norm is at most ``max_norm``.
+
+        Collective over the shard group.  Returns the norm before clipping.
+
+        Raises:
+            ValueError: ``max_norm`` is not a positive number.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float, np.floating)) \
+                or not max_norm > 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be a positive number, got "
+                             f"{max_norm!r}")
+        self._progress(block=True)
+        sq = np.zeros(1, np.float64)
+        for fg in self._groups:
+            if fg.shard.grad is not None:
+                g = fg.shard.grad.astype(np.float64, copy=False)
+                sq[0] += float(np.dot(g, g))
+        if self._shard.size > 1:  # replicas hold identical shards: sum over one copy
+            ringlet.all_reduce(sq, ringlet.ReduceOp.SUM, group=self._shard.pg)
+        norm = float(np.sqrt(sq[0]))
+        scale = float(max_norm) / (norm + 1e-6)
+        if scale < 1.0:
+            for fg in self._groups:
+                if fg.shard.grad is not None:
+                    fg.shard.grad *= fg.shard.grad.dtype.type(scale)
+        return norm
+
+    # ---- statistics ----------------------------------------------------------------------------
+    def memory_stats(self) -> Dict[str, int]:
+        """Bytes in FSDP's buffers by category, current and peak (see ``_flat.CATEGORIES``)."""
+        return self.memory.stats()
+
+    def reset_peak_memory_stats(self) -> None:
+        self.memory.reset_peak()
+
+    def reset_stats(self) -> None:
+        """Zero the communication counters: ``gather_wait_s`` (time blocked on all-gathers,
+        i.e. exposed gather time), ``reduce_wait_s``, operation counts, and
+        ``prefetches`` (all-gathers issued ahead of their unit)."""
+        self.stats = {"gather_wait_s": 0.0, "reduce_wait_s": 0.0, "all_gathers": 0,
+                      "prefetches": 0, "reduce_scatters": 0, "all_reduces": 0}
+
+    @property
+    def units(self) -> List[str]:
+        """Names of the units ("" is the root), in registration order."""
+        return [u.unit_name for u in self._units]
+
+    def __repr__(self) -> str:
+        n = sum(fg.layout.numel for fg in self._groups)
+        return (f"FullyShardedDataParallel(strategy={self.strategy.name}, world_size="
+                f"{self.world_size}, shard_size={self.shard_world_size}, units={len(self._units)}, "
+                f"numel={n}, prefetch={self.prefetch})")
+
+
+FSDP = FullyShardedDataParallel
