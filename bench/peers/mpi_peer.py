@@ -1,0 +1,22 @@
+"""Thin wrapper around ``ringlet.bench.peers.mpi_peer`` (the driver lives in the package).
+
+``bench/`` is not installed with ringlet, but ``ringlet bench --vs`` must find its
+peer drivers wherever ringlet is installed, so the code is in
+``src/ringlet/bench/peers/``.  This file runs it from a source checkout::
+
+    mpirun -n 4 --oversubscribe python bench/peers/mpi_peer.py --config '{"sweeps": [{"op": "all_reduce", "sizes": [8, 1048576]}]}'
+
+Records (one JSON object per line, prefixed ``@@ringlet-bench``) appear on rank 0's stdout.
+"""
+
+import os
+import sys
+
+try:
+    from ringlet.bench.peers.mpi_peer import main
+except ImportError:  # a source checkout that was not installed
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
+    from ringlet.bench.peers.mpi_peer import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,444 @@
+"""``ringlet bench limits``: this machine's ceilings, for judging the collectives.
+
+Measured with plain sockets and numpy in separate processes on loopback, with
+the operating system's default socket buffers:
+
+* TCP one way: one process streams 4 MiB ``sendall`` calls to another.
+* TCP both ways: two processes each send to and receive from the other at
+  the same time over one connection, the pattern of a 2-rank ring.
+* TCP ring of N: N processes, each sending to the next and receiving from
+  the previous at once (ring all-reduce, reduce-scatter, all-gather).
+* TCP chain of N: N-1 links 0->1->...->N-1 all busy at once (pipelined
+  broadcast and reduce); the middle processes send and receive.
+  Each process is one thread driving its sockets non-blocking with poll(2),
+  like ringlet's engine.  Stream rates are per link and per direction: bytes
+  received / (last byte - first byte), averaged over the receivers.
+* Round trip: 8-byte ping-pong, with a blocking receive, and with a polling
+  receive (non-blocking ``recv`` with ``sched_yield()`` between tries, the
+  policy of ringlet's ``spin_us``), for one pair and for two pairs at once
+  (four processes: more than the cores of a 2-core machine).  Python adds
+  about 1-2 us per send and receive to these numbers.
+* memcpy and float32 add: bytes of the destination written per second, for
+  64 MiB arrays (memory bound) and 256 KiB arrays (in cache); the add with
+  numpy and with ringlet's C kernel (``_core.reduce_kernel``).
+
+Example::
+
+    ringlet bench limits --json limits.json
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import select
+import socket
+import time
+from statistics import median
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["measure", "format_limits", "ceilings"]
+
+CHUNK = 4 << 20
+_PIPE_TIMEOUT = 60.0
+
+
+class LimitsError(RuntimeError):
+    """A measuring process failed or stopped answering."""
+
+
+def _context():
+    # forkserver: the measuring processes fork from one server that already
+    # imported this module, so a dozen of them start in well under a second
+    # (spawn would re-import numpy and ringlet in each).  Never plain fork:
+    # the caller may run threads.
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _recv(conn, what: str):
+    if not conn.poll(_PIPE_TIMEOUT):
+        raise LimitsError(f"limits: a measuring process did not report {what} within "
+                          f"{_PIPE_TIMEOUT:.0f} s")
+    return conn.recv()
+
+
+def _listener() -> socket.socket:
+    ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(8)
+    return ls
+
+
+def _connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=_PIPE_TIMEOUT)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.settimeout(_PIPE_TIMEOUT)
+    return s
+
+
+def _accept(ls: socket.socket) -> socket.socket:
+    ls.settimeout(_PIPE_TIMEOUT)
+    s, _ = ls.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.settimeout(_PIPE_TIMEOUT)
+    return s
+
+
+# ---- streams ---------------------------------------------------------------------
+def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
+                 duration: float, conn) -> None:
+    """Send to one process and/or receive from another for ``duration`` seconds.
+
+    One thread drives both directions over non-blocking sockets with poll(2),
+    as ringlet's progress engine does.  When the process sends to and
+    receives from the same peer, one connection carries both directions
+    (ringlet's 2-rank ring does the same).
+    """
+    try:
+        ls = _listener()
+        conn.send(ls.getsockname()[1])
+        ports = conn.recv()
+        same = sends_to is not None and sends_to == recvs_from
+        out = inp = None
+        if same:  # the lower index connects, the other accepts
+            inp = out = _connect(ports[sends_to]) if idx < sends_to else _accept(ls)
+        else:
+            out = _connect(ports[sends_to]) if sends_to is not None else None
+            inp = _accept(ls) if recvs_from is not None else None
+        ls.close()
+        conn.send("ready")
+        conn.recv()  # go
+        result: Dict[str, Any] = {}
+        sbuf = memoryview(bytearray(os.urandom(1024)) * (CHUNK // 1024))
+        rbuf = memoryview(bytearray(CHUNK))
+        socks = {s for s in (out, inp) if s is not None}
+        for s_ in socks:
+            s_.setblocking(False)
+        poller = select.poll()
+        sending, receiving = out is not None, inp is not None
+        soff, total, first, last = 0, 0, None, None
+        stop = time.perf_counter() + duration
+        hard_stop = stop + _PIPE_TIMEOUT
+        while sending or receiving:
+            if time.perf_counter() > hard_stop:
+                raise LimitsError("stream did not finish")
+            if sending:
+                try:
+                    soff = (soff + out.send(sbuf[soff:])) % CHUNK
+                except BlockingIOError:
+                    pass
+                if time.perf_counter() >= stop:
+                    sending = False
+                    out.shutdown(socket.SHUT_WR)
+            while receiving:
+                try:
+                    n = inp.recv_into(rbuf)
+                except BlockingIOError:
+                    break
+                if n == 0:
+                    receiving = False
+                    break
+                now = time.perf_counter()
+                if first is None:
+                    first, n = now, 0  # the rate counts bytes after the first arrival
+                total += n
+                last = now
+            if sending or receiving:
+                ev = {}
+                if sending:
+                    ev[out.fileno()] = select.POLLOUT
+                if receiving:
+                    ev[inp.fileno()] = ev.get(inp.fileno(), 0) | select.POLLIN
+                for fd, mask in ev.items():
+                    poller.register(fd, mask)
+                poller.poll(100)
+                for fd in ev:
+                    poller.unregister(fd)
+        result = {"bytes": total, "seconds": (last - first) if first and last else 0.0}
+        conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"process {idx}: {exc!r}"))
+
+
+def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float) -> float:
+    """Run the given (src, dst) links at once; return the mean per-link GB/s."""
+    ctx = _context()
+    sends = {s: d for s, d in links}
+    recvs = {d: s for s, d in links}
+    procs, pipes = [], []
+    try:
+        for i in range(nprocs):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_flow_worker,
+                            args=(i, sends.get(i), recvs.get(i), duration, b), daemon=True)
+            p.start()
+            procs.append(p)
+            pipes.append(a)
+        ports = [_recv(c, "its port") for c in pipes]
+        for c in pipes:
+            c.send(ports)
+        for c in pipes:
+            _recv(c, "readiness")
+        for c in pipes:
+            c.send("go")
+        rates = []
+        for c in pipes:
+            status, res = _recv(c, "its result")
+            if status != "ok":
+                raise LimitsError(res)
+            if res and res["seconds"] > 0:
+                rates.append(res["bytes"] / res["seconds"] / 1e9)
+        return sum(rates) / len(rates) if rates else 0.0
+    finally:
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# ---- round trip ---------------------------------------------------------------
+def _pingpong_worker(role: int, mode: str, duration: float, conn) -> None:
+    try:
+        if role == 0:
+            ls = _listener()
+            conn.send(ls.getsockname()[1])
+            s = _accept(ls)
+            ls.close()
+        else:
+            s = _connect(conn.recv())
+        conn.send("ready")
+        conn.recv()
+        buf = bytearray(8)
+        view = memoryview(buf)
+        poll = mode == "polling"
+        if poll:
+            s.setblocking(False)
+        dontwait = socket.MSG_DONTWAIT
+        yield_ = os.sched_yield
+
+        def recv8() -> None:
+            got = 0
+            while got < 8:
+                if poll:
+                    try:
+                        n = s.recv_into(view[got:], 8 - got, dontwait)
+                    except BlockingIOError:
+                        yield_()
+                        continue
+                else:
+                    n = s.recv_into(view[got:], 8 - got)
+                if n == 0:
+                    raise ConnectionError("peer closed")
+                got += n
+
+        def send8() -> None:
+            while True:
+                try:
+                    s.send(buf)
+                    return
+                except BlockingIOError:
+                    yield_()
+
+        rtts: List[float] = []
+        if role == 0:
+            stop = time.perf_counter() + duration
+            clock = time.perf_counter
+            while clock() < stop:
+                t0 = clock()
+                send8()
+                recv8()
+                rtts.append(clock() - t0)
+            buf[0] = 255  # tell the echoer to stop
+            send8()
+        else:
+            while True:
+                recv8()
+                send8()
+                if buf[0] == 255:
+                    break
+        s.close()
+        conn.send(("ok", rtts))
+    except BaseException as exc:  # noqa: BLE001
+        conn.send(("error", f"ping-pong {role}: {exc!r}"))
+
+
+def _pingpong(mode: str, pairs: int, duration: float) -> float:
+    """Median round trip (us) of the first pair while ``pairs`` pairs run at once."""
+    ctx = _context()
+    procs, pipes = [], []
+    try:
+        for _ in range(pairs):
+            for role in (0, 1):
+                a, b = ctx.Pipe()
+                p = ctx.Process(target=_pingpong_worker, args=(role, mode, duration, b),
+                                daemon=True)
+                p.start()
+                procs.append(p)
+                pipes.append(a)
+        for k in range(pairs):
+            pipes[2 * k + 1].send(_recv(pipes[2 * k], "its port"))
+        for c in pipes:
+            _recv(c, "readiness")
+        for c in pipes:
+            c.send("go")
+        results = []
+        for c in pipes:
+            status, res = _recv(c, "its result")
+            if status != "ok":
+                raise LimitsError(res)
+            results.append(res)
+        rtts = [x for k in range(pairs) for x in results[2 * k]]
+        # Skip the first tries (connection warm-up, page faults).
+        rtts = rtts[min(len(rtts) // 10, 100):] or rtts
+        return median(rtts) * 1e6 if rtts else 0.0
+    finally:
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# ---- memory ------------------------------------------------------------------
+def _rate(fn, nbytes: int, duration: float) -> float:
+    """Median GB/s of ``fn()`` (which writes ``nbytes``) over ``duration`` seconds."""
+    fn()
+    times = []
+    stop = time.perf_counter() + duration
+    while time.perf_counter() < stop or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / median(times) / 1e9
+
+
+def _memory(duration: float) -> Dict[str, Dict[str, float]]:
+    from .. import _core
+    from .._dtypes import dtype_code
+
+    f32 = dtype_code(np.float32)
+    out: Dict[str, Dict[str, float]] = {"memcpy": {}, "add_f32_numpy": {},
+                                        "add_f32_ringlet": {}}
+    for label, nbytes in (("64MiB", 64 << 20), ("256KiB", 256 << 10)):
+        n = nbytes // 4
+        a = np.full(n, 1.0, np.float32)
+        b = np.full(n, 2.0, np.float32)
+        reps = max(1, (4 << 20) // nbytes)  # batch tiny calls so timer overhead vanishes
+
+        def copy() -> None:
+            for _ in range(reps):
+                np.copyto(a, b)
+
+        def add_np() -> None:
+            for _ in range(reps):
+                np.add(a, b, out=a)
+
+        def add_rl() -> None:
+            for _ in range(reps):
+                _core.reduce_kernel(a, a, b, f32, 0)
+
+        out["memcpy"][label] = _rate(copy, nbytes * reps, duration)
+        a.fill(0.0)
+        out["add_f32_numpy"][label] = _rate(add_np, nbytes * reps, duration)
+        a.fill(0.0)
+        out["add_f32_ringlet"][label] = _rate(add_rl, nbytes * reps, duration)
+    return out
+
+
+# ---- driver --------------------------------------------------------------------
+def measure(nranks: int = 4, duration: float = 1.0,
+            progress=None) -> Dict[str, Any]:
+    """Measure every ceiling; returns a JSON-ready dict (rates in GB/s, times in us).
+
+    Args:
+        nranks: also measure a ring and a chain of this many processes (>= 3).
+        duration: seconds per stream measurement (round trips get half).
+        progress: optional callable(str) told what is being measured.
+    Raises:
+        ValueError: bad arguments.  LimitsError: a measuring process failed.
+    """
+    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 2:
+        raise ValueError(f"nranks must be an int >= 2, got {nranks!r}")
+    if not duration > 0:
+        raise ValueError(f"duration must be > 0 seconds, got {duration!r}")
+    say = progress or (lambda s: None)
+    res: Dict[str, Any] = {"nranks": nranks, "duration_s": duration, "chunk_bytes": CHUNK}
+    say("TCP one way")
+    res["tcp_one_way"] = _flows([(0, 1)], 2, duration)
+    say("TCP both ways")
+    res["tcp_both_ways"] = _flows([(0, 1), (1, 0)], 2, duration)
+    res["tcp_ring"] = {"2": res["tcp_both_ways"]}
+    res["tcp_chain"] = {"2": res["tcp_one_way"]}
+    if nranks > 2:
+        n = nranks
+        say(f"TCP ring of {n}")
+        res["tcp_ring"][str(n)] = _flows([(i, (i + 1) % n) for i in range(n)], n, duration)
+        say(f"TCP chain of {n}")
+        res["tcp_chain"][str(n)] = _flows([(i, i + 1) for i in range(n - 1)], n, duration)
+    rt: Dict[str, float] = {}
+    for mode in ("blocking", "polling"):
+        for pairs in (1, 2):
+            say(f"round trip, {mode}, {pairs} pair(s)")
+            rt[f"{mode}_{pairs}pair"] = _pingpong(mode, pairs, duration / 2)
+    res["rtt_us"] = rt
+    say("memcpy and float32 add")
+    res.update(_memory(duration / 2))
+    return res
+
+
+def ceilings(limits: Dict[str, Any], nranks: int) -> Dict[str, float]:
+    """Translate the TCP limits into a busbw ceiling (GB/s) per op for ``nranks`` ranks.
+
+    See docs/benchmarks.md: ring ops (all_reduce, reduce_scatter, all_gather)
+    send and receive on two connections at once, so their busbw is bounded by
+    the per-link rate of a ring of ``nranks``; chain ops (broadcast, reduce)
+    by the per-link rate of a chain of ``nranks``; all_to_all, like the ring,
+    sends and receives at once; gather/scatter by the root's one link rate.
+    """
+    n = str(nranks)
+    ring = limits.get("tcp_ring", {}).get(n)
+    chain = limits.get("tcp_chain", {}).get(n)
+    one = limits.get("tcp_one_way")
+    out: Dict[str, float] = {}
+    if ring:
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
+            out[op] = ring
+    if chain:
+        out["broadcast"] = out["reduce"] = chain
+    if one:
+        out["gather"] = out["scatter"] = out["sendrecv"] = one
+    return out
+
+
+def format_limits(res: Dict[str, Any]) -> str:
+    """The limits as a small table."""
+    lines = ["# ringlet bench limits (loopback TCP, OS default socket buffers; "
+             f"{res['duration_s']:g} s per stream, {res['chunk_bytes'] >> 20} MiB sends)",
+             f"{'measure':<44} {'value':>10}  unit"]
+
+    def row(name: str, v: float, unit: str) -> None:
+        lines.append(f"{name:<44} {v:>10.2f}  {unit}")
+
+    row("TCP one way (1 stream)", res["tcp_one_way"], "GB/s")
+    row("TCP both ways at once (per direction)", res["tcp_both_ways"], "GB/s")
+    for n, v in sorted(res["tcp_ring"].items(), key=lambda kv: int(kv[0])):
+        if n != "2":
+            row(f"TCP ring of {n} (per link)", v, "GB/s")
+    for n, v in sorted(res["tcp_chain"].items(), key=lambda kv: int(kv[0])):
+        if n != "2":
+            row(f"TCP chain of {n} (per link)", v, "GB/s")
+    for k, v in res["rtt_us"].items():
+        mode, pairs = k.split("_")
+        row(f"round trip 8 B, {mode} recv, {pairs[0]} pair(s) at once", v, "us")
+    for what, label in (("memcpy", "memcpy (numpy)"), ("add_f32_numpy", "float32 add (numpy)"),
+                        ("add_f32_ringlet", "float32 add (ringlet kernel)")):
+        for size, v in res[what].items():
+            row(f"{label}, {size}", v, "GB/s")
+    return "\n".join(lines)

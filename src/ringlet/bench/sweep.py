@@ -1,0 +1,542 @@
+"""The measurement loop shared by ringlet and its comparison peers.
+
+Every compared system (ringlet, Open MPI through mpi4py, torch.distributed's
+gloo) runs *this* loop through a small ``Backend`` adapter, so buffers, data,
+timing method, iteration counts and result checking are identical and only
+the library under test differs.  The module needs numpy and the standard
+library only: the peer drivers import it without initialising ringlet.
+
+Timing method (per size):
+  1. Allocate ``inflight`` sets of buffers and write every page once (a page
+     that was never written is the kernel's shared zero page, which reads
+     faster than real memory and would flatter the first iterations).
+  2. With ``check``: run one iteration on buffers filled with a
+     rank-dependent pattern and count the elements that differ from a numpy
+     oracle (summed over ranks: the ``#wrong`` column).
+  3. One warm-up iteration estimates the cost; the slowest rank's estimate
+     (an all-reduce MAX, so every rank derives the same counts) caps warm-up
+     and timed iterations to the time budget, never below ``MIN_ITERS``.
+  4. Each timed iteration is ``barrier(); t0; op x inflight; wait; t1``.
+     The per-iteration time is the maximum over ranks (an element-wise MAX
+     all-reduce of every rank's list after the loop), divided by
+     ``inflight``.  Reported: median, 10th and 90th percentile.  For
+     ``sendrecv`` (ping-pong between ranks 0 and 1) the time is half the
+     round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["OPS", "REDOPS", "DTYPES", "SweepConfig", "Backend", "Layout", "layout",
+           "busbw_factor", "run_sweep", "parse_size", "size_range", "resolve_dtype",
+           "emit", "ROW_PREFIX", "MIN_ITERS"]
+
+OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "all_to_all",
+       "gather", "scatter", "sendrecv", "barrier")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+REDUCING = ("all_reduce", "reduce", "reduce_scatter")
+REDOPS = ("sum", "prod", "min", "max", "avg")
+# Accepted -d names -> numpy dtype name (nccl-tests spellings included).
+DTYPES = {
+    "float32": "float32", "float": "float32", "f32": "float32",
+    "float64": "float64", "double": "float64", "f64": "float64",
+    "float16": "float16", "half": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "int8": "int8", "uint8": "uint8", "int32": "int32", "int": "int32",
+    "int64": "int64",
+}
+MIN_ITERS = 3
+ROW_PREFIX = "@@ringlet-bench "  # lines a driver's rank 0 prints for the parent
+
+_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
+           "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: Any) -> int:
+    """Parse a byte count such as ``8``, ``64K``, ``256M`` or ``1G`` (powers of 1024).
+
+    Raises:
+        ValueError: not a non-negative integer with an optional K/M/G suffix.
+
+    Example::
+
+        parse_size("64K")  # 65536
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"size must be a number of bytes, got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be >= 0, got {text}")
+        return text
+    s = str(text).strip().upper()
+    num = s.rstrip("KMGIB")
+    suffix = s[len(num):]
+    if suffix not in _SUFFIX or not num:
+        raise ValueError(f"size {text!r} is not a byte count like 8, 64K, 256M or 1G")
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a byte count like 8, 64K, 256M or 1G") from None
+    nbytes = value * _SUFFIX[suffix]
+    if not math.isfinite(nbytes) or nbytes < 0 or nbytes != int(nbytes):
+        raise ValueError(f"size {text!r} must be a whole, non-negative number of bytes")
+    return int(nbytes)
+
+
+def size_range(minbytes: int, maxbytes: int, factor: float) -> List[int]:
+    """Sizes from ``minbytes`` multiplying by ``factor``, ending at ``maxbytes`` exactly.
+
+    Raises:
+        ValueError: an empty or unbounded range.
+    """
+    if minbytes < 1:
+        raise ValueError(f"minbytes must be >= 1, got {minbytes}")
+    if maxbytes < minbytes:
+        raise ValueError(f"maxbytes ({maxbytes}) is smaller than minbytes ({minbytes})")
+    if minbytes == maxbytes:
+        return [minbytes]
+    if not factor > 1:
+        raise ValueError(f"stepfactor must be > 1 when minbytes < maxbytes, got {factor}")
+    out, s = [], float(minbytes)
+    while s <= maxbytes * (1 + 1e-12):
+        out.append(int(round(s)))
+        s *= factor
+    if out[-1] < maxbytes:  # always end at maxbytes (8 B .. 256 MiB by 4 would stop at 128 MiB)
+        out.append(maxbytes)
+    return out
+
+
+def resolve_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a ``-d`` name; bfloat16 needs ml_dtypes.
+
+    Raises:
+        ValueError: unknown name.  ImportError: bfloat16 without ml_dtypes.
+    """
+    key = str(name).lower()
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from "
+                         f"{', '.join(sorted(set(DTYPES.values())))}")
+    canon = DTYPES[key]
+    if canon == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ImportError("dtype bfloat16 needs ml_dtypes: pip install ml_dtypes") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(canon)
+
+
+@dataclass
+class SweepConfig:
+    """One op's sweep, as the parent hands it to every driver (JSON-serialisable)."""
+
+    op: str
+    sizes: List[int]
+    dtype: str = "float32"
+    redop: str = "sum"
+    root: int = 0
+    iters: int = 20
+    warmup: int = 5
+    check: bool = False
+    inflight: int = 1
+    budget_s: float = 2.0
+
+    def validate(self, nranks: Optional[int] = None) -> "SweepConfig":
+        """Raise ValueError/TypeError naming the first bad field; return self."""
+        if self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}; choose from {', '.join(OPS)} or all")
+        if self.redop not in REDOPS:
+            raise ValueError(f"unknown reduction {self.redop!r}; choose from {', '.join(REDOPS)}")
+        dt = resolve_dtype(self.dtype)
+        self.dtype = dt.name
+        if self.redop == "avg" and dt.kind not in "fV" and dt.name != "bfloat16":
+            raise ValueError(f"-o avg is defined for floating dtypes only, not {dt.name}")
+        for name in ("iters", "warmup", "inflight"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if self.iters < 1:
+            raise ValueError(f"iters must be >= 1, got {self.iters}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.inflight < 1:
+            raise ValueError(f"--async must be >= 1, got {self.inflight}")
+        if not self.budget_s >= 0:
+            raise ValueError(f"budget must be >= 0 seconds, got {self.budget_s}")
+        if not self.sizes:
+            raise ValueError("no sizes to measure")
+        if nranks is not None:
+            if not 0 <= self.root < nranks:
+                raise ValueError(f"root {self.root} is out of range for {nranks} ranks")
+            if self.op == "sendrecv" and nranks < 2:
+                raise ValueError("sendrecv (ping-pong between ranks 0 and 1) needs >= 2 ranks")
+        return self
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+# ---- sizes and bus bandwidth ---------------------------------------------------
+@dataclass
+class Layout:
+    """Buffer shapes for one row.  ``size`` is the nccl-tests size: bytes of the
+    largest buffer a rank holds (the gathered output for all_gather and gather,
+    the full input for reduce_scatter and scatter, the send buffer for
+    all_to_all).  ``block`` is the per-rank block in elements."""
+
+    size: int
+    count: int
+    block: int
+
+
+def layout(op: str, nbytes: int, itemsize: int, nranks: int) -> Layout:
+    """Round a requested size to whole elements (and whole per-rank blocks)."""
+    if op == "barrier":
+        return Layout(0, 0, 0)
+    if op in ("all_reduce", "broadcast", "reduce", "sendrecv"):
+        count = max(1, nbytes // itemsize)
+        return Layout(count * itemsize, count, count)
+    block = max(1, nbytes // (itemsize * nranks))
+    return Layout(block * nranks * itemsize, block * nranks, block)
+
+
+def busbw_factor(op: str, nranks: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor.
+
+    It scales algbw (size / time) to the bytes the busiest link carries, so
+    busbw compares across rank counts and against a link's speed.
+    """
+    n = nranks
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "sendrecv"):
+        return 1.0
+    return 0.0  # barrier moves no data
+
+
+# ---- data and the numpy oracle --------------------------------------------------
+def _pattern(rank: int, start: int, count: int, dtype: np.dtype, redop: str,
+             nranks: int) -> np.ndarray:
+    """Rank ``rank``'s check data for elements [start, start+count).
+
+    Small integers, so every reduction of up to a few dozen ranks is exact in
+    every dtype (float16 and int8 included) and the result does not depend on
+    the order in which ranks are combined.  For prod at most one rank
+    contributes a factor 2 to each element and the rest are +-1.
+    """
+    i = np.arange(start, start + count, dtype=np.int64)
+    signed = dtype.kind != "u"
+    if redop == "prod":
+        v = np.where(i % nranks == rank, 2, 1)
+        if signed:
+            v = np.where((i + 3 * rank) % 7 == 0, -v, v)
+    else:
+        v = (i * 7 + rank * 13) % 9
+        if signed:
+            v = v - 4
+    if dtype.kind in "fV":  # via float32: extension float types (bfloat16) cast from it
+        return v.astype(np.float32).astype(dtype)
+    return v.astype(dtype)
+
+
+def _combine(acc: np.ndarray, x: np.ndarray, redop: str) -> np.ndarray:
+    if redop in ("sum", "avg"):
+        return acc + x
+    if redop == "prod":
+        return acc * x
+    if redop == "min":
+        return np.minimum(acc, x)
+    return np.maximum(acc, x)
+
+
+def _reduced(start: int, count: int, dtype: np.dtype, redop: str, nranks: int) -> np.ndarray:
+    """The oracle: the reduction over all ranks of their patterns, in float64."""
+    acc = _pattern(0, start, count, dtype, redop, nranks).astype(np.float64)
+    for r in range(1, nranks):
+        acc = _combine(acc, _pattern(r, start, count, dtype, redop, nranks).astype(np.float64),
+                       redop)
+    if redop == "avg":
+        acc = acc / nranks
+    return acc
+
+
+def _wrong(got: np.ndarray, want: np.ndarray, redop: str, dtype: np.dtype) -> int:
+    g = np.asarray(got).astype(np.float64)
+    w = np.asarray(want).astype(np.float64)
+    if redop == "avg":
+        # One rounding of sum/n into the dtype (several for 16-bit chains).
+        rtol = {2: 2e-2, 4: 1e-6, 8: 1e-12}.get(dtype.itemsize, 1e-6)
+        ok = np.isclose(g, w, rtol=rtol, atol=0.0)
+    else:
+        ok = g == w
+    return int(g.size - np.count_nonzero(ok))
+
+
+def _filled(count: int, dtype: np.dtype, value: float) -> np.ndarray:
+    # np.empty + fill writes every page; np.zeros would leave them unmapped.
+    a = np.empty(count, dtype=dtype)
+    a.fill(value)
+    return a
+
+
+class Buffers:
+    """The arrays one in-flight operation uses."""
+
+    def __init__(self, buf: Optional[np.ndarray] = None, out: Optional[np.ndarray] = None,
+                 inp: Optional[np.ndarray] = None) -> None:
+        self.buf, self.out, self.inp = buf, out, inp
+
+
+def make_buffers(cfg: SweepConfig, lay: Layout, rank: int, nranks: int, dtype: np.dtype,
+                 *, check: bool) -> Buffers:
+    """Buffers for one in-flight op.  ``check``: rank patterns; else steady values.
+
+    Steady values keep timed iterations from drifting into overflow or
+    subnormals (sum of zeros, product of ones, min/max/avg of a fixed pattern).
+    """
+    op, c, b = cfg.op, lay.count, lay.block
+    redop = cfg.redop
+
+    def data(n: int) -> np.ndarray:
+        if check or redop in ("min", "max", "avg"):
+            return _pattern(rank, 0, n, dtype, redop, nranks)
+        return _filled(n, dtype, 1 if redop == "prod" else 0)
+
+    if op == "barrier":
+        return Buffers()
+    if op in ("all_reduce", "broadcast", "reduce"):
+        return Buffers(buf=data(c))
+    if op == "sendrecv":
+        return Buffers(buf=data(c), out=_filled(c, dtype, 0))
+    if op == "all_gather":
+        return Buffers(out=_filled(b * nranks, dtype, 0), inp=data(b))
+    if op == "reduce_scatter":
+        return Buffers(out=_filled(b, dtype, 0), inp=data(b * nranks))
+    if op == "all_to_all":
+        return Buffers(out=_filled(b * nranks, dtype, 0), inp=data(b * nranks))
+    if op == "gather":
+        out = _filled(b * nranks, dtype, 0) if rank == cfg.root else None
+        return Buffers(out=out, inp=data(b))
+    if op == "scatter":
+        inp = data(b * nranks) if rank == cfg.root else None
+        return Buffers(out=_filled(b, dtype, 0), inp=inp)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def count_wrong(cfg: SweepConfig, lay: Layout, bufs: Buffers, rank: int, nranks: int,
+                dtype: np.dtype, *, reduce_keeps_input: bool = True) -> int:
+    """Elements of this rank's result that differ from the numpy oracle."""
+    op, c, b, redop, root = cfg.op, lay.count, lay.block, cfg.redop, cfg.root
+    pat = lambda r, start, n: _pattern(r, start, n, dtype, redop, nranks)  # noqa: E731
+    if op == "barrier":
+        return 0
+    if op == "all_reduce":
+        return _wrong(bufs.buf, _reduced(0, c, dtype, redop, nranks), redop, dtype)
+    if op == "broadcast":
+        return _wrong(bufs.buf, pat(root, 0, c), redop, dtype)
+    if op == "reduce":
+        if rank == root:
+            return _wrong(bufs.buf, _reduced(0, c, dtype, redop, nranks), redop, dtype)
+        return _wrong(bufs.buf, pat(rank, 0, c), redop, dtype) if reduce_keeps_input else 0
+    if op == "sendrecv":
+        if rank == 0:  # the echo of rank 0's own data
+            return _wrong(bufs.out, pat(0, 0, c), redop, dtype)
+        if rank == 1:
+            return _wrong(bufs.out, pat(0, 0, c), redop, dtype)
+        return 0
+    if op == "all_gather":
+        want = np.concatenate([pat(r, 0, b) for r in range(nranks)])
+        return _wrong(bufs.out, want, redop, dtype)
+    if op == "reduce_scatter":
+        return _wrong(bufs.out, _reduced(rank * b, b, dtype, redop, nranks), redop, dtype)
+    if op == "all_to_all":
+        want = np.concatenate([pat(s, rank * b, b) for s in range(nranks)])
+        return _wrong(bufs.out, want, redop, dtype)
+    if op == "gather":
+        if rank != root:
+            return 0
+        want = np.concatenate([pat(r, 0, b) for r in range(nranks)])
+        return _wrong(bufs.out, want, redop, dtype)
+    if op == "scatter":
+        return _wrong(bufs.out, pat(root, rank * b, b), redop, dtype)
+    raise ValueError(f"unknown op {op!r}")
+
+
+# ---- the backend adapter ---------------------------------------------------------
+class Backend:
+    """What a system under test provides to the loop.
+
+    ``start(cfg, bufs, async_)`` runs one operation; with ``async_`` it
+    returns a handle for ``wait`` (the op may still be running), else it
+    returns after the op finished.  ``max_f64`` / ``sum_i64`` combine small
+    arrays over ranks (every rank gets the result); they are used outside the
+    timed region only.
+    """
+
+    name = "?"
+    rank = 0
+    size = 1
+    # Does reduce leave non-root buffers unchanged?  ringlet and MPI promise
+    # it; torch.distributed does not (gloo uses them as scratch).
+    reduce_keeps_input = True
+
+    def unsupported(self, cfg: SweepConfig) -> Optional[str]:
+        """A reason this system cannot run ``cfg``, or None."""
+        return None
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def start(self, cfg: SweepConfig, bufs: Buffers, async_: bool) -> Any:
+        raise NotImplementedError
+
+    def wait(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    def max_f64(self, a: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def sum_i64(self, a: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def versions(self) -> Dict[str, str]:
+        return {}
+
+
+def _iteration(backend: Backend, cfg: SweepConfig, sets: Sequence[Buffers]) -> None:
+    if len(sets) == 1:
+        backend.start(cfg, sets[0], False)
+        return
+    handles = [backend.start(cfg, s, True) for s in sets]
+    for h in handles:
+        backend.wait(h)
+
+
+def _timed(backend: Backend, cfg: SweepConfig, sets: Sequence[Buffers], n: int) -> np.ndarray:
+    times = np.empty(n, dtype=np.float64)
+    clock = time.perf_counter
+    for i in range(n):
+        backend.barrier()
+        t0 = clock()
+        _iteration(backend, cfg, sets)
+        times[i] = clock() - t0
+    return times
+
+
+def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, Any]:
+    """Measure one size; every rank returns the same row."""
+    n, rank = backend.size, backend.rank
+    dtype = resolve_dtype(cfg.dtype)
+    lay = layout(cfg.op, nbytes, dtype.itemsize, n)
+    inflight = 1 if cfg.op == "sendrecv" else cfg.inflight
+    wrong = 0
+    if cfg.check:
+        csets = [make_buffers(cfg, lay, rank, n, dtype, check=True) for _ in range(inflight)]
+        backend.barrier()
+        _iteration(backend, cfg, csets)
+        wrong = sum(count_wrong(cfg, lay, s, rank, n, dtype,
+                                reduce_keeps_input=backend.reduce_keeps_input) for s in csets)
+        del csets
+    sets = [make_buffers(cfg, lay, rank, n, dtype, check=False) for _ in range(inflight)]
+    # One warm-up iteration always runs: it connects, faults pages in, and
+    # its slowest-rank time sizes the rest to the budget identically everywhere.
+    est = float(backend.max_f64(_timed(backend, cfg, sets, 1))[0])
+    iters, warm = cfg.iters, max(0, cfg.warmup - 1)
+    if cfg.budget_s > 0 and est > 0:
+        iters = max(MIN_ITERS, min(iters, int(cfg.budget_s / est)))
+        warm = min(warm, int(0.25 * cfg.budget_s / est))
+    if warm:
+        _timed(backend, cfg, sets, warm)
+    times = backend.max_f64(_timed(backend, cfg, sets, iters)) / inflight
+    if cfg.op == "sendrecv":
+        times = times / 2.0  # one-way latency: half the round trip
+    wrong_total = int(backend.sum_i64(np.array([wrong], dtype=np.int64))[0])
+    med, p10, p90 = (float(x) for x in np.percentile(times, [50, 10, 90]))
+    algbw = lay.size / med / 1e9 if med > 0 else 0.0
+    return {
+        "system": backend.name, "op": cfg.op, "nranks": n, "size": lay.size,
+        "count": lay.count, "type": dtype.name,
+        "redop": cfg.redop if cfg.op in REDUCING else "-",
+        "root": cfg.root if cfg.op in ROOTED else -1,
+        "time_us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6,
+        "algbw": algbw, "busbw": algbw * busbw_factor(cfg.op, n),
+        "wrong": wrong_total if cfg.check else -1, "iters": int(times.size),
+        "inflight": inflight,
+    }
+
+
+def run_sweep(backend: Backend, cfg: SweepConfig,
+              on_row: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Dict[str, Any]]:
+    """Measure every size of ``cfg`` on ``backend``; rows in size order (all ranks).
+
+    Raises:
+        ValueError: ``cfg`` is invalid for this world.
+    """
+    cfg.validate(backend.size)
+    sizes = [0] if cfg.op == "barrier" else cfg.sizes
+    rows, seen = [], set()
+    dtype = resolve_dtype(cfg.dtype)
+    for nbytes in sizes:
+        size = layout(cfg.op, nbytes, dtype.itemsize, backend.size).size
+        if size in seen:  # rounding to whole blocks can repeat a size
+            continue
+        seen.add(size)
+        row = measure_size(backend, cfg, nbytes)
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows
+
+
+# ---- the driver side of the parent <-> driver protocol ----------------------------
+def emit(kind: str, payload: Dict[str, Any]) -> None:
+    """Print one record for the parent (rank 0 of a driver only)."""
+    sys.stdout.write(ROW_PREFIX + json.dumps({"kind": kind, **payload}) + "\n")
+    sys.stdout.flush()
+
+
+def drive(backend: Backend, sweeps: Sequence[Dict[str, Any]]) -> int:
+    """Run every sweep on ``backend``; rank 0 emits rows.  Returns an exit code.
+
+    An unsupported op is reported as a ``skip`` record and the next one runs.
+    """
+    if backend.rank == 0:
+        emit("hello", {"system": backend.name, "nranks": backend.size,
+                       "versions": backend.versions()})
+    for raw in sweeps:
+        cfg = SweepConfig(**raw)
+        reason = backend.unsupported(cfg)
+        if reason:
+            if backend.rank == 0:
+                emit("skip", {"system": backend.name, "op": cfg.op, "reason": reason})
+            continue
+        run_sweep(backend, cfg,
+                  on_row=(lambda row: emit("row", row)) if backend.rank == 0 else None)
+    if backend.rank == 0:
+        emit("done", {"system": backend.name})
+    return 0
+
+
+def driver_args(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+    """Parse a driver's command line: ``--config JSON`` (a list of sweeps)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="ringlet bench driver (started by `ringlet bench`)")
+    p.add_argument("--config", required=True, help="JSON: {\"sweeps\": [SweepConfig, ...]}")
+    a = p.parse_args(argv)
+    cfg = json.loads(a.config)
+    sweeps = cfg.get("sweeps")
+    if not isinstance(sweeps, list):
+        raise ValueError("--config must be a JSON object with a 'sweeps' list")
+    return sweeps

