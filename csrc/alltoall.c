@@ -41,8 +41,19 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
     int st = rl_begin_op(c, &op, RL_OP_ALL_TO_ALL, dt, 0, -1, 0, timeout_ms);
     if (st != RL_OK) return st;
     int P = c->size, r = c->rank;
-    memmove((char *)out + out_displs[r] * esz, (const char *)in + in_displs[r] * esz,
-            in_counts[r] * esz);
+    size_t in_span = 0, out_span = 0;
+    for (int p = 0; p < P; p++) {
+        if ((in_displs[p] + in_counts[p]) * esz > in_span) in_span = (in_displs[p] + in_counts[p]) * esz;
+        if ((out_displs[p] + out_counts[p]) * esz > out_span) out_span = (out_displs[p] + out_counts[p]) * esz;
+    }
+    /* The own block is copied while step 1's sockets wait, unless input and
+     * output overlap (then it must happen before any receive). */
+    rl_idle_copy cp = {(char *)out + out_displs[r] * esz, (const char *)in + in_displs[r] * esz,
+                       in_counts[r] * esz, 0};
+    if (P == 1 || rl_overlap(in, in_span, out, out_span)) {
+        memmove(cp.dst, cp.src, cp.len);
+        cp.len = 0;
+    }
     for (int step = 1; step < P && st == RL_OK; step++) {
         int to = rl_mod(r + step, P), from = rl_mod(r - step, P);
         pairx x = {(char *)in + in_displs[to] * esz, (char *)out + out_displs[from] * esz,
@@ -58,7 +69,7 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
         s[1].nseg = 1;
         s[1].tag_base = (uint32_t)step;
         s[1].where = px_recv;
-        st = rl_run_streams(c, &op, s, 2, &x);
+        st = rl_run_streams_copy(c, &op, s, 2, &x, step == 1 ? &cp : NULL);
     }
     return rl_end_op(c, st);
 }

@@ -197,7 +197,29 @@ static int stream_io(rl_comm *c, const rl_opdesc *op, rl_stream *s, void *alg,
     return RL_OK;
 }
 
+int rl_overlap(const void *a, size_t al, const void *b, size_t bl) {
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return al && bl && x < y + bl && y < x + al;
+}
+
+/* One slice of the idle copy; returns 1 if it copied anything.  A slice is
+ * small enough (tens of microseconds) not to delay a socket that becomes
+ * ready meanwhile, large enough that the call overhead is negligible. */
+#define RL_COPY_SLICE ((size_t)128 << 10)
+static int idle_copy_step(rl_idle_copy *cp) {
+    if (!cp || cp->done >= cp->len) return 0;
+    size_t k = cp->len - cp->done < RL_COPY_SLICE ? cp->len - cp->done : RL_COPY_SLICE;
+    memcpy(cp->dst + cp->done, cp->src + cp->done, k);
+    cp->done += k;
+    return 1;
+}
+
 int rl_run_streams(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, void *alg) {
+    return rl_run_streams_copy(c, op, s, n, alg, NULL);
+}
+
+int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, void *alg,
+                        rl_idle_copy *cp) {
     struct pollfd pfd_small[8];
     struct pollfd *pfd = n <= 8 ? pfd_small : malloc(sizeof(struct pollfd) * (size_t)n);
     if (!pfd) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory");
@@ -244,6 +266,7 @@ int rl_run_streams(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, void *a
         }
         if (!unfinished) break;
         if (moved) { waiter_reset(&w); continue; }
+        if (idle_copy_step(cp)) continue; /* nothing to move: do local work */
         if (npoll == 0) {
             st = rl_fail(c, op, RL_ERR_INVALID, -1, 0, "internal error: streams stalled");
             goto out;
@@ -251,6 +274,7 @@ int rl_run_streams(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, void *a
         if ((st = wait_some(c, op, &w, pfd, npoll, blame)) != RL_OK) goto out;
         if (c->poisoned) { st = RL_ERR_POISONED; goto out; }
     }
+    while (idle_copy_step(cp)) {}
 out:
     if (pfd != pfd_small) free(pfd);
     return st;

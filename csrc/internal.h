@@ -166,6 +166,19 @@ int rl_peer_fd(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out);
 /* ---- engine (engine.c) ---- */
 int rl_run_streams(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n,
                    void *alg);
+/* A local copy (a rank's own block) that the engine performs in slices
+ * whenever no socket can move, and finishes before it returns: the copy
+ * then overlaps the transfers instead of delaying them.  Neither range may
+ * overlap a buffer that a stream reads or writes. */
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t len, done;
+} rl_idle_copy;
+int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n,
+                        void *alg, rl_idle_copy *cp);
+/* Whether [a, a+al) and [b, b+bl) share a byte. */
+int rl_overlap(const void *a, size_t al, const void *b, size_t bl);
 /* Blocking helpers for p2p, on top of the same wait policy. */
 int rl_send_frame(rl_comm *c, const rl_opdesc *op, int peer, rl_hdr *h,
                   const void *payload, size_t len);

@@ -11,15 +11,17 @@
  * rank r sends the partial sum of block (r - t - 1) mod P and receives the
  * partial sum of block (r - t - 2) mod P, adding its own input block to it.
  * At step P-2 the received block is r itself, and the sum lands in the
- * output.  Partial sums live in RL_NSLOT segment slots of scratch: the input
- * is never modified and no full-size temporary is needed.  Bytes sent per
- * rank: (P-1) * n.
+ * output.  Partial sums live in scratch of two blocks, one per step parity:
+ * segment k received at step t is forwarded as segment k of step t+1, i.e.
+ * only after the rest of step t's block has been sent, so a whole block of
+ * partial sums is in flight.  (Fewer slots deadlock the ring once a block
+ * outgrows the socket buffers: every rank's step-0 sends stall because every
+ * receiver waits for a slot that only its own step-1 sends would free.)  The
+ * input is never modified.  Bytes sent per rank: (P-1) * n.
  */
 #include <string.h>
 
 #include "internal.h"
-
-#define RL_NSLOT 4
 
 typedef struct {
     char *out;
@@ -49,7 +51,10 @@ static void ag_send_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
     ring_sg *a = alg;
     (void)s;
     int t = i / a->S, k = i % a->S;
-    *p = a->out + (size_t)rl_mod(a->r - t, a->P) * a->blk + (size_t)k * a->seg;
+    /* Step 0 sends this rank's own block straight from the input, so the
+     * copy into the output need not come first. */
+    if (t == 0) *p = (char *)a->in + (size_t)k * a->seg;
+    else *p = a->out + (size_t)rl_mod(a->r - t, a->P) * a->blk + (size_t)k * a->seg;
     *l = seg_len(a, k);
 }
 static void ag_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
@@ -68,11 +73,22 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     int st = rl_begin_op(c, &op, RL_OP_ALL_GATHER, dt, 0, -1, blk, timeout_ms);
     if (st != RL_OK) return st;
     char *mine = (char *)out + (size_t)c->rank * blk;
-    if (mine != (const char *)in) memmove(mine, in, blk);
+    rl_idle_copy cp = {mine, in, 0, 0};
+    if (mine != (const char *)in) {
+        /* The own block is copied while the sockets wait, unless the input
+         * overlaps the output (then receives could overwrite it). */
+        if (c->size == 1 || count == 0 || rl_overlap(in, blk, out, blk * (size_t)c->size)) {
+            memmove(mine, in, blk);
+            in = mine;
+        } else {
+            cp.len = blk;
+        }
+    }
     if (c->size == 1 || count == 0) return RL_OK;
     ring_sg a;
     memset(&a, 0, sizeof a);
     a.out = out;
+    a.in = in;
     a.blk = blk;
     a.seg = (size_t)rl_tune.segment_bytes;
     a.S = rl_nseg(blk, a.seg);
@@ -89,18 +105,19 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     s[1].nseg = (a.P - 1) * a.S;
     s[1].where = ag_recv_where;
     a.recv = &s[1];
-    st = rl_run_streams(c, &op, s, 2, &a);
+    st = rl_run_streams_copy(c, &op, s, 2, &a, &cp);
     return rl_end_op(c, st);
 }
 
 /* ---- reduce_scatter ---- */
+/* Receive i (step t = i / S, segment k) uses slot (t % 2, k). */
 static char *rs_slot(const ring_sg *a, int i) {
-    return a->scratch + (size_t)(i % RL_NSLOT) * a->seg;
+    return a->scratch + (size_t)(i % (2 * a->S)) * a->seg;
 }
 static int rs_recv_ready(void *alg, rl_stream *s, int i) {
     ring_sg *a = alg;
     (void)s;
-    int p = i - RL_NSLOT; /* the receive that used this slot before */
+    int p = i - 2 * a->S; /* the receive that used this slot before */
     if (p < 0 || p / a->S == a->P - 2) return 1;
     return a->send->cur > p + a->S; /* ... and was forwarded as send p+S */
 }
@@ -162,9 +179,9 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     a.r = c->rank;
     a.dt = dt;
     a.op = rop;
-    size_t slots = (size_t)RL_NSLOT * (a.seg < blk ? a.seg : blk);
+    if (a.seg > blk) a.seg = blk; /* one segment per block */
+    size_t slots = (size_t)(a.P > 2 ? 2 : 1) * (size_t)a.S * a.seg;
     if ((st = rl_scratch(c, &op, slots, &a.scratch)) != RL_OK) return rl_end_op(c, st);
-    if (a.seg > blk) a.seg = blk; /* one segment per block: slots sized to fit */
     rl_stream s[2];
     memset(s, 0, sizeof s);
     s[0].peer = rl_mod(a.r + 1, a.P);

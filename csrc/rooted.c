@@ -37,10 +37,18 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
     int st = rl_begin_op(c, &op, opcode, dt, 0, root, blk, timeout_ms);
     if (st != RL_OK) return st;
     int gather = opcode == RL_OP_GATHER;
+    rl_idle_copy cp = {NULL, NULL, 0, 0};
     if (c->rank == root) {
         char *mine = (char *)many + (size_t)root * blk;
         if (mine != (char *)one) {
-            if (gather) memmove(mine, one, blk); else memmove(one, mine, blk);
+            cp.dst = gather ? mine : (char *)one;
+            cp.src = gather ? (const char *)one : mine;
+            /* The root's own block is copied while its sockets wait, unless
+             * `one` overlaps the buffer the streams use. */
+            if (c->size == 1 || rl_overlap(one, blk, many, blk * (size_t)c->size))
+                memmove(cp.dst, cp.src, blk);
+            else
+                cp.len = blk;
         }
     }
     if (c->size == 1 || count == 0) return RL_OK;
@@ -66,7 +74,7 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
         s[n].where = rt_where;
         n++;
     }
-    st = rl_run_streams(c, &op, s, n, &a);
+    st = rl_run_streams_copy(c, &op, s, n, &a, &cp);
     free(s);
     return rl_end_op(c, st);
 }

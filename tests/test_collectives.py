@@ -182,3 +182,81 @@ def _objects(rank, P):
 
 def test_object_collectives():
     assert all(run_world(_objects, 4, mode="thread"))
+
+
+# ---- blocks far larger than the socket buffers --------------------------------
+# A pipelined ring must keep every rank's sends moving even when a whole block
+# cannot sit in the kernel's buffers: the reduce-scatter once deadlocked here
+# (4 ranks, blocks of many segments) while small-block tests passed.
+@pytest.fixture
+def tiny_buffers():
+    saved = _core.get_tuning()
+    _core.set_tuning(segment_bytes=4096, sockbuf_bytes=16384, allreduce_small_bytes=256,
+                     bcast_small_bytes=256, reduce_small_bytes=256)
+    yield
+    _core.set_tuning(**saved)
+
+
+def _big_blocks(rank, P, n):
+    ins = [data(r, n * P, np.float32, ReduceOp.SUM, salt=3) for r in range(P)]
+    out = np.empty(n, np.float32)
+    ringlet.reduce_scatter(out, ins[rank])
+    want = reduce_np(ins, ReduceOp.SUM, np.dtype(np.float32))[rank * n:(rank + 1) * n]
+    bad = [] if close(out, want, ReduceOp.SUM) else ["reduce_scatter"]
+    gathered = np.empty(n * P, np.float32)
+    ringlet.all_gather(gathered, ins[rank][:n])
+    if not np.array_equal(gathered, np.concatenate([x[:n] for x in ins])):
+        bad.append("all_gather")
+    x = ins[rank].copy()
+    ringlet.all_reduce(x)
+    if not close(x, reduce_np(ins, ReduceOp.SUM, np.dtype(np.float32)), ReduceOp.SUM):
+        bad.append("all_reduce")
+    a2a = np.empty(n * P, np.float32)
+    ringlet.all_to_all(a2a, ins[rank])
+    if not np.array_equal(a2a, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins])):
+        bad.append("all_to_all")
+    return bad
+
+
+@pytest.mark.parametrize("P", [3, 4])
+def test_blocks_larger_than_socket_buffers(tiny_buffers, P):
+    n = 64 * 1024  # 256 KiB per block: 64 segments, ~8x what the buffers hold
+    results = run_world(_big_blocks, P, timeout=120, init_timeout=60, args=(n,))
+    assert results == [[]] * P, results
+
+
+# ---- inputs that alias the output ---------------------------------------------
+# The own block is copied while the sockets wait; an input that overlaps the
+# output must still be read before any receive can overwrite it.
+def _aliased(rank, P, n):
+    bad = []
+    blocks = [np.arange(n, dtype=np.float64) + 1000 * r for r in range(P)]
+    want = np.concatenate(blocks)
+    out = np.zeros(n * P)
+    out[rank * n:(rank + 1) * n] = blocks[rank]
+    ringlet.all_gather(out, out[rank * n:(rank + 1) * n])  # in place: own slot
+    if not np.array_equal(out, want):
+        bad.append("all_gather in own slot")
+    out = np.zeros(n * P)
+    slot = (rank + 1) % P  # the input sits where a peer's block will land
+    out[slot * n:(slot + 1) * n] = blocks[rank]
+    ringlet.all_gather(out, out[slot * n:(slot + 1) * n])
+    if not np.array_equal(out, want):
+        bad.append("all_gather from a peer's slot")
+    root_out = np.zeros(n * P) if rank == 0 else None
+    if rank == 0:
+        root_out[:n] = blocks[0]
+    ringlet.gather(root_out, root_out[:n] if rank == 0 else blocks[rank], dst=0)
+    if rank == 0 and not np.array_equal(root_out, want):
+        bad.append("gather in own slot")
+    piece = np.zeros(n)
+    ringlet.scatter(piece, want.copy() if rank == 0 else None, src=0)
+    if not np.array_equal(piece, blocks[rank]):
+        bad.append("scatter")
+    return bad
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_aliased_inputs(tiny_buffers, P):
+    results = run_world(_aliased, P, timeout=120, init_timeout=60, args=(50_000,))
+    assert results == [[]] * P, results
