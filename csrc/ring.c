@@ -110,15 +110,22 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
 }
 
 /* ---- reduce_scatter ---- */
-/* Receive i (step t = i / S, segment k) uses slot (t % 2, k). */
+/* Receive i (step t = i / S, segment k) uses slot (t % 2, k) while its sum
+ * is still to be forwarded.  The last step's receives are reduced into the
+ * output as soon as they arrive (before the next receive starts), so they
+ * all reuse one slot after the two blocks, which stays in cache. */
+#define RL_NTAIL 1
 static char *rs_slot(const ring_sg *a, int i) {
+    if (i / a->S == a->P - 2)
+        return a->scratch + (size_t)((a->P > 2 ? 2 * a->S : 0) + i % RL_NTAIL) * a->seg;
     return a->scratch + (size_t)(i % (2 * a->S)) * a->seg;
 }
 static int rs_recv_ready(void *alg, rl_stream *s, int i) {
     ring_sg *a = alg;
     (void)s;
+    if (i / a->S == a->P - 2) return 1; /* the tail slot is free once reduced */
     int p = i - 2 * a->S; /* the receive that used this slot before */
-    if (p < 0 || p / a->S == a->P - 2) return 1;
+    if (p < 0) return 1;
     return a->send->cur > p + a->S; /* ... and was forwarded as send p+S */
 }
 static void rs_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
@@ -180,7 +187,7 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     a.dt = dt;
     a.op = rop;
     if (a.seg > blk) a.seg = blk; /* one segment per block */
-    size_t slots = (size_t)(a.P > 2 ? 2 : 1) * (size_t)a.S * a.seg;
+    size_t slots = ((size_t)(a.P > 2 ? 2 * a.S : 0) + RL_NTAIL) * a.seg;
     if ((st = rl_scratch(c, &op, slots, &a.scratch)) != RL_OK) return rl_end_op(c, st);
     rl_stream s[2];
     memset(s, 0, sizeof s);
