@@ -1,0 +1,77 @@
+"""Measure the effect of ringlet's tuning knobs, interleaved.
+
+Each variant is a set of ``RINGLET_*`` environment variables (docs/benchmarks.md,
+"Knobs").  Every round runs ``ringlet bench`` once per variant, in turn, so slow
+drifts of this shared machine hit every variant alike; the table shows, per size,
+the median over rounds of each variant's median time.
+
+    PYTHONPATH=src python3 bench/knobs.py all_reduce -n 2 -b 1M -e 64M -f 4 \\
+        --rounds 3 --vary RINGLET_SEGMENT_BYTES=262144,524288,1048576,2097152
+
+Arguments after the known options go to ``ringlet bench`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Tuple
+
+
+def _variants(spec: List[str]) -> List[Dict[str, str]]:
+    """``VAR=a,b`` options -> one env dict per value (one knob varied at a time)."""
+    out: List[Dict[str, str]] = [{}]
+    for item in spec:
+        var, _, values = item.partition("=")
+        if not var.startswith("RINGLET_") or not values:
+            raise SystemExit(f"--vary wants RINGLET_NAME=v1,v2,... ; got {item!r}")
+        out = [dict(base, **{var: v}) for base in out for v in values.split(",")]
+    return out
+
+
+def _run(op: str, rest: List[str], env_extra: Dict[str, str], out: str) -> List[dict]:
+    env = dict(os.environ, **env_extra)
+    cmd = [sys.executable, "-m", "ringlet.cli", "bench", op, *rest, "--rounds", "1",
+           "--json", out]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        return [r for r in json.load(f)["rows"] if r["system"] == "ringlet"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("op")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--vary", action="append", required=True, metavar="RINGLET_VAR=v1,v2")
+    args, rest = p.parse_known_args()
+    variants = _variants(args.vary)
+    times: Dict[Tuple[int, int], List[float]] = {}
+    busbw: Dict[Tuple[int, int], List[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for i, env in enumerate(variants):
+                print(f"round {rnd + 1}/{args.rounds}: {env}", file=sys.stderr)
+                for row in _run(args.op, rest, env, os.path.join(tmp, f"{i}.json")):
+                    times.setdefault((i, row["size"]), []).append(row["time_us"])
+                    busbw.setdefault((i, row["size"]), []).append(row["busbw"])
+    sizes = sorted({s for _, s in times})
+    names = [" ".join(f"{k[8:]}={v}" for k, v in env.items()) for env in variants]
+    print(f"# {args.op} {' '.join(rest)}; median over {args.rounds} interleaved rounds")
+    print("# size (B) | " + " | ".join(f"{n}: us, GB/s" for n in names))
+    for s in sizes:
+        cells = []
+        for i in range(len(variants)):
+            t = statistics.median(times[(i, s)])
+            b = statistics.median(busbw[(i, s)])
+            cells.append(f"{t:10.1f} {b:6.3f}")
+        print(f"{s:12d} | " + " | ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Summarise a ``ringlet bench all --vs mpi,gloo --json`` file against the speed targets.
+
+Prints, per size and op, ringlet's median time divided by the faster of
+Open MPI over TCP and gloo measured in the same run (<= 1.00 meets the
+target), and for large messages ringlet's busbw as a share of the loopback
+TCP ceiling from the same run's ``limits`` (docs/benchmarks.md explains the
+translation).
+
+    python3 bench/targets.py .bench-out/all_n4.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Dict, Tuple
+
+PEERS = ("mpi-tcp", "gloo")
+LARGE = 16 << 20
+
+
+def ceiling(limits: dict, op: str, nranks: int) -> float:
+    """The per-link TCP rate the op's busiest link can reach on this machine."""
+    ring = limits["tcp_ring"].get(str(nranks), limits["tcp_both_ways"])
+    chain = limits["tcp_chain"].get(str(nranks), limits["tcp_one_way"])
+    if op in ("broadcast", "reduce"):
+        return chain  # pipelined chain: every link carries N one way
+    return ring  # ring ops: every rank sends and receives at once
+
+
+def main(path: str) -> int:
+    with open(path) as f:
+        doc = json.load(f)
+    n = doc["nranks"]
+    rows: Dict[Tuple[str, int], Dict[str, dict]] = {}
+    for r in doc["rows"]:
+        rows.setdefault((r["op"], r["size"]), {})[r["system"]] = r
+    ops = list(dict.fromkeys(op for op, _ in rows))
+    sizes = sorted({s for _, s in rows})
+    print(f"# {n} ranks: ringlet time / min(mpi-tcp, gloo) time (<= 1.00 meets the target)")
+    print("| size (B) | " + " | ".join(ops) + " |")
+    print("|---:|" + "---:|" * len(ops))
+    worst = []
+    for s in sizes:
+        cells = []
+        for op in ops:
+            got = rows.get((op, s), {})
+            peers = [got[p]["time_us"] for p in PEERS if p in got]
+            if "ringlet" not in got or not peers:
+                cells.append("")
+                continue
+            q = got["ringlet"]["time_us"] / min(peers)
+            cells.append(f"**{q:.2f}**" if q > 1.0 else f"{q:.2f}")
+            if q > 1.0:
+                worst.append((q, op, s))
+        print(f"| {s} | " + " | ".join(cells) + " |")
+    print(f"\nbehind in {len(worst)} of {sum(1 for k in rows if 'ringlet' in rows[k])} cells"
+          + (f"; worst {max(worst)[0]:.2f} ({max(worst)[1]}, {max(worst)[2]} B)" if worst else ""))
+    lim = doc.get("limits")
+    if lim:
+        print(f"\n# {n} ranks: busbw of large messages as % of the TCP ceiling")
+        print("| op | size (B) | busbw GB/s | ceiling GB/s | % |")
+        print("|---|---:|---:|---:|---:|")
+        for op in ("all_reduce", "broadcast", "reduce_scatter", "all_gather"):
+            for s in sizes:
+                r = rows.get((op, s), {}).get("ringlet")
+                if r and s >= LARGE:
+                    c = ceiling(lim, op, n)
+                    print(f"| {op} | {s} | {r['busbw']:.2f} | {c:.2f} | {100 * r['busbw'] / c:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1]))
