@@ -188,8 +188,6 @@ static void x_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
 
 /* One frame to `to` and/or one frame from `from` (-1: none), concurrently. */
 int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
-                int from, void *rbuf, size_t len, uint32_t tag);
-int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
                 int from, void *rbuf, size_t len, uint32_t tag) {
     xchg x = {(char *)sbuf, (char *)rbuf, len};
     rl_stream s[2];
@@ -213,8 +211,8 @@ int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
     return n ? rl_run_streams(c, op, s, n, &x) : RL_OK;
 }
 
-static int rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
-                         rl_dtype dt, rl_redop rop) {
+int rl_rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
+                     rl_dtype dt, rl_redop rop) {
     int P = c->size, r = c->rank;
     size_t len = count * rl_dtype_size(dt);
     char *tmp;
@@ -276,7 +274,7 @@ int rl_all_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop
         return RL_OK;
     }
     if ((int64_t)bytes <= rl_tune.allreduce_small_bytes || count < (size_t)c->size)
-        st = rd_all_reduce(c, &op, buf, count, dt, rop);
+        st = rl_rd_all_reduce(c, &op, buf, count, dt, rop);
     else
         st = ring_all_reduce(c, &op, buf, count, dt, rop);
     return rl_end_op(c, st);

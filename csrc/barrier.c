@@ -10,9 +10,6 @@
 
 #include "internal.h"
 
-int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
-                int from, void *rbuf, size_t len, uint32_t tag);
-
 int rl_barrier(rl_comm *c, int64_t timeout_ms) {
     rl_opdesc op;
     int st = rl_begin_op(c, &op, RL_OP_BARRIER, 0, 0, -1, 0, timeout_ms);

@@ -195,6 +195,13 @@ void rl_fill_header(rl_hdr *h, const rl_comm *c, const rl_opdesc *op,
 
 /* ---- helpers for algorithms ---- */
 int rl_scratch(rl_comm *c, const rl_opdesc *op, size_t len, char **out);
+/* Building blocks shared between algorithm files (allreduce.c). */
+int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
+                int from, void *rbuf, size_t len, uint32_t tag);
+/* Recursive-doubling all-reduce of buf in place, under `op`'s header; uses
+ * the comm's scratch. */
+int rl_rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
+                     rl_dtype dt, rl_redop rop);
 /* Split count elements into `parts` near-equal blocks: block i has
  * count/parts elements, plus one for i < count%parts. */
 static inline size_t rl_block_count(size_t count, int parts, int i) {

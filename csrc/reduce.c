@@ -114,9 +114,6 @@ static int chain_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count
     return rl_run_streams(c, op, s, n, &a);
 }
 
-int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
-                int from, void *rbuf, size_t len, uint32_t tag);
-
 static int tree_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count,
                        rl_dtype dt, rl_redop rop, int root) {
     int P = c->size, v = rl_mod(c->rank - root, P);

@@ -19,6 +19,7 @@
  * receiver waits for a slot that only its own step-1 sends would free.)  The
  * input is never modified.  Bytes sent per rank: (P-1) * n.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -39,6 +40,46 @@ typedef struct {
 static size_t seg_len(const ring_sg *a, int k) {
     size_t off = (size_t)k * a->seg;
     return off >= a->blk ? 0 : (a->blk - off < a->seg ? a->blk - off : a->seg);
+}
+
+/* ---- small messages: ceil(log2 P) exchanges instead of P-1 ring steps ---- */
+/* Bruck's all_gather.  tmp[i] collects the block of rank (r + i) mod P: at the
+ * step with distance d this rank holds blocks 0..d-1, sends the first
+ * min(d, P-d) of them to r-d and receives r+d's first ones behind its own.
+ * Any P; the input is copied first, so it may alias the output anywhere. */
+static int bruck_all_gather(rl_comm *c, const rl_opdesc *op, char *out, const char *in,
+                            size_t blk) {
+    int P = c->size, r = c->rank;
+    char *tmp;
+    int st = rl_scratch(c, op, blk * (size_t)P, &tmp);
+    if (st != RL_OK) return st;
+    memcpy(tmp, in, blk);
+    uint32_t tag = 0;
+    for (int d = 1; d < P; d <<= 1, tag++) {
+        size_t cnt = (size_t)(d < P - d ? d : P - d);
+        st = rl_exchange(c, op, rl_mod(r - d, P), tmp, rl_mod(r + d, P), tmp + (size_t)d * blk,
+                         cnt * blk, tag);
+        if (st != RL_OK) return st;
+    }
+    for (int i = 0; i < P; i++)
+        memcpy(out + (size_t)rl_mod(r + i, P) * blk, tmp + (size_t)i * blk, blk);
+    return RL_OK;
+}
+
+/* Small reduce_scatter: all-reduce a copy of the whole input by recursive
+ * doubling and keep this rank's block.  It moves P times the data of the
+ * ring but takes ceil(log2 P) steps, which is what counts below the switch
+ * point. */
+static int rd_reduce_scatter(rl_comm *c, const rl_opdesc *op, char *out, const char *in,
+                             size_t count, rl_dtype dt, rl_redop rop) {
+    size_t blk = count * rl_dtype_size(dt), all = blk * (size_t)c->size;
+    char *tmp = malloc(all); /* the comm's scratch is the all-reduce's own */
+    if (!tmp) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory (%zu bytes)", all);
+    memcpy(tmp, in, all);
+    int st = rl_rd_all_reduce(c, op, tmp, count * (size_t)c->size, dt, rop);
+    if (st == RL_OK) memcpy(out, tmp + (size_t)c->rank * blk, blk);
+    free(tmp);
+    return st;
 }
 
 /* ---- all_gather ---- */
@@ -72,6 +113,8 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     size_t blk = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, RL_OP_ALL_GATHER, dt, 0, -1, blk, timeout_ms);
     if (st != RL_OK) return st;
+    if (c->size > 1 && count && (int64_t)(blk * (size_t)c->size) <= rl_tune.allreduce_small_bytes)
+        return rl_end_op(c, bruck_all_gather(c, &op, out, in, blk));
     char *mine = (char *)out + (size_t)c->rank * blk;
     rl_idle_copy cp = {mine, in, 0, 0};
     if (mine != (const char *)in) {
@@ -175,6 +218,15 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
         return RL_OK;
     }
     if (count == 0) return RL_OK;
+    /* Recursive doubling saves steps only for a power of two P >= 4 (3 ranks:
+     * 3 exchanges against the ring's 2; 2 ranks: 1 against 1, with twice the
+     * data), and its P-fold data volume outweighs that above about a quarter
+     * of the all-reduce switch point (4 ranks: 8 KiB faster, 64 KiB slower;
+     * docs/benchmarks.md). */
+    int P = c->size;
+    if (P >= 4 && (P & (P - 1)) == 0 &&
+        (int64_t)(blk * (size_t)P) <= rl_tune.allreduce_small_bytes / 4)
+        return rl_end_op(c, rd_reduce_scatter(c, &op, out, in, count, dt, rop));
     ring_sg a;
     memset(&a, 0, sizeof a);
     a.out = out;

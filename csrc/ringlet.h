@@ -112,7 +112,8 @@ int rl_random_bytes(void *buf, size_t n);
 /* ---- tuning (process-wide; set before creating communicators) ------- */
 typedef struct {
     int64_t segment_bytes;         /* pipeline segment size for ring/chain   */
-    int64_t allreduce_small_bytes; /* <= this: recursive doubling            */
+    int64_t allreduce_small_bytes; /* <= this: latency algorithms (for      */
+                                   /* all_gather/reduce_scatter: all bytes) */
     int64_t bcast_small_bytes;     /* <= this: binomial tree, else chain     */
     int64_t reduce_small_bytes;    /* <= this: binomial tree, else chain     */
     int64_t spin_us;               /* busy-poll this long before blocking    */
