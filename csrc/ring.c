@@ -157,10 +157,9 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
  * is still to be forwarded.  The last step's receives are reduced into the
  * output as soon as they arrive (before the next receive starts), so they
  * all reuse one slot after the two blocks, which stays in cache. */
-#define RL_NTAIL 1
 static char *rs_slot(const ring_sg *a, int i) {
     if (i / a->S == a->P - 2)
-        return a->scratch + (size_t)((a->P > 2 ? 2 * a->S : 0) + i % RL_NTAIL) * a->seg;
+        return a->scratch + (size_t)(a->P > 2 ? 2 * a->S : 0) * a->seg;
     return a->scratch + (size_t)(i % (2 * a->S)) * a->seg;
 }
 static int rs_recv_ready(void *alg, rl_stream *s, int i) {
@@ -239,7 +238,7 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     a.dt = dt;
     a.op = rop;
     if (a.seg > blk) a.seg = blk; /* one segment per block */
-    size_t slots = ((size_t)(a.P > 2 ? 2 * a.S : 0) + RL_NTAIL) * a.seg;
+    size_t slots = ((size_t)(a.P > 2 ? 2 * a.S : 0) + 1) * a.seg;
     if ((st = rl_scratch(c, &op, slots, &a.scratch)) != RL_OK) return rl_end_op(c, st);
     rl_stream s[2];
     memset(s, 0, sizeof s);
