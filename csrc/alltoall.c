@@ -1,5 +1,6 @@
 /*
- * alltoall.c - all_to_all with per-peer counts, pairwise exchange.
+ * alltoall.c - all_to_all: pairwise exchange (any counts), Bruck (small equal
+ * blocks).
  *
  * Step s = 1 .. P-1: rank r sends its block for (r + s) mod P and receives
  * the block from (r - s) mod P, both at once.  Every rank sends and receives
@@ -7,6 +8,7 @@
  * a busy one.  Each frame is checked against the count the receiver
  * expects, so mismatched count tables fail as a desync naming both sizes.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -72,4 +74,60 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
         st = rl_run_streams_copy(c, &op, s, 2, &x, step == 1 ? &cp : NULL);
     }
     return rl_end_op(c, st);
+}
+
+/* Bruck's algorithm for P equal blocks of blk bytes: ceil(log2 P) exchanges
+ * instead of P-1.  After rotating so that position i holds the block for rank
+ * (r + i) mod P, the step with distance d sends every position with bit d set
+ * to r + d and receives the same positions from r - d; position i then holds
+ * the block that rank (r - i) mod P sent to this rank.  Each block travels
+ * once per set bit of its distance, so the bytes sent grow to about
+ * (P/2) log2 P blocks: worth it for small blocks only. */
+static int bruck_all_to_all(rl_comm *c, const rl_opdesc *op, char *out, const char *in,
+                            size_t blk) {
+    int P = c->size, r = c->rank;
+    char *a;
+    int st = rl_scratch(c, op, 2 * (size_t)P * blk, &a);
+    if (st != RL_OK) return st;
+    char *pack = a + (size_t)P * blk, *unpack = out; /* out is free until the end */
+    for (int i = 0; i < P; i++)
+        memcpy(a + (size_t)i * blk, in + (size_t)rl_mod(r + i, P) * blk, blk);
+    uint32_t tag = 0;
+    for (int d = 1; d < P; d <<= 1, tag++) {
+        size_t n = 0;
+        for (int i = d; i < P; i++)
+            if (i & d) memcpy(pack + blk * n++, a + (size_t)i * blk, blk);
+        st = rl_exchange(c, op, rl_mod(r + d, P), pack, rl_mod(r - d, P), unpack, n * blk, tag);
+        if (st != RL_OK) return st;
+        n = 0;
+        for (int i = d; i < P; i++)
+            if (i & d) memcpy(a + (size_t)i * blk, unpack + blk * n++, blk);
+    }
+    for (int i = 0; i < P; i++)
+        memcpy(out + (size_t)rl_mod(r - i, P) * blk, a + (size_t)i * blk, blk);
+    return RL_OK;
+}
+
+int rl_all_to_all(rl_comm *c, void *out, const void *in, size_t count, rl_dtype dt,
+                  int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || (count && (!out || !in))) return RL_ERR_INVALID;
+    int P = c->size;
+    size_t blk = count * rl_dtype_size(dt);
+    /* Two ranks: one pairwise step either way.  Larger blocks: every block
+     * sent once beats fewer, fuller messages. */
+    if (P > 2 && count && (int64_t)(blk * (size_t)P) <= rl_tune.allreduce_small_bytes) {
+        rl_opdesc op;
+        int st = rl_begin_op(c, &op, RL_OP_ALL_TO_ALL, dt, 0, -1, blk, timeout_ms);
+        if (st != RL_OK) return st;
+        return rl_end_op(c, bruck_all_to_all(c, &op, out, in, blk));
+    }
+    size_t *t = malloc(sizeof(size_t) * 2 * (size_t)P);
+    if (!t) return RL_ERR_NOMEM;
+    for (int i = 0; i < P; i++) {
+        t[i] = count;
+        t[P + i] = (size_t)i * count;
+    }
+    int st = rl_all_to_all_v(c, out, t, t + P, in, t, t + P, dt, timeout_ms);
+    free(t);
+    return st;
 }

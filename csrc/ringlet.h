@@ -197,6 +197,11 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
                     const size_t *out_displs, const void *in,
                     const size_t *in_counts, const size_t *in_displs,
                     rl_dtype dt, int64_t timeout_ms);
+/* Equal blocks of count elements per peer (in and out hold size*count, must
+ * not overlap).  Small messages take Bruck's algorithm, others the pairwise
+ * exchange of rl_all_to_all_v. */
+int rl_all_to_all(rl_comm *c, void *out, const void *in, size_t count, rl_dtype dt,
+                  int64_t timeout_ms);
 /* out (size*count elements) is used on root only. */
 int rl_gather(rl_comm *c, void *out, const void *in, size_t count,
               rl_dtype dt, int root, int64_t timeout_ms);

@@ -74,6 +74,8 @@ cdef extern from "ringlet.h" nogil:
     int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts, const size_t *out_displs,
                         const void *inp, const size_t *in_counts, const size_t *in_displs,
                         rl_dtype dt, int64_t timeout_ms)
+    int rl_all_to_all(rl_comm *c, void *out, const void *inp, size_t count, rl_dtype dt,
+                      int64_t timeout_ms)
     int rl_gather(rl_comm *c, void *out, const void *inp, size_t count, rl_dtype dt, int root,
                   int64_t timeout_ms)
     int rl_scatter(rl_comm *c, void *out, const void *inp, size_t count, rl_dtype dt, int root,

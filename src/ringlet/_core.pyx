@@ -363,6 +363,18 @@ cdef class Comm:
             st = rl_reduce_scatter(c, po, pi, n, <rl_dtype>dt, <rl_redop>op, timeout_ms)
         self._check(st, "reduce_scatter")
 
+    def all_to_all(self, cnp.ndarray out, cnp.ndarray inp, int dt, int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        if out.size != inp.size or inp.size % self.size:
+            raise ValueError("all_to_all: input and output need size x count elements each")
+        cdef size_t n = inp.size // self.size
+        cdef void *po = _wptr(out, "output")
+        cdef const void *pi = _rptr(inp, "input")
+        cdef int st
+        with nogil:
+            st = rl_all_to_all(c, po, pi, n, <rl_dtype>dt, timeout_ms)
+        self._check(st, "all_to_all")
+
     def all_to_all_v(self, cnp.ndarray out, out_counts, cnp.ndarray inp, in_counts,
                      int dt, int64_t timeout_ms):
         cdef rl_comm *c = self._h()

@@ -245,9 +245,14 @@ class ProcessGroup:
         if o.size != i.size:
             raise ValueError(f"all_to_all: output has {o.size} elements, input {i.size}; "
                              f"they must be equal")
-        n = i.size // self.size
-        return self.all_to_all_v(o, [n] * self.size, i, [n] * self.size, async_op=async_op,
-                                 timeout=timeout)
+        if o.dtype != i.dtype:
+            raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
+        if np.shares_memory(o, i):
+            raise ValueError("all_to_all: output must not overlap input")
+        code = dtype_code(o.dtype)
+        ms = self._ms(timeout)
+        return self._run("all_to_all", lambda: self._coll.all_to_all(o, i, code, ms), (o, i),
+                         async_op)
 
     def all_to_all_v(self, output: np.ndarray, output_counts: Sequence[int], input: np.ndarray,
                      input_counts: Sequence[int], *, async_op: bool = False,
