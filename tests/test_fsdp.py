@@ -81,9 +81,8 @@ def train_single(make, kind, data, steps_per_batch=1):
     return model.state_dict(copy=True)
 
 
-def _train_fsdp(rank, n, make, kind, data, kw):
-    fsdp_kw = kw(rank, n) if callable(kw) else dict(kw)
-    f = FSDP(make(), **fsdp_kw)
+def _steps(rank, n, f, data, kind):
+    """Train the wrapped model on this rank's slice of every batch."""
     opt = make_opt(kind, f.parameters())
     sl = slice(rank * B // n, (rank + 1) * B // n)
     for x, y in data:
@@ -91,6 +90,12 @@ def _train_fsdp(rank, n, make, kind, data, kw):
         _, g = nn.mse_loss(f(x[sl]), y[sl])
         f.backward(g)
         opt.step()
+
+
+def _train_fsdp(rank, n, make, kind, data, kw):
+    fsdp_kw = kw(rank, n) if callable(kw) else dict(kw)
+    f = FSDP(make(), **fsdp_kw)
+    _steps(rank, n, f, data, kind)
     return f.full_state_dict(rank0_only=False), dict(f.stats)
 
 
@@ -207,13 +212,7 @@ def test_units_nesting_and_root_parameters(auto_wrap, units, strategy):
 
 
 def _train_fsdp_existing(rank, n, f, data, kind="adamw"):
-    opt = make_opt(kind, f.parameters())
-    sl = slice(rank * B // n, (rank + 1) * B // n)
-    for x, y in data:
-        opt.zero_grad()
-        _, g = nn.mse_loss(f(x[sl]), y[sl])
-        f.backward(g)
-        opt.step()
+    _steps(rank, n, f, data, kind)
     return f.full_state_dict(rank0_only=False)
 
 

@@ -166,6 +166,21 @@ def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
         conn.send(("error", f"process {idx}: {exc!r}"))
 
 
+def _go_and_collect(pipes) -> list:
+    """Wait until every worker is ready, start them together, return their results."""
+    for c in pipes:
+        _recv(c, "readiness")
+    for c in pipes:
+        c.send("go")
+    results = []
+    for c in pipes:
+        status, res = _recv(c, "its result")
+        if status != "ok":
+            raise LimitsError(res)
+        results.append(res)
+    return results
+
+
 def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float) -> float:
     """Run the given (src, dst) links at once; return the mean per-link GB/s."""
     ctx = _context()
@@ -183,17 +198,8 @@ def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float) -> float:
         ports = [_recv(c, "its port") for c in pipes]
         for c in pipes:
             c.send(ports)
-        for c in pipes:
-            _recv(c, "readiness")
-        for c in pipes:
-            c.send("go")
-        rates = []
-        for c in pipes:
-            status, res = _recv(c, "its result")
-            if status != "ok":
-                raise LimitsError(res)
-            if res and res["seconds"] > 0:
-                rates.append(res["bytes"] / res["seconds"] / 1e9)
+        rates = [res["bytes"] / res["seconds"] / 1e9 for res in _go_and_collect(pipes)
+                 if res and res["seconds"] > 0]
         return sum(rates) / len(rates) if rates else 0.0
     finally:
         for p in procs:
@@ -284,16 +290,7 @@ def _pingpong(mode: str, pairs: int, duration: float) -> float:
                 pipes.append(a)
         for k in range(pairs):
             pipes[2 * k + 1].send(_recv(pipes[2 * k], "its port"))
-        for c in pipes:
-            _recv(c, "readiness")
-        for c in pipes:
-            c.send("go")
-        results = []
-        for c in pipes:
-            status, res = _recv(c, "its result")
-            if status != "ok":
-                raise LimitsError(res)
-            results.append(res)
+        results = _go_and_collect(pipes)
         rtts = [x for k in range(pairs) for x in results[2 * k]]
         # Skip the first tries (connection warm-up, page faults).
         rtts = rtts[min(len(rtts) // 10, 100):] or rtts
