@@ -77,7 +77,11 @@ def test_the_store_the_launcher_serves_is_usable_and_authenticated(tmp_path):
 
 def test_module_mode_and_no_prefix(tmp_path):
     pkg = tmp_path / "mymod.py"
-    pkg.write_text("import os, sys\nprint('mod', os.environ['RINGLET_RANK'], sys.argv[1:])\n")
+    # One write per line: without prefixes the ranks share the pipe, and print()
+    # under PYTHONUNBUFFERED=1 writes each argument separately, so lines of two
+    # ranks could interleave.
+    pkg.write_text("import os, sys\n"
+                   "sys.stdout.write(f\"mod {os.environ['RINGLET_RANK']} {sys.argv[1:]}\\n\")\n")
     env = _env()
     env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", "--no-prefix", "-m",
