@@ -118,15 +118,15 @@ class ProcessGroup:
     def _run(self, op: str, fn: Callable[[], Any], keep: tuple, async_op: bool) -> Any:
         if self._closed or self.rank < 0:
             self._usable()
+        if async_op or self._exec.busy:  # busy: keep issue order behind queued async ops
 
-        def locked() -> Any:
-            with self._lock:
-                return self._guard(fn)
+            def locked() -> Any:
+                with self._lock:
+                    return self._guard(fn)
 
-        if async_op:
-            return self._exec.submit(locked, Work(op, keep))
-        if self._exec.busy:  # keep issue order behind queued async ops
-            return self._exec.submit(locked, Work(op, keep)).result()
+            w = self._exec.submit(locked, Work(op, keep))
+            return w if async_op else w.result()
+        # The synchronous fast path: no closure, no executor, no Work.
         with self._lock:
             if self._failure is not None:
                 return self._guard(fn)  # raises GroupPoisonedError
@@ -339,13 +339,18 @@ class ProcessGroup:
         return a, dtype_code(a.dtype), peer, int(tag)
 
     def _p2p(self, kind: str, a, code, peer, tag, timeout, async_op) -> Any:
-        self._usable()
+        if self._closed or self.rank < 0:
+            self._usable()
         ms = self._ms(timeout)
         comm = self._p2pc
         fn = (lambda: comm.send(a, code, peer, tag, ms)) if kind == "send" else \
              (lambda: comm.recv(a, code, peer, tag, ms))
-        ex = self._p2p_executor(kind, peer)
-        if async_op or ex.busy:
+        # A synchronous call needs the executor only when async work for this
+        # (kind, peer) is still queued, to keep issue order; it never creates one.
+        ex = self._p2p_exec.get((kind, peer))
+        if async_op or (ex is not None and ex.busy):
+            if ex is None:
+                ex = self._p2p_executor(kind, peer)
             w = ex.submit(lambda: self._guard(fn), Work(kind, (a,)))
             return w if async_op else w.result()
         return self._guard(fn)
