@@ -82,7 +82,7 @@ def train_single(make, kind, data, steps_per_batch=1):
 
 
 def _steps(rank, n, f, data, kind):
-    """Train the wrapped model on this rank's slice of every batch."""
+    """Train the wrapped model on this rank's slice of every batch; return the optimizer."""
     opt = make_opt(kind, f.parameters())
     sl = slice(rank * B // n, (rank + 1) * B // n)
     for x, y in data:
@@ -90,6 +90,7 @@ def _steps(rank, n, f, data, kind):
         _, g = nn.mse_loss(f(x[sl]), y[sl])
         f.backward(g)
         opt.step()
+    return opt
 
 
 def _train_fsdp(rank, n, make, kind, data, kw):
@@ -312,13 +313,7 @@ def _mp_train(rank, n, mp, data, steps_kind="adamw"):
     probe = ProbeLinear(5, 7, dtype=np.float32, rng=0)  # same init as seq_model's first layer
     model = nn.Sequential(probe, *list(seq_model(np.float32))[1:])
     f = FSDP(model, mixed_precision=mp)
-    opt = make_opt(steps_kind, f.parameters())
-    sl = slice(rank * B // n, (rank + 1) * B // n)
-    for x, y in data:
-        opt.zero_grad()
-        _, g = nn.mse_loss(f(x[sl]), y[sl])
-        f.backward(g)
-        opt.step()
+    opt = _steps(rank, n, f, data, steps_kind)
     sd = f.full_state_dict(rank0_only=False)
     states = [a for s in opt.state.values() for a in s.values() if isinstance(a, np.ndarray)]
     return (sd, probe.seen, [p.dtype for p in f.parameters()], [a.dtype for a in states])

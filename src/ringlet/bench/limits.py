@@ -166,6 +166,15 @@ def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
         conn.send(("error", f"process {idx}: {exc!r}"))
 
 
+def _reap(procs) -> None:
+    """Join the workers, killing any that outlive a short grace period."""
+    for p in procs:
+        p.join(5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def _go_and_collect(pipes) -> list:
     """Wait until every worker is ready, start them together, return their results."""
     for c in pipes:
@@ -202,11 +211,7 @@ def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float) -> float:
                  if res and res["seconds"] > 0]
         return sum(rates) / len(rates) if rates else 0.0
     finally:
-        for p in procs:
-            p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _reap(procs)
 
 
 # ---- round trip ---------------------------------------------------------------
@@ -296,11 +301,7 @@ def _pingpong(mode: str, pairs: int, duration: float) -> float:
         rtts = rtts[min(len(rtts) // 10, 100):] or rtts
         return median(rtts) * 1e6 if rtts else 0.0
     finally:
-        for p in procs:
-            p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _reap(procs)
 
 
 # ---- memory ------------------------------------------------------------------
