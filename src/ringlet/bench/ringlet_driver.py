@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
-from .sweep import Backend, Buffers, SweepConfig, drive, driver_args
+from .sweep import Backend, Buffers, SweepConfig, drive, driver_args, ping_pong
 
 __all__ = ["RingletBackend", "main"]
 
@@ -58,13 +58,7 @@ class RingletBackend(Backend):
         if op == "barrier":
             return rl.barrier(async_op=async_)
         if op == "sendrecv":
-            if self.rank == 0:
-                rl.send(b.buf, 1)
-                rl.recv(b.out, 1)
-            elif self.rank == 1:
-                rl.recv(b.out, 0)
-                rl.send(b.out, 0)
-            return None
+            return ping_pong(self.rank, rl.send, rl.recv, b)
         raise ValueError(f"unknown op {op!r}")
 
     def wait(self, handle: Any) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 
 __all__ = ["OPS", "REDOPS", "DTYPES", "SweepConfig", "Backend", "Layout", "layout",
            "busbw_factor", "run_sweep", "parse_size", "size_range", "resolve_dtype",
-           "emit", "ROW_PREFIX", "MIN_ITERS"]
+           "emit", "ROW_PREFIX", "MIN_ITERS", "ping_pong"]
 
 OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "all_to_all",
        "gather", "scatter", "sendrecv", "barrier")
@@ -412,6 +412,18 @@ class Backend:
 
     def versions(self) -> Dict[str, str]:
         return {}
+
+
+def ping_pong(rank: int, send: Callable[[Any, int], Any], recv: Callable[[Any, int], Any],
+              b: Buffers) -> None:
+    """One ``sendrecv`` iteration, the same exchange for every system: rank 0 sends
+    ``b.buf`` to rank 1 and receives the echo into ``b.out``; other ranks idle."""
+    if rank == 0:
+        send(b.buf, 1)
+        recv(b.out, 1)
+    elif rank == 1:
+        recv(b.out, 0)
+        send(b.out, 0)
 
 
 def _iteration(backend: Backend, cfg: SweepConfig, sets: Sequence[Buffers]) -> None:

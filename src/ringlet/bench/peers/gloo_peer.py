@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
-from ..sweep import Backend, Buffers, SweepConfig, drive, driver_args
+from ..sweep import Backend, Buffers, SweepConfig, drive, driver_args, ping_pong
 
 __all__ = ["GlooBackend", "main"]
 
@@ -71,13 +71,7 @@ class GlooBackend(Backend):
         red = self._ops.get(cfg.redop)
         root = cfg.root
         if op == "sendrecv":
-            if self.rank == 0:
-                d.send(b.buf, 1)
-                d.recv(b.out, 1)
-            elif self.rank == 1:
-                d.recv(b.out, 0)
-                d.send(b.out, 0)
-            return None
+            return ping_pong(self.rank, d.send, d.recv, b)
         if op == "all_reduce":
             return d.all_reduce(b.buf, op=red, async_op=async_)
         if op == "broadcast":

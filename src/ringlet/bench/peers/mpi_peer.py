@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
-from ..sweep import Backend, Buffers, SweepConfig, drive, driver_args
+from ..sweep import Backend, Buffers, SweepConfig, drive, driver_args, ping_pong
 
 __all__ = ["MpiBackend", "main"]
 
@@ -54,13 +54,8 @@ class MpiBackend(Backend):
         red = self._ops.get(cfg.redop)
         root = cfg.root
         if op == "sendrecv":
-            if self.rank == 0:
-                c.Send(b.buf, dest=1)
-                c.Recv(b.out, source=1)
-            elif self.rank == 1:
-                c.Recv(b.out, source=0)
-                c.Send(b.out, dest=0)
-            return None
+            return ping_pong(self.rank, lambda a, p: c.Send(a, dest=p),
+                             lambda a, p: c.Recv(a, source=p), b)
         if not async_:
             if op == "all_reduce":
                 c.Allreduce(MPI.IN_PLACE, b.buf, op=red)
