@@ -53,6 +53,17 @@ def _cases(rank, P):
     expect(ValueError, ["tag"], lambda: ringlet.send(f, 1 - rank, tag=-3))
     expect(ValueError, ["tag"], lambda: ringlet.recv(f, 1 - rank, tag=2**32))
     expect(ValueError, ["timeout"], lambda: ringlet.all_reduce(f, timeout=0))
+    # asynchronous calls refuse bad arrays at the call site, not in Work.wait()
+    expect(ValueError, ["C-contiguous"],
+           lambda: ringlet.all_reduce(np.zeros((4, 4), np.float32)[:, 0], async_op=True))
+    expect(ValueError, ["read-only"], lambda: ringlet.broadcast(ro, async_op=True))
+    expect(ValueError, ["input", "C-contiguous"],
+           lambda: ringlet.all_gather(np.zeros(8, np.float32), np.zeros((4, 2), np.float32)[:, 0]))
+    expect(ValueError, ["read-only"], lambda: ringlet.irecv(ro, 1 - rank))
+    expect(TypeError, ["numpy.ndarray", "bytes"], lambda: ringlet.isend(b"abc", 1 - rank))
+    expect(TypeError, ["dst", "int"], lambda: ringlet.send(f, float(1 - rank)))
+    expect(ValueError, ["dst=2", "size 2"], lambda: ringlet.send(f, 2))
+    expect(ValueError, ["tag"], lambda: ringlet.send(f, 1 - rank, tag=True))
     expect(ValueError, ["not in the parent"], lambda: ringlet.new_group([0, 7]))
     expect(ValueError, ["duplicate"], lambda: ringlet.new_group([0, 0]))
     # nothing was sent: the group still works

@@ -106,6 +106,48 @@ def test_stopped_peer_times_out_only_after_the_timeout():
         assert "rank" in msg and "all_reduce" in msg
 
 
+def _group_default_timeout(rank, P, done):
+    g = ringlet.new_group([0, 1], timeout=600.0)
+    f = np.arange(4, dtype=np.float32)
+    # numpy integers are accepted as peer and tag
+    if rank == 0:
+        ringlet.send(f, np.int64(1), tag=np.uint32(7), group=g)
+    else:
+        got = np.zeros(4, np.float32)
+        ringlet.recv(got, np.int32(0), tag=np.int64(7), group=g)
+        assert np.array_equal(got, f)
+    try:
+        g.timeout = 0
+    except ValueError:
+        pass
+    else:
+        return ("accepted timeout 0", 0.0, "")
+    if g.timeout != 600.0:
+        return ("timeout changed by a refused value", 0.0, str(g.timeout))
+    ringlet.barrier(group=g)
+    if rank == 1:  # stay connected (silent) until rank 0 is done waiting
+        return ("idle", 0.0, "") if done.wait(60) else ("never released", 0.0, "")
+    g.timeout = 0.5  # the new default applies to the next call
+    t0 = time.monotonic()
+    try:
+        ringlet.recv(np.zeros(1, np.float32), 1, group=g)  # rank 1 never sends
+    except CollectiveTimeout as exc:
+        return ("timeout", time.monotonic() - t0, str(exc))
+    finally:
+        done.set()
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_assigning_group_timeout_changes_the_default_deadline():
+    res = run_world(_group_default_timeout, 2, mode="thread", timeout=90,
+                    args=(threading.Event(),))
+    assert res[1] == ("idle", 0.0, ""), res
+    kind, took, msg = res[0]
+    assert kind == "timeout", res
+    assert 0.45 <= took < 30, took
+    assert "recv" in msg
+
+
 # ---- a killed peer -------------------------------------------------------------
 def _kill_one(rank, P):
     x = np.ones(1 << 20, np.float32)

@@ -73,18 +73,34 @@ rl_set_interrupt_hook(_interrupt_hook)
 
 cdef inline void *_wptr(cnp.ndarray a, str what) except NULL:
     if not cnp.PyArray_IS_C_CONTIGUOUS(a):
-        raise ValueError(f"{what} must be C-contiguous")
+        raise ValueError(f"{what} must be C-contiguous (use numpy.ascontiguousarray)")
     if not cnp.PyArray_ISWRITEABLE(a):
-        raise ValueError(f"{what} is read-only")
+        raise ValueError(f"{what} is read-only; ringlet writes the result into it")
     cdef void *p = cnp.PyArray_DATA(a)
     return p if p != NULL else <void *>a  # any non-NULL for empty arrays
 
 
 cdef inline const void *_rptr(cnp.ndarray a, str what) except NULL:
     if not cnp.PyArray_IS_C_CONTIGUOUS(a):
-        raise ValueError(f"{what} must be C-contiguous")
+        raise ValueError(f"{what} must be C-contiguous (use numpy.ascontiguousarray)")
     cdef void *p = cnp.PyArray_DATA(a)
     return p if p != NULL else <void *>a
+
+
+def check_array(x, str what, bint writable):
+    """Return ``x`` if C may read it (and write it, with ``writable``); else raise.
+
+    The same checks the collectives make before touching memory, callable up
+    front so an asynchronous call fails at the call site.  Done here because
+    reading numpy's flags from Python costs more than the whole C call.
+    """
+    if not isinstance(x, cnp.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray, got {type(x).__name__}")
+    if writable:
+        _wptr(<cnp.ndarray>x, what)
+    else:
+        _rptr(<cnp.ndarray>x, what)
+    return x
 
 
 def dtype_size(int dt):

@@ -68,14 +68,16 @@ class World:
         self._closed = False
 
     # ---- groups ------------------------------------------------------------
-    def make_group(self, comm_id: int, ranks: Sequence[int]) -> ProcessGroup:
+    def make_group(self, comm_id: int, ranks: Sequence[int],
+                   timeout: Optional[float] = None) -> ProcessGroup:
         ranks = list(ranks)
         rank = ranks.index(self.rank) if self.rank in ranks else -1
         coll = p2p = None
         if rank >= 0:
             coll = _core.Comm(self.ctx, comm_id, rank, ranks)
             p2p = _core.Comm(self.ctx, comm_id + 1, rank, ranks)
-        g = ProcessGroup(self, comm_id, ranks, rank, coll, p2p, self.timeout)
+        g = ProcessGroup(self, comm_id, ranks, rank, coll, p2p,
+                         self.timeout if timeout is None else timeout)
         self._groups.add(g)
         return g
 
@@ -183,6 +185,14 @@ class _RankLocal(threading.local):
 
 
 _tls = _RankLocal()  # thread-mode ranks (ringlet.testing) keep their own
+_thread_scoped = False  # set once any thread has scoped its own world
+
+
+def _scope_thread() -> None:
+    """Give the calling thread its own world (thread-mode ranks)."""
+    global _thread_scoped
+    _thread_scoped = True
+    _tls.scoped = True
 
 
 def _current() -> Optional[World]:
@@ -197,7 +207,8 @@ def _require(group: Optional[ProcessGroup]) -> ProcessGroup:
         if not isinstance(group, ProcessGroup):
             raise TypeError(f"group must be a ringlet.ProcessGroup, got {type(group).__name__}")
         return group
-    w = _tls.world if _tls.scoped else _default
+    # The common case (one world per process) never reads the thread-local.
+    w = _tls.world if _thread_scoped and _tls.scoped else _default
     if w is None or w.group is None:
         raise RuntimeError("ringlet is not initialised: call ringlet.init() first")
     return w.group
@@ -476,7 +487,7 @@ def new_group(ranks: Sequence[int], *, timeout: Optional[float] = None,
             raise DesyncError(f"rank {parent.rank}: new_group({rl}) but parent rank 0 created "
                               f"new_group({rec['ranks']})", rank=parent.rank)
         comm_id = int(rec["id"])
-    return world.make_group(comm_id, rl)
+    return world.make_group(comm_id, rl, t)
 
 
 def default_world() -> Optional[World]:

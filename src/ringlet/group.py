@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
+from . import _core
 from ._dtypes import ReduceOp, check_op, dtype_code
 from .errors import GroupPoisonedError, RingletError
 from .work import SerialExecutor, Work, completed_work
@@ -27,17 +28,16 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ProcessGroup"]
 
 _MAX_TAG = 2**32 - 1
+_SUM = ReduceOp.SUM
 
+# _array(x, what, writable): TypeError unless x is a numpy array, ValueError
+# unless C-contiguous (and writable).  The C binding's check, as it reads the
+# flags without building numpy's flags object.
+_array = _core.check_array
 
-def _array(x: Any, what: str, *, writable: bool) -> np.ndarray:
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{what} must be a numpy.ndarray, got {type(x).__name__}")
-    flags = x.flags
-    if not flags.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous (use numpy.ascontiguousarray)")
-    if writable and not flags.writeable:
-        raise ValueError(f"{what} is read-only; ringlet writes the result into it")
-    return x
+# Unbound binding methods, called as fn(comm, *args): the synchronous path
+# then builds no closure per call.
+_C = _core.Comm
 
 
 def _dumps(obj: Any) -> bytes:
@@ -69,7 +69,7 @@ class ProcessGroup:
         self.ranks: List[int] = list(ranks)
         self.rank = rank
         self.size = len(self.ranks)
-        self.timeout = timeout
+        self.timeout = timeout  # property: also caches the default in milliseconds
         self._coll = coll
         self._p2pc = p2p
         self._failure: Optional[BaseException] = None
@@ -91,11 +91,22 @@ class ProcessGroup:
             raise ValueError(f"this rank (world rank {self._world.rank}) is not a member of "
                              f"the group of world ranks {self.ranks}")
 
+    @property
+    def timeout(self) -> float:
+        """Default deadline in seconds of every operation of this group."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._default_ms = self._ms(value)
+        self._timeout = value
+
     def _ms(self, timeout: Optional[float]) -> int:
-        t = self.timeout if timeout is None else timeout
-        if not t > 0:
+        if timeout is None:
+            return self._default_ms
+        if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return max(1, int(t * 1000))
+        return max(1, int(timeout * 1000))
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
         if self._failure is not None:
@@ -115,26 +126,35 @@ class ProcessGroup:
             self._failure = exc
             self._world._publish_failure(self, exc)
 
-    def _run(self, op: str, fn: Callable[[], Any], keep: tuple, async_op: bool) -> Any:
-        if self._closed or self.rank < 0:
-            self._usable()
-        if async_op or self._exec.busy:  # busy: keep issue order behind queued async ops
-
-            def locked() -> Any:
-                with self._lock:
-                    return self._guard(fn)
-
-            w = self._exec.submit(locked, Work(op, keep))
-            return w if async_op else w.result()
+    def _run(self, op: str, fn: Callable[..., Any], args: tuple, keep: tuple,
+             async_op: bool) -> Any:
+        """Run ``fn(self._coll, *args)`` in issue order; a ``Work`` when ``async_op``."""
+        if async_op or self._exec._busy or self._closed or self.rank < 0:
+            return self._run_queued(op, fn, args, keep, async_op)
         # The synchronous fast path: no closure, no executor, no Work.
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._failure is not None:
-                return self._guard(fn)  # raises GroupPoisonedError
-            try:
-                return fn()
-            except (RingletError, KeyboardInterrupt) as exc:
-                self._record(exc)
-                raise
+                self._guard(None)  # raises GroupPoisonedError
+            return fn(self._coll, *args)
+        except (RingletError, KeyboardInterrupt) as exc:
+            self._record(exc)
+            raise
+        finally:
+            lock.release()
+
+    def _run_queued(self, op: str, fn: Callable[..., Any], args: tuple, keep: tuple,
+                    async_op: bool) -> Any:
+        # busy: keep issue order behind queued async ops
+        self._usable()
+
+        def locked() -> Any:
+            with self._lock:
+                return self._guard(lambda: fn(self._coll, *args))
+
+        w = self._exec.submit(locked, Work(op, keep))
+        return w if async_op else w.result()
 
     def _p2p_executor(self, kind: str, peer: int) -> SerialExecutor:
         with self._p2p_exec_lock:
@@ -170,39 +190,39 @@ class ProcessGroup:
             g = np.full(4, ringlet.get_rank(), np.float32)
             ringlet.all_reduce(g)  # every rank: sum of all ranks
         """
-        a = _array(array, "array", writable=True)
+        a = _array(array, "array", True)
         code = dtype_code(a.dtype)
-        op = check_op(op, code, a.dtype)
+        op = 0 if op is _SUM else check_op(op, code, a.dtype)
         ms = self._ms(timeout)
-        return self._run("all_reduce", lambda: self._coll.all_reduce(a, code, int(op), ms),
+        return self._run("all_reduce", _C.all_reduce, (a, code, op, ms),
                          (a,), async_op)
 
     def broadcast(self, array: np.ndarray, src: int = 0, *, async_op: bool = False,
                   timeout: Optional[float] = None):
         """Copy ``array`` from group rank ``src`` into ``array`` on every rank."""
-        a = _array(array, "array", writable=True)
+        a = _array(array, "array", True)
         code = dtype_code(a.dtype)
         src = self._peer(src, "src")
         ms = self._ms(timeout)
-        return self._run("broadcast", lambda: self._coll.broadcast(a, code, src, ms), (a,),
+        return self._run("broadcast", _C.broadcast, (a, code, src, ms), (a,),
                          async_op)
 
     def reduce(self, array: np.ndarray, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False, timeout: Optional[float] = None):
         """Reduce ``array`` over the group into ``array`` on rank ``dst`` (others unchanged)."""
-        a = _array(array, "array", writable=True)
+        a = _array(array, "array", True)
         code = dtype_code(a.dtype)
-        op = check_op(op, code, a.dtype)
+        op = 0 if op is _SUM else check_op(op, code, a.dtype)
         dst = self._peer(dst, "dst")
         ms = self._ms(timeout)
-        return self._run("reduce", lambda: self._coll.reduce(a, code, int(op), dst, ms), (a,),
+        return self._run("reduce", _C.reduce, (a, code, op, dst, ms), (a,),
                          async_op)
 
     def all_gather(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
                    timeout: Optional[float] = None):
         """Concatenate every rank's ``input`` into ``output`` (size × input.size), rank order."""
-        o = _array(output, "output", writable=True)
-        i = _array(input, "input", writable=False)
+        o = _array(output, "output", True)
+        i = _array(input, "input", False)
         if o.dtype != i.dtype:
             raise TypeError(f"all_gather: output dtype {o.dtype} differs from input dtype {i.dtype}")
         if o.size != i.size * self.size:
@@ -210,15 +230,15 @@ class ProcessGroup:
                              f"{self.size} x input size {i.size} = {i.size * self.size}")
         code = dtype_code(o.dtype)
         ms = self._ms(timeout)
-        return self._run("all_gather", lambda: self._coll.all_gather(o, i, code, ms), (o, i),
+        return self._run("all_gather", _C.all_gather, (o, i, code, ms), (o, i),
                          async_op)
 
     def reduce_scatter(self, output: np.ndarray, input: np.ndarray,
                        op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
                        timeout: Optional[float] = None):
         """Reduce ``input`` (size × output.size) over ranks; rank r gets block r in ``output``."""
-        o = _array(output, "output", writable=True)
-        i = _array(input, "input", writable=False)
+        o = _array(output, "output", True)
+        i = _array(input, "input", False)
         if o.dtype != i.dtype:
             raise TypeError(f"reduce_scatter: output dtype {o.dtype} differs from input dtype "
                             f"{i.dtype}")
@@ -228,17 +248,17 @@ class ProcessGroup:
         if np.shares_memory(o, i):
             raise ValueError("reduce_scatter: output must not overlap input")
         code = dtype_code(o.dtype)
-        op = check_op(op, code, o.dtype)
+        op = 0 if op is _SUM else check_op(op, code, o.dtype)
         ms = self._ms(timeout)
         return self._run("reduce_scatter",
-                         lambda: self._coll.reduce_scatter(o, i, code, int(op), ms), (o, i),
+                         _C.reduce_scatter, (o, i, code, op, ms), (o, i),
                          async_op)
 
     def all_to_all(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
                    timeout: Optional[float] = None):
         """Rank r sends block j of ``input`` to rank j, which stores it as block r of ``output``."""
-        i = _array(input, "input", writable=False)
-        o = _array(output, "output", writable=True)
+        i = _array(input, "input", False)
+        o = _array(output, "output", True)
         if i.size % self.size:
             raise ValueError(f"all_to_all: input size {i.size} is not divisible by the group "
                              f"size {self.size}")
@@ -251,15 +271,15 @@ class ProcessGroup:
             raise ValueError("all_to_all: output must not overlap input")
         code = dtype_code(o.dtype)
         ms = self._ms(timeout)
-        return self._run("all_to_all", lambda: self._coll.all_to_all(o, i, code, ms), (o, i),
+        return self._run("all_to_all", _C.all_to_all, (o, i, code, ms), (o, i),
                          async_op)
 
     def all_to_all_v(self, output: np.ndarray, output_counts: Sequence[int], input: np.ndarray,
                      input_counts: Sequence[int], *, async_op: bool = False,
                      timeout: Optional[float] = None):
         """All-to-all with per-rank element counts (blocks laid out back to back, rank order)."""
-        i = _array(input, "input", writable=False)
-        o = _array(output, "output", writable=True)
+        i = _array(input, "input", False)
+        o = _array(output, "output", True)
         if o.dtype != i.dtype:
             raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
         oc = [int(c) for c in output_counts]
@@ -281,18 +301,18 @@ class ProcessGroup:
         code = dtype_code(o.dtype)
         ms = self._ms(timeout)
         return self._run("all_to_all",
-                         lambda: self._coll.all_to_all_v(o, oc, i, ic, code, ms), (o, i), async_op)
+                         _C.all_to_all_v, (o, oc, i, ic, code, ms), (o, i), async_op)
 
     def gather(self, output: Optional[np.ndarray], input: np.ndarray, dst: int = 0, *,
                async_op: bool = False, timeout: Optional[float] = None):
         """Collect every rank's ``input`` into ``output`` on ``dst`` (output may be None elsewhere)."""
-        i = _array(input, "input", writable=False)
+        i = _array(input, "input", False)
         dst = self._peer(dst, "dst")
         o = None
         if self.rank == dst:
             if output is None:
                 raise ValueError(f"gather: the destination rank {dst} needs an output array")
-            o = _array(output, "output", writable=True)
+            o = _array(output, "output", True)
             if o.dtype != i.dtype:
                 raise TypeError(f"gather: output dtype {o.dtype} differs from input dtype {i.dtype}")
             if o.size != i.size * self.size:
@@ -300,19 +320,19 @@ class ProcessGroup:
                                  f"{self.size} x input size {i.size} = {i.size * self.size}")
         code = dtype_code(i.dtype)
         ms = self._ms(timeout)
-        return self._run("gather", lambda: self._coll.gather(o, i, code, dst, ms), (o, i),
+        return self._run("gather", _C.gather, (o, i, code, dst, ms), (o, i),
                          async_op)
 
     def scatter(self, output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *,
                 async_op: bool = False, timeout: Optional[float] = None):
         """Rank ``src`` sends block r of ``input`` to rank r's ``output`` (input may be None elsewhere)."""
-        o = _array(output, "output", writable=True)
+        o = _array(output, "output", True)
         src = self._peer(src, "src")
         i = None
         if self.rank == src:
             if input is None:
                 raise ValueError(f"scatter: the source rank {src} needs an input array")
-            i = _array(input, "input", writable=False)
+            i = _array(input, "input", False)
             if o.dtype != i.dtype:
                 raise TypeError(f"scatter: output dtype {o.dtype} differs from input dtype {i.dtype}")
             if i.size != o.size * self.size:
@@ -320,66 +340,69 @@ class ProcessGroup:
                                  f"{self.size} x output size {o.size} = {o.size * self.size}")
         code = dtype_code(o.dtype)
         ms = self._ms(timeout)
-        return self._run("scatter", lambda: self._coll.scatter(o, i, code, src, ms), (o, i),
+        return self._run("scatter", _C.scatter, (o, i, code, src, ms), (o, i),
                          async_op)
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
         """Return once every rank of the group has entered the barrier."""
         ms = self._ms(timeout)
-        return self._run("barrier", lambda: self._coll.barrier(ms), (), async_op)
+        return self._run("barrier", _C.barrier, (ms,), (), async_op)
 
     # ---- point to point -----------------------------------------------------
-    def _p2p_args(self, array, peer, tag, what, writable):
-        a = _array(array, "array", writable=writable)
-        peer = self._peer(peer, what)
-        if peer == self.rank:
-            raise ValueError(f"{what}={peer} is this rank; a rank cannot message itself")
-        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= _MAX_TAG:
-            raise ValueError(f"tag must be an int in [0, 2**32), got {tag!r}")
-        return a, dtype_code(a.dtype), peer, int(tag)
-
-    def _p2p(self, kind: str, a, code, peer, tag, timeout, async_op) -> Any:
+    def _p2p(self, fn: Callable[..., Any], kind: str, array: Any, peer: Any, tag: Any,
+             timeout: Optional[float], async_op: bool, what: str) -> Any:
+        a = _array(array, "array", kind == "recv")
+        if type(peer) is not int or not 0 <= peer < self.size or peer == self.rank:
+            peer = self._peer(peer, what)
+            if peer == self.rank:
+                raise ValueError(f"{what}={peer} is this rank; a rank cannot message itself")
+        if type(tag) is not int or not 0 <= tag <= _MAX_TAG:
+            if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) \
+                    or not 0 <= tag <= _MAX_TAG:
+                raise ValueError(f"tag must be an int in [0, 2**32), got {tag!r}")
+            tag = int(tag)
+        code = dtype_code(a.dtype)
+        ms = self._ms(timeout)
         if self._closed or self.rank < 0:
             self._usable()
-        ms = self._ms(timeout)
-        comm = self._p2pc
-        fn = (lambda: comm.send(a, code, peer, tag, ms)) if kind == "send" else \
-             (lambda: comm.recv(a, code, peer, tag, ms))
+        args = (a, code, peer, tag, ms)
         # A synchronous call needs the executor only when async work for this
         # (kind, peer) is still queued, to keep issue order; it never creates one.
-        ex = self._p2p_exec.get((kind, peer))
-        if async_op or (ex is not None and ex.busy):
+        ex = self._p2p_exec.get((kind, peer)) if self._p2p_exec else None
+        if async_op or (ex is not None and ex._busy):
             if ex is None:
                 ex = self._p2p_executor(kind, peer)
-            w = ex.submit(lambda: self._guard(fn), Work(kind, (a,)))
+            w = ex.submit(lambda: self._guard(lambda: fn(self._p2pc, *args)), Work(kind, (a,)))
             return w if async_op else w.result()
-        return self._guard(fn)
+        if self._failure is not None:
+            self._guard(None)  # raises GroupPoisonedError
+        try:
+            return fn(self._p2pc, *args)
+        except (RingletError, KeyboardInterrupt) as exc:
+            self._record(exc)
+            raise
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0, *,
              timeout: Optional[float] = None) -> None:
         """Send ``array`` to group rank ``dst``; matched by the receiver on (source, tag)."""
-        a, code, dst, tag = self._p2p_args(array, dst, tag, "dst", False)
-        self._p2p("send", a, code, dst, tag, timeout, False)
+        self._p2p(_C.send, "send", array, dst, tag, timeout, False, "dst")
 
     def recv(self, array: np.ndarray, src: int, tag: int = 0, *,
              timeout: Optional[float] = None) -> None:
         """Receive into ``array`` the next message from ``src`` carrying ``tag``.
 
         Size and dtype must match the sender's (else ``DesyncError``)."""
-        a, code, src, tag = self._p2p_args(array, src, tag, "src", True)
-        self._p2p("recv", a, code, src, tag, timeout, False)
+        self._p2p(_C.recv, "recv", array, src, tag, timeout, False, "src")
 
     def isend(self, array: np.ndarray, dst: int, tag: int = 0, *,
               timeout: Optional[float] = None) -> Work:
         """Asynchronous ``send``; the ``Work`` keeps ``array`` alive until sent."""
-        a, code, dst, tag = self._p2p_args(array, dst, tag, "dst", False)
-        return self._p2p("send", a, code, dst, tag, timeout, True)
+        return self._p2p(_C.send, "send", array, dst, tag, timeout, True, "dst")
 
     def irecv(self, array: np.ndarray, src: int, tag: int = 0, *,
               timeout: Optional[float] = None) -> Work:
         """Asynchronous ``recv``."""
-        a, code, src, tag = self._p2p_args(array, src, tag, "src", True)
-        return self._p2p("recv", a, code, src, tag, timeout, True)
+        return self._p2p(_C.recv, "recv", array, src, tag, timeout, True, "src")
 
     # ---- small Python objects ----------------------------------------------
     def broadcast_object(self, obj: Any = None, src: int = 0, *,

@@ -91,7 +91,7 @@ def _run_threads(fn, n, timeout, args, kwargs, cfg):
     worlds: Dict[int, Any] = {}
 
     def body(rank: int) -> None:
-        _world._tls.scoped = True
+        _world._scope_thread()
         try:
             _world.init(rank=rank, world_size=n, _external_store=True, **cfg)
             worlds[rank] = _world._current()
