@@ -7,7 +7,12 @@
  * Binomial tree: v receives the whole buffer from v - 2^j, where 2^j is v's
  * highest set bit, then sends it to v + 2^i for every 2^i above that bit
  * (largest subtree first).  ceil(log2 P) steps; a rank sends N bytes to
- * each of its children (the root to ceil(log2 P) of them).
+ * each of its children (the root to ceil(log2 P) of them).  Up to
+ * RL_BCAST_FLAT_MAX ranks the root sends to every rank itself instead: at 4
+ * ranks that is one more send at the root in place of a second hop, and a
+ * hop costs a scheduling delay when ranks outnumber cores (4 ranks on 2
+ * cores, 8 B, 6 interleaved pairs: median of the slowest rank 55 against
+ * 70 us; docs/benchmarks.md).  With 3 ranks both shapes are the same.
  *
  * Chain: v receives segments from v-1 and forwards each one to v+1 as soon
  * as it has arrived, so after a fill time of (P-1) segments every link
@@ -46,12 +51,29 @@ static void whole_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
     *l = a->len;
 }
 
+#define RL_BCAST_FLAT_MAX 4
+
 static int tree_bcast(rl_comm *c, const rl_opdesc *op, char *buf, size_t len, int root) {
     int P = c->size, v = rl_mod(c->rank - root, P);
     chain_bc a = {buf, len, len, NULL};
     rl_stream s[40];
     int n = 0, mask = 1;
     memset(s, 0, sizeof s);
+    if (P <= RL_BCAST_FLAT_MAX) {
+        if (v) {
+            s[0].peer = root;
+            s[0].nseg = 1;
+            s[0].where = whole_where;
+            return rl_run_streams(c, op, s, 1, &a);
+        }
+        for (int k = 1; k < P; k++, n++) {
+            s[n].peer = rl_mod(root + k, P);
+            s[n].is_send = 1;
+            s[n].nseg = 1;
+            s[n].where = whole_where;
+        }
+        return rl_run_streams(c, op, s, n, &a);
+    }
     while (mask < P) {
         if (v & mask) {
             s[0].peer = rl_mod(v - mask + root, P);
