@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -128,6 +129,24 @@ def test_oracle_patterns_are_exact_for_three_ranks(dtype, redop):
     assert count_wrong(cfg, lay, res, 0, 3, dt) == 0
     res.buf[3] += 1
     assert count_wrong(cfg, lay, res, 0, 3, dt) == 1
+
+
+@pytest.mark.parametrize("op", [o for o in OPS if o != "barrier"])
+def test_buffers_get_mappings_of_their_own(op):
+    # Each buffer starts a fresh page-aligned mapping, so earlier sizes' frees
+    # cannot decide where it lands; every buffer is distinct and usable.
+    cfg = SweepConfig(op, [1 << 20], redop="max").validate(2)
+    dt = np.dtype("float32")
+    lay = layout(op, 1 << 20, dt.itemsize, 2)
+    b = make_buffers(cfg, lay, 0, 2, dt, check=False)
+    arrays = [a for a in (b.buf, b.out, b.inp) if a is not None]
+    assert arrays
+    for a in arrays:
+        assert a.ctypes.data % mmap.PAGESIZE == 0
+        assert a.flags.c_contiguous and a.flags.writeable and a.dtype == dt
+    for i, x in enumerate(arrays):
+        for y in arrays[i + 1:]:
+            assert not np.shares_memory(x, y)
 
 
 def test_aggregate_takes_medians_over_rounds():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -283,10 +284,33 @@ def _wrong(got: np.ndarray, want: np.ndarray, redop: str, dtype: np.dtype) -> in
     return int(g.size - np.count_nonzero(ok))
 
 
+def _empty(count: int, dtype: np.dtype) -> np.ndarray:
+    """An array in a mapping of its own, whatever the sizes measured before.
+
+    From numpy's allocator, where a buffer lands depends on what earlier
+    sizes allocated and freed: after the 256 MiB sizes of one op, glibc
+    serves the next op's 2 MiB buffers from its heap (it raises its mmap
+    threshold after large frees), and 2-rank scatter, sendrecv and all_to_all
+    of 2 MiB then measured 2-3x slower than in a fresh process, for one
+    library and not another.  A fresh anonymous mapping per buffer removes
+    that history from the comparison.
+    """
+    nbytes = count * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(count, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count)
+
+
 def _filled(count: int, dtype: np.dtype, value: float) -> np.ndarray:
-    # np.empty + fill writes every page; np.zeros would leave them unmapped.
-    a = np.empty(count, dtype=dtype)
+    # fill writes every page; untouched pages would fault during the timing.
+    a = _empty(count, dtype)
     a.fill(value)
+    return a
+
+
+def _placed(src: np.ndarray) -> np.ndarray:
+    a = _empty(src.size, src.dtype)
+    a[...] = src
     return a
 
 
@@ -310,7 +334,7 @@ def make_buffers(cfg: SweepConfig, lay: Layout, rank: int, nranks: int, dtype: n
 
     def data(n: int) -> np.ndarray:
         if check or redop in ("min", "max", "avg"):
-            return _pattern(rank, 0, n, dtype, redop, nranks)
+            return _placed(_pattern(rank, 0, n, dtype, redop, nranks))
         return _filled(n, dtype, 1 if redop == "prod" else 0)
 
     if op == "barrier":
