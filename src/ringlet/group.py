@@ -20,7 +20,7 @@ import numpy as np
 from . import _core
 from ._dtypes import ReduceOp, check_op, dtype_code
 from .errors import GroupPoisonedError, RingletError
-from .work import SerialExecutor, Work, completed_work
+from .work import SerialExecutor, Work
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._world import World
@@ -108,12 +108,15 @@ class ProcessGroup:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return max(1, int(timeout * 1000))
 
+    def _raise_poisoned(self) -> None:
+        raise GroupPoisonedError(
+            f"rank {self.rank}: group {self.comm_id} is poisoned by an earlier failure "
+            f"({self._failure}); call ringlet.shutdown() and ringlet.init() to recover",
+            rank=self.rank) from self._failure
+
     def _guard(self, fn: Callable[[], Any]) -> Any:
         if self._failure is not None:
-            raise GroupPoisonedError(
-                f"rank {self.rank}: group {self.comm_id} is poisoned by an earlier failure "
-                f"({self._failure}); call ringlet.shutdown() and ringlet.init() to recover",
-                rank=self.rank) from self._failure
+            self._raise_poisoned()
         try:
             return fn()
         except (RingletError, KeyboardInterrupt) as exc:
@@ -136,7 +139,7 @@ class ProcessGroup:
         lock.acquire()
         try:
             if self._failure is not None:
-                self._guard(None)  # raises GroupPoisonedError
+                self._raise_poisoned()
             return fn(self._coll, *args)
         except (RingletError, KeyboardInterrupt) as exc:
             self._record(exc)
@@ -375,7 +378,7 @@ class ProcessGroup:
             w = ex.submit(lambda: self._guard(lambda: fn(self._p2pc, *args)), Work(kind, (a,)))
             return w if async_op else w.result()
         if self._failure is not None:
-            self._guard(None)  # raises GroupPoisonedError
+            self._raise_poisoned()
         try:
             return fn(self._p2pc, *args)
         except (RingletError, KeyboardInterrupt) as exc:
