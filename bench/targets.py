@@ -30,16 +30,22 @@ def ceiling(limits: dict, op: str, nranks: int) -> float:
 
 def main(path: str) -> int:
     with open(path) as f:
-        doc = json.load(f)
+        print(summary(json.load(f)))
+    return 0
+
+
+def summary(doc: dict) -> str:
+    """The two target tables of one ``--json`` document, as markdown."""
+    out = []
     n = doc["nranks"]
     rows: Dict[Tuple[str, int], Dict[str, dict]] = {}
     for r in doc["rows"]:
         rows.setdefault((r["op"], r["size"]), {})[r["system"]] = r
     ops = list(dict.fromkeys(op for op, _ in rows))
     sizes = sorted({s for _, s in rows})
-    print(f"# {n} ranks: ringlet time / min(mpi-tcp, gloo) time (<= 1.00 meets the target)")
-    print("| size (B) | " + " | ".join(ops) + " |")
-    print("|---:|" + "---:|" * len(ops))
+    out.append(f"# {n} ranks: ringlet time / min(mpi-tcp, gloo) time (<= 1.00 meets the target)")
+    out.append("| size (B) | " + " | ".join(ops) + " |")
+    out.append("|---:|" + "---:|" * len(ops))
     worst = []
     for s in sizes:
         cells = []
@@ -53,21 +59,21 @@ def main(path: str) -> int:
             cells.append(f"**{q:.2f}**" if q > 1.0 else f"{q:.2f}")
             if q > 1.0:
                 worst.append((q, op, s))
-        print(f"| {s} | " + " | ".join(cells) + " |")
-    print(f"\nbehind in {len(worst)} of {sum(1 for k in rows if 'ringlet' in rows[k])} cells"
+        out.append(f"| {s} | " + " | ".join(cells) + " |")
+    out.append(f"\nbehind in {len(worst)} of {sum(1 for k in rows if 'ringlet' in rows[k])} cells"
           + (f"; worst {max(worst)[0]:.2f} ({max(worst)[1]}, {max(worst)[2]} B)" if worst else ""))
     lim = doc.get("limits")
     if lim:
-        print(f"\n# {n} ranks: busbw of large messages as % of the TCP ceiling")
-        print("| op | size (B) | busbw GB/s | ceiling GB/s | % |")
-        print("|---|---:|---:|---:|---:|")
+        out.append(f"\n# {n} ranks: busbw of large messages as % of the TCP ceiling")
+        out.append("| op | size (B) | busbw GB/s | ceiling GB/s | % |")
+        out.append("|---|---:|---:|---:|---:|")
         for op in ("all_reduce", "broadcast", "reduce_scatter", "all_gather"):
             for s in sizes:
                 r = rows.get((op, s), {}).get("ringlet")
                 if r and s >= LARGE:
                     c = ceiling(lim, op, n)
-                    print(f"| {op} | {s} | {r['busbw']:.2f} | {c:.2f} | {100 * r['busbw'] / c:.0f} |")
-    return 0
+                    out.append(f"| {op} | {s} | {r['busbw']:.2f} | {c:.2f} | {100 * r['busbw'] / c:.0f} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
