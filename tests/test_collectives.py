@@ -260,3 +260,26 @@ def _aliased(rank, P, n):
 def test_aliased_inputs(tiny_buffers, P):
     results = run_world(_aliased, P, timeout=120, init_timeout=60, args=(50_000,))
     assert results == [[]] * P, results
+
+
+# ---- barrier: nobody leaves before everyone has arrived -----------------------
+def _barrier_rounds(rank, P, arrived, rounds):
+    early = 0
+    late = (rank + 1) % P  # a different rank arrives last in each round ...
+    for k in range(rounds):
+        if rank == (late + k) % P:
+            # ... after some real work, so the others are already waiting
+            np.sort(np.random.default_rng(k).random(200_000))
+        arrived[k][rank] = True
+        ringlet.barrier()
+        early += not all(arrived[k])
+    return early
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_barrier_releases_no_rank_before_all_arrive(P):
+    # 2 and 5 ranks run the dissemination barrier, 3 and 4 the flat one.
+    rounds = 12
+    arrived = [[False] * P for _ in range(rounds)]
+    assert run_world(_barrier_rounds, P, mode="thread", timeout=120,
+                     args=(arrived, rounds)) == [0] * P
