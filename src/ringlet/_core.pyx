@@ -165,7 +165,7 @@ def set_tuning(**kw):
 def reduce_kernel(cnp.ndarray dst, cnp.ndarray a, cnp.ndarray b, int dt, int op):
     """dst = a (op) b elementwise with the C kernels (for tests and `bench limits`)."""
     cdef size_t n = a.size
-    if b.size != n or dst.size != n:
+    if <size_t>b.size != n or <size_t>dst.size != n:
         raise ValueError("reduce_kernel: arrays must have equal sizes")
     if not rl_op_valid(<rl_dtype>dt, <rl_redop>op):
         raise ValueError("reduce_kernel: op not valid for dtype")
@@ -427,7 +427,7 @@ cdef class Comm:
         cdef size_t n = inp.size
         cdef void *po = NULL
         if self.rank == root:
-            if (<cnp.ndarray>out).size != n * <size_t>self.size:
+            if <size_t>(<cnp.ndarray>out).size != n * <size_t>self.size:
                 raise ValueError("gather: output size mismatch")
             po = _wptr(<cnp.ndarray>out, "output")
         cdef const void *pi = _rptr(inp, "input")
@@ -441,7 +441,7 @@ cdef class Comm:
         cdef size_t n = out.size
         cdef const void *pi = NULL
         if self.rank == root:
-            if (<cnp.ndarray>inp).size != n * <size_t>self.size:
+            if <size_t>(<cnp.ndarray>inp).size != n * <size_t>self.size:
                 raise ValueError("scatter: input size mismatch")
             pi = _rptr(<cnp.ndarray>inp, "input")
         cdef void *po = _wptr(out, "output")
