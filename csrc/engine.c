@@ -206,10 +206,14 @@ int rl_overlap(const void *a, size_t al, const void *b, size_t bl) {
  * small enough (tens of microseconds) not to delay a socket that becomes
  * ready meanwhile, large enough that the call overhead is negligible. */
 #define RL_COPY_SLICE ((size_t)128 << 10)
+#define RL_STREAM_COPY_MIN ((size_t)4 << 20)
 static int idle_copy_step(rl_idle_copy *cp) {
     if (!cp || cp->done >= cp->len) return 0;
     size_t k = cp->len - cp->done < RL_COPY_SLICE ? cp->len - cp->done : RL_COPY_SLICE;
-    memcpy(cp->dst + cp->done, cp->src + cp->done, k);
+    /* A large own block will not be read again before the op returns, and
+     * streaming it leaves the cache to the socket copies it interleaves with. */
+    if (cp->len >= RL_STREAM_COPY_MIN) rl_copy_stream(cp->dst + cp->done, cp->src + cp->done, k);
+    else memcpy(cp->dst + cp->done, cp->src + cp->done, k);
     cp->done += k;
     return 1;
 }

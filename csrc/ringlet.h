@@ -95,6 +95,9 @@ void rl_reduce_kernel(void *dst, const void *a, const void *b, size_t n,
                       rl_dtype dt, rl_redop op);
 /* buf[i] *= factor for floating types (used to finish AVG). */
 void rl_scale_kernel(void *buf, size_t n, rl_dtype dt, double factor);
+/* memcpy with non-temporal stores where available (large, non-overlapping
+ * copies whose destination is not read again soon). */
+void rl_copy_stream(void *dst, const void *src, size_t n);
 /* Names of the SIMD paths the running CPU selected: "avx2,f16c" or
  * "baseline" (RINGLET_SIMD=baseline forces the portable path). */
 const char *rl_simd_info(void);

@@ -284,7 +284,7 @@ def cartesian(dt: int) -> tuple[np.ndarray, np.ndarray]:
 # ---- tests ---------------------------------------------------------------------
 
 def test_units_program(tmp_path):
-    """SHA-256 / HMAC vectors, rl_ct_equal, rl_random_bytes (getrandom path)."""
+    """SHA-256 / HMAC vectors, rl_ct_equal, rl_random_bytes (getrandom path), rl_copy_stream."""
     exe = _compile(tmp_path / "test_units",
                    [CTESTS / "test_units.c", CSRC / "sha256.c", CSRC / "kernels.c"], "-O2")
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
@@ -294,7 +294,8 @@ def test_units_program(tmp_path):
 
 def test_units_program_urandom_fallback(tmp_path):
     """The same checks with rl_random_bytes forced onto /dev/urandom."""
-    exe = _compile(tmp_path / "test_units_urandom", [CTESTS / "test_units.c", CSRC / "sha256.c"],
+    exe = _compile(tmp_path / "test_units_urandom",
+                   [CTESTS / "test_units.c", CSRC / "sha256.c", CSRC / "kernels.c"],
                    "-O2", ("-DRL_RANDOM_FORCE_URANDOM",))
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -1,6 +1,7 @@
 /*
  * test_units.c - unit tests of csrc/sha256.c: SHA-256 and HMAC-SHA256 against
- * published test vectors, rl_ct_equal, rl_random_bytes.  Plain C, run by
+ * published test vectors, rl_ct_equal, rl_random_bytes; and of kernels.c's
+ * rl_copy_stream.  Plain C, run by
  * tests/test_c_units.py; by hand:
  *     gcc -O2 -std=gnu11 -Wall -Werror -Icsrc tests/c/test_units.c \
  *         csrc/sha256.c csrc/kernels.c -o /tmp/test_units && /tmp/test_units
@@ -207,6 +208,40 @@ static void test_random_bytes(void) {
     free(buf);
 }
 
+/* rl_copy_stream equals memcpy for every alignment of both ends and lengths
+ * around its thresholds (the memcpy fallback, the 16-byte head, 64-byte
+ * blocks, 16-byte and byte tails), and writes nothing outside [dst, dst+n). */
+static void test_copy_stream(void) {
+    static const size_t lens[] = {0, 1, 15, 255, 256, 257, 271, 320, 1000, 4096 + 13,
+                                  (1u << 20) + 7};
+    size_t cap = (1u << 20) + 7 + 64;
+    uint8_t *src = malloc(cap), *dst = malloc(cap + 64);
+    if (!src || !dst) {
+        check(0, "malloc for rl_copy_stream");
+        free(src);
+        free(dst);
+        return;
+    }
+    for (size_t i = 0; i < cap; i++) src[i] = (uint8_t)(i * 131 + 7);
+    int ok = 1;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        for (size_t da = 0; da < 16; da++) {
+            for (size_t sa = 0; sa < 16; sa += 5) {
+                size_t n = lens[li];
+                memset(dst, 0xA5, cap + 64);
+                rl_copy_stream(dst + 16 + da, src + sa, n);
+                if (memcmp(dst + 16 + da, src + sa, n) != 0) ok = 0;
+                for (size_t i = 0; i < 16 + da; i++) ok &= dst[i] == 0xA5;
+                for (size_t i = 16 + da + n; i < 16 + da + n + 32 && i < cap + 64; i++)
+                    ok &= dst[i] == 0xA5;
+            }
+        }
+    }
+    check(ok, "rl_copy_stream: equals memcpy at every alignment and length, writes no more");
+    free(src);
+    free(dst);
+}
+
 int main(void) {
     test_sha256_vectors();
     test_sha256_lengths();
@@ -214,6 +249,7 @@ int main(void) {
     test_hmac_lengths();
     test_ct_equal();
     test_random_bytes();
+    test_copy_stream();
     if (failures) {
         fprintf(stderr, "%d of %d checks failed\n", failures, checks);
         return 1;
