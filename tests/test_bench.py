@@ -21,6 +21,7 @@ import pytest
 
 import ringlet.bench
 from ringlet.bench import launch, report
+from ringlet.bench import sweep as sweep_mod
 from ringlet.bench.sweep import (OPS, Backend, Buffers, SweepConfig, busbw_factor, count_wrong,
                                  layout, make_buffers, parse_size, run_sweep, size_range)
 
@@ -149,6 +150,35 @@ def test_buffers_get_mappings_of_their_own(op):
             assert not np.shares_memory(x, y)
 
 
+class _ClockedBackend(_SoloBackend):
+    """A one-rank backend whose every operation advances a fake clock by ``op_s``."""
+
+    def __init__(self, op_s: float):
+        super().__init__()
+        self.op_s, self.calls, self.now = op_s, 0, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def start(self, cfg, b, async_):
+        self.calls += 1
+        self.now += self.op_s
+        return super().start(cfg, b, async_)
+
+
+def test_batch_times_back_to_back_operations_and_divides(monkeypatch):
+    backend = _ClockedBackend(op_s=1e-3)
+    monkeypatch.setattr(sweep_mod.time, "perf_counter", backend.clock)
+    cfg = SweepConfig("all_reduce", [64], iters=4, warmup=0, budget_s=0, batch=5)
+    (row,) = run_sweep(backend, cfg)
+    # One sizing iteration and four timed ones, five operations each.
+    assert backend.calls == (1 + 4) * 5
+    assert row["batch"] == 5 and row["iters"] == 4
+    assert row["time_us"] == pytest.approx(1000.0)  # per operation, not per batch
+    with pytest.raises(ValueError, match="--batch must be >= 1"):
+        SweepConfig("all_reduce", [64], batch=0).validate(1)
+
+
 def test_aggregate_takes_medians_over_rounds():
     base = dict(system="ringlet", op="all_reduce", nranks=2, size=1000, count=250,
                 type="float32", redop="sum", root=-1, algbw=1.0, busbw=1.0, wrong=0,
@@ -229,6 +259,7 @@ def test_min_busbw_fails_the_health_check(capsys):
     (["all_reduce", "-d", "int32", "-o", "avg"], "floating"),
     (["all_reduce", "-d", "complex64"], "unknown dtype"),
     (["all_reduce", "-e", "4", "-b", "8"], "maxbytes"),
+    (["all_reduce", "--batch", "0"], "must be >= 1"),
 ])
 def test_usage_errors_exit_2_with_a_clear_message(capsys, args, needle):
     code, out, err = bench(capsys, *args)

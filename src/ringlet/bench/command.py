@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--root", type=int, default=0, help="root of rooted ops (default 0)")
     p.add_argument("-a", "--async", dest="inflight", type=_positive_int, default=1,
                    help="operations in flight per iteration (default 1)")
+    p.add_argument("--batch", type=_positive_int, default=1,
+                   help="operations timed back to back after each barrier, time divided by "
+                        "N (nccl-tests' method); default 1: each operation from a common "
+                        "start")
     p.add_argument("--budget", type=float, default=2.0,
                    help="seconds of timed iterations per size: fewer iterations (at least 3) "
                         "for slow sizes; 0 = always --iters (default 2)")
@@ -116,7 +120,7 @@ def _sweeps(args: argparse.Namespace) -> List[SweepConfig]:
         cfg = SweepConfig(op=op, sizes=sizes, dtype=args.dtype, redop=args.redop,
                           root=args.root, iters=args.iters, warmup=args.warmup,
                           check=bool(args.check), inflight=args.inflight,
-                          budget_s=args.budget)
+                          budget_s=args.budget, batch=args.batch)
         if op not in REDUCING:
             cfg.redop = "sum"  # no reduction: -o only matters to reducing ops
         try:
@@ -130,6 +134,8 @@ def _title(cfg: SweepConfig, nranks: int, how: str, rounds: int) -> str:
     what = f"{cfg.dtype}" + (f" {cfg.redop}" if cfg.op in ("all_reduce", "reduce",
                                                             "reduce_scatter") else "")
     tail = f", median of {rounds} interleaved rounds" if rounds > 1 else ""
+    if cfg.batch > 1:
+        tail += f"; {cfg.batch} operations back to back per timed iteration"
     return (f"ringlet bench {cfg.op}: {nranks} ranks ({how}), {what}; time = median over "
             f"iterations of the slowest rank{tail}")
 
@@ -173,7 +179,7 @@ def _outputs(args, rows, systems, skipped, env, limits_res, say, round_rows=()) 
             "tool": "ringlet bench", "op": args.op, "nranks": args.nranks_eff,
             "config": {k: getattr(args, k) for k in (
                 "minbytes", "maxbytes", "stepfactor", "iters", "warmup", "check", "redop",
-                "dtype", "root", "inflight", "budget", "rounds")},
+                "dtype", "root", "inflight", "batch", "budget", "rounds")},
             "systems": systems, "skipped": skipped, "environment": env,
             "limits": limits_res, "rows": list(rows),
             "round_rows": [{k: v for k, v in r.items() if k != "kind"} for r in round_rows],

@@ -22,6 +22,12 @@ Timing method (per size):
      ``inflight``.  Reported: median, 10th and 90th percentile.  For
      ``sendrecv`` (ping-pong between ranks 0 and 1) the time is half the
      round trip.
+  5. With ``batch`` > 1 a timed iteration runs ``batch`` such operations
+     back to back after its one barrier and the time is divided by
+     ``batch`` as well: nccl-tests' method (it times all iterations back to
+     back), where consecutive operations may overlap, as in a training
+     step.  ``batch`` = 1 measures each operation from a common start, which
+     is the latency of one isolated call.
 """
 
 from __future__ import annotations
@@ -150,6 +156,7 @@ class SweepConfig:
     check: bool = False
     inflight: int = 1
     budget_s: float = 2.0
+    batch: int = 1
 
     def validate(self, nranks: Optional[int] = None) -> "SweepConfig":
         """Raise ValueError/TypeError naming the first bad field; return self."""
@@ -161,7 +168,7 @@ class SweepConfig:
         self.dtype = dt.name
         if self.redop == "avg" and dt.kind not in "fV" and dt.name != "bfloat16":
             raise ValueError(f"-o avg is defined for floating dtypes only, not {dt.name}")
-        for name in ("iters", "warmup", "inflight"):
+        for name in ("iters", "warmup", "inflight", "batch"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
@@ -171,6 +178,8 @@ class SweepConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.inflight < 1:
             raise ValueError(f"--async must be >= 1, got {self.inflight}")
+        if self.batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {self.batch}")
         if not self.budget_s >= 0:
             raise ValueError(f"budget must be >= 0 seconds, got {self.budget_s}")
         if not self.sizes:
@@ -460,12 +469,15 @@ def _iteration(backend: Backend, cfg: SweepConfig, sets: Sequence[Buffers]) -> N
 
 
 def _timed(backend: Backend, cfg: SweepConfig, sets: Sequence[Buffers], n: int) -> np.ndarray:
+    """``n`` samples, each one barrier and ``cfg.batch`` iterations (not yet divided)."""
     times = np.empty(n, dtype=np.float64)
     clock = time.perf_counter
+    batch = range(cfg.batch)
     for i in range(n):
         backend.barrier()
         t0 = clock()
-        _iteration(backend, cfg, sets)
+        for _ in batch:
+            _iteration(backend, cfg, sets)
         times[i] = clock() - t0
     return times
 
@@ -494,7 +506,7 @@ def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, A
         warm = min(warm, int(0.25 * cfg.budget_s / est))
     if warm:
         _timed(backend, cfg, sets, warm)
-    times = backend.max_f64(_timed(backend, cfg, sets, iters)) / inflight
+    times = backend.max_f64(_timed(backend, cfg, sets, iters)) / (inflight * cfg.batch)
     if cfg.op == "sendrecv":
         times = times / 2.0  # one-way latency: half the round trip
     wrong_total = int(backend.sum_i64(np.array([wrong], dtype=np.int64))[0])
@@ -508,7 +520,7 @@ def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, A
         "time_us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6,
         "algbw": algbw, "busbw": algbw * busbw_factor(cfg.op, n),
         "wrong": wrong_total if cfg.check else -1, "iters": int(times.size),
-        "inflight": inflight,
+        "inflight": inflight, "batch": cfg.batch,
     }
 
 
