@@ -61,6 +61,7 @@ DTYPES = {
     "int64": "int64",
 }
 MIN_ITERS = 3
+_HUGE_MIN = 4 << 20  # numpy's own threshold for madvise(MADV_HUGEPAGE)
 ROW_PREFIX = "@@ringlet-bench "  # lines a driver's rank 0 prints for the parent
 
 _SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10,
@@ -303,11 +304,26 @@ def _empty(count: int, dtype: np.dtype) -> np.ndarray:
     of 2 MiB then measured 2-3x slower than in a fresh process, for one
     library and not another.  A fresh anonymous mapping per buffer removes
     that history from the comparison.
+
+    The mapping is private and anonymous, as numpy's memory is; those of
+    4 MiB and more ask for transparent huge pages, as numpy does
+    for its own large arrays (``madvise(MADV_HUGEPAGE)`` where the kernel
+    leaves THP to the program): a training job's buffers are numpy arrays,
+    and with 4 KiB pages every socket copy of a large message pays TLB
+    misses that such buffers do not.
     """
     nbytes = count * dtype.itemsize
     if nbytes == 0:
         return np.empty(count, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count)
+    # Private, like numpy's own memory: mmap's default for -1 is a shared
+    # mapping, which the kernel backs with shmem (no huge pages, other paths).
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= _HUGE_MIN and hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP unavailable: small pages, as before
+            pass
+    return np.frombuffer(m, dtype=dtype, count=count)
 
 
 def _filled(count: int, dtype: np.dtype, value: float) -> np.ndarray:
