@@ -157,23 +157,31 @@ def test_large_default_tuning():
     assert all(run_world(_big, 3, mode="thread", timeout=120))
 
 
+def _all_gather_ok(ins, rank, lo, n):
+    """all_gather of every rank's ins[r][lo:lo+n], checked against numpy."""
+    out = np.empty(n * len(ins), np.float32)
+    ringlet.all_gather(out, ins[rank][lo:lo + n])
+    return np.array_equal(out, np.concatenate([x[lo:lo + n] for x in ins]))
+
+
+def _all_to_all_ok(ins, rank, n):
+    """all_to_all of blocks of n elements, checked against numpy."""
+    out = np.empty(n * len(ins), np.float32)
+    ringlet.all_to_all(out, ins[rank])
+    return np.array_equal(out, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins]))
+
+
 def _streamed_own_blocks(rank, P):
     """Own blocks of >= 4 MiB are copied with non-temporal stores; an odd
-    length exercises the copy's unaligned head and byte tail."""
+    length and offset exercise the copy's unaligned head and byte tail."""
     n = (4 << 20) // 4 + 5
     ins = [data(r, n * P, np.float32, ReduceOp.SUM, salt=5) for r in range(P)]
-    bad = []
-    gathered = np.empty(n * P, np.float32)
-    ringlet.all_gather(gathered, ins[rank][1:n + 1])
-    if not np.array_equal(gathered, np.concatenate([x[1:n + 1] for x in ins])):
-        bad.append("all_gather")
+    bad = [] if _all_gather_ok(ins, rank, 1, n) else ["all_gather"]
     part = np.empty(n, np.float32)
     ringlet.scatter(part, ins[1] if rank == 1 else None, src=1)
     if not np.array_equal(part, ins[1][rank * n:(rank + 1) * n]):
         bad.append("scatter")
-    a2a = np.empty(n * P, np.float32)
-    ringlet.all_to_all(a2a, ins[rank])
-    if not np.array_equal(a2a, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins])):
+    if not _all_to_all_ok(ins, rank, n):
         bad.append("all_to_all")
     return bad
 
@@ -228,17 +236,13 @@ def _big_blocks(rank, P, n):
     ringlet.reduce_scatter(out, ins[rank])
     want = reduce_np(ins, ReduceOp.SUM, np.dtype(np.float32))[rank * n:(rank + 1) * n]
     bad = [] if close(out, want, ReduceOp.SUM) else ["reduce_scatter"]
-    gathered = np.empty(n * P, np.float32)
-    ringlet.all_gather(gathered, ins[rank][:n])
-    if not np.array_equal(gathered, np.concatenate([x[:n] for x in ins])):
+    if not _all_gather_ok(ins, rank, 0, n):
         bad.append("all_gather")
     x = ins[rank].copy()
     ringlet.all_reduce(x)
     if not close(x, reduce_np(ins, ReduceOp.SUM, np.dtype(np.float32)), ReduceOp.SUM):
         bad.append("all_reduce")
-    a2a = np.empty(n * P, np.float32)
-    ringlet.all_to_all(a2a, ins[rank])
-    if not np.array_equal(a2a, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins])):
+    if not _all_to_all_ok(ins, rank, n):
         bad.append("all_to_all")
     return bad
 
