@@ -234,6 +234,18 @@ def test_three_ranks_int_max_and_float64_prod(capsys):
     assert code == 0, err
 
 
+def test_batch_through_the_cli(capsys, tmp_path):
+    # Back-to-back timing on real ranks: checked results, the batch in every row and title.
+    js = tmp_path / "batch.json"
+    code, out, err = bench(capsys, "broadcast", "-n", "3", "-b", "8", "-e", "4K", "-f", "16",
+                           "-i", "3", "-w", "0", "-c", "-r", "1", "--batch", "4", "--json", js)
+    assert code == 0, err
+    assert "4 operations back to back" in out
+    doc = json.loads(js.read_text())
+    assert doc["config"]["batch"] == 4
+    assert doc["rows"] and all(r["batch"] == 4 and r["wrong"] == 0 for r in doc["rows"])
+
+
 def test_secret_never_printed_or_written(capsys, tmp_path, monkeypatch):
     secret = "bench-secret-" + os.urandom(12).hex()
     monkeypatch.setenv("RINGLET_SECRET", secret)  # the launcher uses the caller's secret
