@@ -40,6 +40,8 @@ def _cases(rank, P):
     expect(ValueError, ["src=5", "size 2"], lambda: ringlet.broadcast(f, src=5))
     expect(ValueError, ["dst=-1"], lambda: ringlet.reduce(f, dst=-1))
     expect(TypeError, ["src", "int"], lambda: ringlet.broadcast(f, src="0"))
+    expect(TypeError, ["src", "int", "bool"], lambda: ringlet.broadcast(f, src=True))
+    expect(ValueError, ["dst=2", "size 2"], lambda: ringlet.gather(None, f, dst=np.int64(2)))
     expect(ValueError, ["all_gather", "16"], lambda: ringlet.all_gather(np.zeros(9, np.float32), f))
     expect(TypeError, ["all_gather", "dtype"], lambda: ringlet.all_gather(np.zeros(16, np.float64), f))
     expect(ValueError, ["reduce_scatter", "16"], lambda: ringlet.reduce_scatter(f, np.zeros(9, np.float32)))
@@ -66,10 +68,12 @@ def _cases(rank, P):
     expect(ValueError, ["tag"], lambda: ringlet.send(f, 1 - rank, tag=True))
     expect(ValueError, ["not in the parent"], lambda: ringlet.new_group([0, 7]))
     expect(ValueError, ["duplicate"], lambda: ringlet.new_group([0, 0]))
-    # nothing was sent: the group still works
+    # nothing was sent: the group still works, and a numpy integer is a valid rank
     x = np.ones(4, np.float32)
     ringlet.all_reduce(x)
-    return results, bool(np.all(x == P))
+    y = np.full(4, rank, np.float32)
+    ringlet.broadcast(y, src=np.int64(1))
+    return results, bool(np.all(x == P) and np.all(y == 1))
 
 
 def test_bad_input_is_refused_with_clear_messages():

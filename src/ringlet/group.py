@@ -168,6 +168,8 @@ class ProcessGroup:
             return ex
 
     def _peer(self, r: Any, what: str) -> int:
+        if type(r) is int and 0 <= r < self.size:  # the common case, checked cheaply
+            return r
         if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
             raise TypeError(f"{what} must be an int rank, got {type(r).__name__}")
         r = int(r)
