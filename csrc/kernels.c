@@ -586,11 +586,11 @@ void rl_copy_stream(void *dst, const void *src, size_t n) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     char *d = dst;
     const char *s = src;
-    size_t head = (size_t)(-(uintptr_t)d & 15u);
-    if (n < 256 || head > n) {
+    if (n < 256) { /* small copies: memcpy is as good and needs no fence */
         memcpy(dst, src, n);
         return;
     }
+    size_t head = (size_t)(-(uintptr_t)d & 15u); /* < 16 <= n: align the stores */
     memcpy(d, s, head);
     d += head;
     s += head;
