@@ -16,6 +16,7 @@ same loop with Open MPI through mpi4py instead, for comparison.
 
 import argparse
 import os
+import resource
 import time
 
 import numpy as np
@@ -45,19 +46,30 @@ def main() -> None:
         os.sched_setaffinity(0, {int(args.cores.split(",")[r])})
     x = np.ones(2, np.float32)
     barrier()
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     for _ in range(args.ops):
         bcast(x)
     t1 = time.perf_counter()
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
     barrier()
     t2 = time.perf_counter()
-    per = np.zeros(2 * size)
-    per[2 * r:2 * r + 2] = [(t1 - t0) / args.ops * 1e6, (t2 - t0) / args.ops * 1e6]
+    # Per rank: loop time, loop + barrier, CPU time (user + system) and the
+    # voluntary / involuntary context switches of the loop, all per op.
+    ncol = 5
+    per = np.zeros(ncol * size)
+    cpu = (u1.ru_utime + u1.ru_stime) - (u0.ru_utime + u0.ru_stime)
+    per[ncol * r:ncol * r + ncol] = [
+        (t1 - t0) * 1e6, (t2 - t0) * 1e6, cpu * 1e6,
+        u1.ru_nvcsw - u0.ru_nvcsw, u1.ru_nivcsw - u0.ru_nivcsw]
+    per /= args.ops
     allsum(per)
     if r == 0:
-        print(f"{'mpi' if args.mpi else 'ringlet'}: rank  own loop (us/op)  with barrier (us/op)")
+        print(f"{'mpi' if args.mpi else 'ringlet'}: rank  loop (us/op)  with barrier (us/op)"
+              "  cpu (us/op)  vol. switches/op  invol. switches/op")
         for i in range(size):
-            print(f"{i:4d}  {per[2 * i]:16.1f}  {per[2 * i + 1]:20.1f}")
+            v = per[ncol * i:ncol * i + ncol]
+            print(f"{i:4d}  {v[0]:12.1f}  {v[1]:20.1f}  {v[2]:11.1f}  {v[3]:16.2f}  {v[4]:18.2f}")
     if not args.mpi:
         ringlet.shutdown()
 

@@ -142,6 +142,25 @@ def test_siblings_ignoring_sigterm_are_killed_after_grace(tmp_path):
     assert time.monotonic() - t0 < 0.5 + 10
 
 
+def test_ranks_lead_their_own_group_in_the_launchers_session():
+    # A session of its own would be a scheduler autogroup of its own, where a
+    # rank waiting for a peer on its core keeps half that core (run.py).
+    code = ("import os, signal; print('ids', os.getpid(), os.getpgid(0), os.getsid(0), "
+            "os.getppid(), signal.getsignal(signal.SIGTTOU) == signal.SIG_IGN)")
+    out = _launch("-n", "2", sys.executable, "-c", code)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split()[2:] for line in out.stdout.splitlines() if " ids " in line]
+    assert len(rows) == 2
+    for pid, pgid, sid, ppid, ttou_ignored in rows:
+        assert pgid == pid  # killpg reaches the rank and whatever it starts
+        # The launcher runs in the session `_launch` started it in: ours.
+        assert int(sid) == (os.getsid(0) if sys.version_info >= (3, 11) else int(pid))
+        if sys.platform.startswith("linux"):
+            assert ttou_ignored == "True"
+    assert runmod.own_process_group() == (
+        {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
+
+
 def test_rank_killed_by_signal_reports_128_plus_signum():
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL) if os.environ['RINGLET_RANK']" \
            " == '1' else __import__('time').sleep(120)"

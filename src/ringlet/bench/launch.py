@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..run import own_process_group
 from .peers import INSTALL
 from .sweep import ROW_PREFIX
 
@@ -140,7 +141,7 @@ class _Proc:
         self.popen = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE if capture else self.errfile,
-            stderr=self.errfile, start_new_session=True)
+            stderr=self.errfile, **own_process_group())
 
     def tail(self, nbytes: int = 4000) -> str:
         self.errfile.flush()
@@ -152,7 +153,7 @@ class _Proc:
     def kill(self) -> None:
         if self.popen.poll() is not None:
             return
-        try:  # the session this Popen started: mpirun's daemons and ranks too
+        try:  # the group this Popen started: mpirun's daemons and ranks too
             os.killpg(self.popen.pid, signal.SIGTERM)
         except OSError:
             pass
