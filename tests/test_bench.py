@@ -191,6 +191,36 @@ def test_aggregate_takes_medians_over_rounds():
     assert row["iters"] == 15
 
 
+def _targets():
+    spec = importlib.util.spec_from_file_location("bench_targets", Path(SRC).parent / "bench" /
+                                                  "targets.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_targets_verdict_pairs_rounds():
+    # ringlet drew the slow phase in round 1, Open MPI in round 0: the ratio of
+    # the medians says "behind", each round's pair says ahead.
+    def row(system, rnd, t):
+        return dict(system=system, op="broadcast", size=8, time_us=t, round=rnd)
+    rr = [row("ringlet", 0, 10.0), row("mpi-tcp", 0, 22.0), row("gloo", 0, 300.0),
+          row("ringlet", 1, 24.0), row("mpi-tcp", 1, 12.0), row("gloo", 1, 290.0),
+          row("ringlet", 2, 11.0), row("mpi-tcp", 2, 12.0), row("gloo", 2, 310.0)]
+    doc = {"nranks": 4, "round_rows": rr,
+           "rows": [dict(system="ringlet", op="broadcast", size=8, time_us=11.0),
+                    dict(system="mpi-tcp", op="broadcast", size=8, time_us=12.0 * 0.9),
+                    dict(system="gloo", op="broadcast", size=8, time_us=300.0)]}
+    t = _targets()
+    assert t.paired_ratio(doc, "broadcast", 8) == pytest.approx(11.0 / 12.0)
+    text = t.summary(doc)
+    assert "| 8 | 0.92 |" in text
+    assert "behind in 0 of 1 cells" in text and "overall medians: behind in 1" in text
+    # Without per-round rows the ratio of the medians decides.
+    doc["round_rows"] = []
+    assert "| 8 | **1.02** |" in t.summary(doc)
+
+
 def test_expand_systems():
     assert launch.expand_systems("mpi,gloo") == ["mpi-tcp", "mpi-sm", "gloo"]
     assert launch.expand_systems("gloo,mpi-tcp,gloo") == ["gloo", "mpi-tcp"]
