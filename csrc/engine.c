@@ -7,9 +7,10 @@
  * rl_tune.spin_us, retrying the sockets and calling sched_yield() between
  * tries: a waiting rank that polls sees a reply in a few microseconds instead
  * of paying a ~50 us wake-up, and the yield hands the core to another rank
- * when ranks outnumber cores.  After the spin budget it blocks in poll(2) in
- * slices of at most 100 ms, calling the interrupt hook between slices (so
- * Ctrl-C works) and checking the operation's deadline.
+ * when ranks outnumber cores (if both are in one scheduler autogroup, i.e.
+ * one session: ringlet run sees to that).  After the spin budget it blocks
+ * in poll(2) in slices of at most 100 ms, calling the interrupt hook between
+ * slices (so Ctrl-C works) and checking the operation's deadline.
  */
 #define _GNU_SOURCE
 #include <errno.h>

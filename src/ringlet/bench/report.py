@@ -25,7 +25,7 @@ __all__ = ["COLUMNS", "environment_info", "aggregate", "format_header", "format_
 # Row fields, in CSV column order (environment columns follow).
 COLUMNS = ("system", "op", "nranks", "size", "count", "type", "redop", "root", "time_us",
            "p10_us", "p90_us", "algbw", "busbw", "wrong", "iters", "inflight", "batch",
-           "rounds")
+           "in_place", "rounds")
 _TUNING_ENV = ("RINGLET_SEGMENT_BYTES", "RINGLET_ALLREDUCE_SMALL_BYTES",
                "RINGLET_BCAST_SMALL_BYTES", "RINGLET_REDUCE_SMALL_BYTES", "RINGLET_SPIN_US",
                "RINGLET_SOCKBUF_BYTES")

@@ -22,7 +22,11 @@ Timing method (per size):
      ``inflight``.  Reported: median, 10th and 90th percentile.  For
      ``sendrecv`` (ping-pong between ranks 0 and 1) the time is half the
      round trip.
-  5. With ``batch`` > 1 a timed iteration runs ``batch`` such operations
+  5. With ``in_place``, all_gather's input is the rank's own block of the
+     output (nccl-tests' in-place column; what FSDP and ZeRO call): nothing
+     to copy locally.  all_reduce, broadcast and reduce have one buffer and
+     are in place either way; the ops in ``NOT_IN_PLACE`` are not measured.
+  6. With ``batch`` > 1 a timed iteration runs ``batch`` such operations
      back to back after its one barrier and the time is divided by
      ``batch`` as well: nccl-tests' method (it times all iterations back to
      back), where consecutive operations may overlap, as in a training
@@ -42,13 +46,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["OPS", "REDOPS", "DTYPES", "SweepConfig", "Backend", "Layout", "layout",
+__all__ = ["OPS", "NOT_IN_PLACE", "REDOPS", "DTYPES", "SweepConfig", "Backend", "Layout", "layout",
            "busbw_factor", "run_sweep", "parse_size", "size_range", "resolve_dtype",
            "emit", "ROW_PREFIX", "MIN_ITERS", "ping_pong"]
 
 OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "all_to_all",
        "gather", "scatter", "sendrecv", "barrier")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
+# Ops without an in-place form in this benchmark (ringlet's reduce_scatter,
+# for one, refuses an output that overlaps its input).
+NOT_IN_PLACE = ("reduce_scatter", "all_to_all", "gather", "scatter", "sendrecv")
 REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 REDOPS = ("sum", "prod", "min", "max", "avg")
 # Accepted -d names -> numpy dtype name (nccl-tests spellings included).
@@ -158,6 +165,7 @@ class SweepConfig:
     inflight: int = 1
     budget_s: float = 2.0
     batch: int = 1
+    in_place: bool = False
 
     def validate(self, nranks: Optional[int] = None) -> "SweepConfig":
         """Raise ValueError/TypeError naming the first bad field; return self."""
@@ -181,6 +189,9 @@ class SweepConfig:
             raise ValueError(f"--async must be >= 1, got {self.inflight}")
         if self.batch < 1:
             raise ValueError(f"--batch must be >= 1, got {self.batch}")
+        if self.in_place and self.op in NOT_IN_PLACE:
+            raise ValueError(f"--in-place: {self.op} has no in-place form here (it changes "
+                             "all_gather; all_reduce, broadcast and reduce are in place anyway)")
         if not self.budget_s >= 0:
             raise ValueError(f"budget must be >= 0 seconds, got {self.budget_s}")
         if not self.sizes:
@@ -369,7 +380,12 @@ def make_buffers(cfg: SweepConfig, lay: Layout, rank: int, nranks: int, dtype: n
     if op == "sendrecv":
         return Buffers(buf=data(c), out=_filled(c, dtype, 0))
     if op == "all_gather":
-        return Buffers(out=_filled(b * nranks, dtype, 0), inp=data(b))
+        out = _filled(b * nranks, dtype, 0)
+        if cfg.in_place:  # the input is this rank's block of the output
+            mine = out[rank * b:(rank + 1) * b]
+            mine[...] = data(b)
+            return Buffers(out=out, inp=mine)
+        return Buffers(out=out, inp=data(b))
     if op == "reduce_scatter":
         return Buffers(out=_filled(b, dtype, 0), inp=data(b * nranks))
     if op == "all_to_all":
@@ -536,7 +552,7 @@ def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, A
         "time_us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6,
         "algbw": algbw, "busbw": algbw * busbw_factor(cfg.op, n),
         "wrong": wrong_total if cfg.check else -1, "iters": int(times.size),
-        "inflight": inflight, "batch": cfg.batch,
+        "inflight": inflight, "batch": cfg.batch, "in_place": cfg.in_place,
     }
 
 

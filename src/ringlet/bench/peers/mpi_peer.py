@@ -67,7 +67,7 @@ class MpiBackend(Backend):
                 else:
                     c.Reduce(b.buf, None, op=red, root=root)
             elif op == "all_gather":
-                c.Allgather(b.inp, b.out)
+                c.Allgather(MPI.IN_PLACE if cfg.in_place else b.inp, b.out)
             elif op == "reduce_scatter":
                 c.Reduce_scatter_block(b.inp, b.out, op=red)
             elif op == "all_to_all":
@@ -90,7 +90,7 @@ class MpiBackend(Backend):
                 return c.Ireduce(MPI.IN_PLACE, b.buf, op=red, root=root)
             return c.Ireduce(b.buf, None, op=red, root=root)
         if op == "all_gather":
-            return c.Iallgather(b.inp, b.out)
+            return c.Iallgather(MPI.IN_PLACE if cfg.in_place else b.inp, b.out)
         if op == "reduce_scatter":
             return c.Ireduce_scatter_block(b.inp, b.out, op=red)
         if op == "all_to_all":
