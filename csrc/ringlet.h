@@ -120,7 +120,7 @@ typedef struct {
     int64_t bcast_small_bytes;     /* <= this: binomial tree, else chain     */
     int64_t reduce_small_bytes;    /* <= this: binomial tree, else chain     */
     int64_t spin_us;               /* busy-poll this long before blocking    */
-    int64_t sockbuf_bytes;         /* SO_SNDBUF / SO_RCVBUF, 0 = OS default  */
+    int64_t sockbuf_bytes;         /* SO_SNDBUF / SO_RCVBUF, 0 = autotuned   */
     int64_t max_frame_bytes;       /* global ceiling on any frame's payload  */
     int64_t handshake_ms;          /* deadline for one connection handshake */
     int64_t p2p_unexpected_bytes;  /* cap on buffered unmatched p2p frames  */

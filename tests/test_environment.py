@@ -292,3 +292,65 @@ def test_mpi_bootstrap_under_mpirun(tmp_path):
     lines = sorted(l for l in out.stdout.splitlines() if l.startswith("BOOT"))
     assert lines == [f"BOOT rank={r} size=3 addr=127.0.0.1 secret=32 source=openmpi"
                      for r in range(3)]
+
+
+# ---- ranks that lead sessions of their own on a shared core ---------------------------------
+@pytest.mark.parametrize("autogroups,leader,cpus,local,warns", [
+    ("1", True, 2, 4, True),
+    ("0", True, 2, 4, False),    # no autogroups: a yield reaches every task
+    ("1", False, 2, 4, False),   # in the launcher's session (ringlet run, mpirun)
+    ("1", True, 4, 4, False),    # a core per rank: nobody waits for a core
+    ("1", True, 2, 1, False),
+])
+def test_own_session_note(monkeypatch, tmp_path, autogroups, leader, cpus, local, warns):
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs os.sched_getaffinity (Linux)")
+    sysctl = tmp_path / "sched_autogroup_enabled"
+    sysctl.write_text(autogroups + "\n")
+    monkeypatch.setattr(envmod, "_AUTOGROUP_SYSCTL", str(sysctl))
+    monkeypatch.setattr(envmod.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(envmod.os, "getsid", lambda pid: os.getpid() if leader else 1)
+    note = envmod.own_session_note(local)
+    if warns:
+        assert f"{local} ranks on this host share {cpus} CPU(s)" in note
+        assert "ringlet run" in note and "sched_autogroup_enabled=0" in note
+    else:
+        assert note is None
+    monkeypatch.setattr(envmod, "_AUTOGROUP_SYSCTL", str(tmp_path / "missing"))
+    assert envmod.own_session_note(local) is None  # no such kernel knob: nothing to say
+
+
+def test_init_warns_ranks_in_sessions_of_their_own(tmp_path):
+    # Two torchrun-style ranks, each leading its own session (as torchrun starts
+    # them) and pinned to one CPU: init warns exactly when the kernel has autogroups.
+    if not hasattr(os, "sched_setaffinity") or not os.path.exists(envmod._AUTOGROUP_SYSCTL):
+        pytest.skip("needs Linux with scheduler autogroups")
+    with open(envmod._AUTOGROUP_SYSCTL) as f:
+        autogroups = f.read().strip() == "1"
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, warnings
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+        import ringlet
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ringlet.init(timeout=60)
+        ringlet.barrier()
+        ringlet.shutdown()
+        print("WARNED", any("leads a session of its own" in str(w.message) for w in seen))
+    """))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))}
+    base.update(PYTHONPATH=SRC, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2", RINGLET_SECRET="s" * 32)
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(base, RANK=str(r),
+                                                                      LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert f"WARNED {autogroups}" in out

@@ -305,6 +305,10 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
         raise ValueError(f"invalid rank {rank!r} for world_size {world_size!r}")
 
     _apply_tuning_env()
+    if env is not None and world_size > 1:
+        note = envmod.own_session_note(env.local_world_size)
+        if note:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
     secret_b = _secret_from(secret)
     server = None
     if world_size > 1 and not master_addr and source in ("openmpi", "mpich", "slurm"):

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from .store import StoreServer
 
 __all__ = ["LaunchEnv", "detect", "is_loopback", "select_bind_address", "list_interfaces",
-           "parse_nodelist", "load_secret", "mpi_bootstrap", "MIN_SECRET_BYTES"]
+           "parse_nodelist", "load_secret", "mpi_bootstrap", "own_session_note",
+           "MIN_SECRET_BYTES"]
 
 MIN_SECRET_BYTES = 16
 SOURCES = ("ringlet", "torchrun", "openmpi", "mpich", "slurm")
@@ -296,6 +297,39 @@ def _expand_host(item: str, spec: str, var: str) -> List[str]:
 
 
 # ---- addresses ------------------------------------------------------------------------------
+_AUTOGROUP_SYSCTL = "/proc/sys/kernel/sched_autogroup_enabled"
+
+
+def own_session_note(local_world_size: int) -> Optional[str]:
+    """A warning for a rank that will wait slowly, or None.
+
+    With more ranks on this host than CPUs this process may run on, ranks
+    take turns on cores, and a waiting rank hands its core to the others by
+    yielding.  With the kernel's scheduler autogroups (every session a group
+    of its own) a yield reaches only tasks of the yielder's session, so ranks
+    that each lead a session of their own (torchrun starts them so) keep half
+    a shared core while they wait.  ``ringlet run`` and mpirun keep their
+    ranks in one session.
+    """
+    if local_world_size < 2 or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+        with open(_AUTOGROUP_SYSCTL) as f:
+            autogroups = f.read().strip() == "1"
+        leader = os.getsid(0) == os.getpid()
+    except OSError:
+        return None
+    if not (autogroups and leader and local_world_size > cpus):
+        return None
+    return (f"ringlet: {local_world_size} ranks on this host share {cpus} CPU(s) and this rank "
+            "leads a session of its own (as torchrun starts ranks); with "
+            "kernel.sched_autogroup_enabled=1 a waiting rank cannot yield its core to the rank "
+            "it waits for, and small collectives can take twice as long. Launch with "
+            "`ringlet run` or mpirun, or set kernel.sched_autogroup_enabled=0 "
+            "(docs/launching.md)")
+
+
 def is_loopback(host: Optional[str]) -> bool:
     """True when ``host`` names this machine's loopback (127.0.0.0/8, ::1, "localhost").
 
