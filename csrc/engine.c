@@ -8,9 +8,12 @@
  * tries: a waiting rank that polls sees a reply in a few microseconds instead
  * of paying a ~50 us wake-up, and the yield hands the core to another rank
  * when ranks outnumber cores (if both are in one scheduler autogroup, i.e.
- * one session: ringlet run sees to that).  After the spin budget it blocks
- * in poll(2) in slices of at most 100 ms, calling the interrupt hook between
- * slices (so Ctrl-C works) and checking the operation's deadline.
+ * one session: ringlet run sees to that).  With no more ranks than cores
+ * init() turns the yield off (rl_tune.spin_yield): two ranks that yield to
+ * each other every few microseconds on one core both stay "cache hot", so
+ * the scheduler never moves one to the idle core.  After the spin budget it
+ * blocks in poll(2) in slices of at most 100 ms, calling the interrupt hook
+ * between slices (so Ctrl-C works) and checking the operation's deadline.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -115,7 +118,7 @@ static int wait_some(rl_comm *c, const rl_opdesc *op, waiter *w,
         w->spin_until = now + rl_tune.spin_us * 1000LL;
     }
     if (now < w->spin_until) {
-        sched_yield();
+        if (rl_tune.spin_yield) sched_yield();
         return RL_OK;
     }
     if (now >= op->deadline_ns)

@@ -124,6 +124,7 @@ typedef struct {
     int64_t max_frame_bytes;       /* global ceiling on any frame's payload  */
     int64_t handshake_ms;          /* deadline for one connection handshake */
     int64_t p2p_unexpected_bytes;  /* cap on buffered unmatched p2p frames  */
+    int64_t spin_yield;            /* 1: sched_yield between polls of a spin */
 } rl_tuning;
 
 void rl_tuning_defaults(rl_tuning *t);

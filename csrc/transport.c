@@ -55,6 +55,7 @@ rl_tuning rl_tune = {
     .max_frame_bytes = (int64_t)1 << 40,
     .handshake_ms = 5000,
     .p2p_unexpected_bytes = (int64_t)256 << 20,
+    .spin_yield = 1,
 };
 static const rl_tuning rl_tune_default_copy = {
     .segment_bytes = 512 << 10,
@@ -66,6 +67,7 @@ static const rl_tuning rl_tune_default_copy = {
     .max_frame_bytes = (int64_t)1 << 40,
     .handshake_ms = 5000,
     .p2p_unexpected_bytes = (int64_t)256 << 20,
+    .spin_yield = 1,
 };
 
 void rl_tuning_defaults(rl_tuning *t) { *t = rl_tune_default_copy; }

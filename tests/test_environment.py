@@ -354,3 +354,26 @@ def test_init_warns_ranks_in_sessions_of_their_own(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert f"WARNED {autogroups}" in out
+
+
+def test_spin_yield_follows_oversubscription(monkeypatch):
+    from ringlet import _core, _world
+
+    monkeypatch.setattr(_world.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert [_world._spin_yield_policy(n) for n in (1, 2, 3, 8)] == [0, 0, 1, 1]
+    for var in ("RINGLET_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID",
+                "WORLD_SIZE", "RINGLET_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                "SLURM_NTASKS", "RINGLET_SPIN_YIELD"):
+        monkeypatch.delenv(var, raising=False)
+    saved = _core.get_tuning()
+    try:
+        _core.set_tuning(spin_yield=1)
+        ringlet.init()  # a world of one: no more ranks than CPUs, so no yield
+        ringlet.shutdown()
+        assert _core.get_tuning()["spin_yield"] == 0
+        monkeypatch.setenv("RINGLET_SPIN_YIELD", "1")  # the variable wins over the policy
+        ringlet.init()
+        ringlet.shutdown()
+        assert _core.get_tuning()["spin_yield"] == 1
+    finally:
+        _core.set_tuning(**saved)

@@ -29,6 +29,7 @@ cdef extern from "ringlet.h" nogil:
         int64_t max_frame_bytes
         int64_t handshake_ms
         int64_t p2p_unexpected_bytes
+        int64_t spin_yield
 
     size_t rl_dtype_size(rl_dtype dt)
     const char *rl_dtype_name(rl_dtype dt)

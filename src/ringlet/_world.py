@@ -223,7 +223,21 @@ _TUNING_ENV = {"RINGLET_SEGMENT_BYTES": "segment_bytes",
                "RINGLET_ALLREDUCE_SMALL_BYTES": "allreduce_small_bytes",
                "RINGLET_BCAST_SMALL_BYTES": "bcast_small_bytes",
                "RINGLET_REDUCE_SMALL_BYTES": "reduce_small_bytes",
-               "RINGLET_SPIN_US": "spin_us", "RINGLET_SOCKBUF_BYTES": "sockbuf_bytes"}
+               "RINGLET_SPIN_US": "spin_us", "RINGLET_SOCKBUF_BYTES": "sockbuf_bytes",
+               "RINGLET_SPIN_YIELD": "spin_yield"}
+
+
+def _spin_yield_policy(local_world_size: int) -> int:
+    """1 (yield between polls) when this host's ranks outnumber the CPUs this
+    process may use, so a waiting rank hands its core to one that has work;
+    else 0: two ranks that yield to each other on one core stay "cache hot"
+    and the scheduler never spreads them to an idle core (docs/benchmarks.md,
+    "Two speeds at 2 ranks")."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return 1 if local_world_size > cpus else 0
 
 
 def _apply_tuning_env() -> None:
@@ -305,6 +319,9 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
         raise ValueError(f"invalid rank {rank!r} for world_size {world_size!r}")
 
     _apply_tuning_env()
+    if "RINGLET_SPIN_YIELD" not in os.environ:
+        _core.set_tuning(spin_yield=_spin_yield_policy(
+            env.local_world_size if env is not None else world_size))
     if env is not None and world_size > 1:
         note = envmod.own_session_note(env.local_world_size)
         if note:

@@ -28,7 +28,7 @@ COLUMNS = ("system", "op", "nranks", "size", "count", "type", "redop", "root", "
            "in_place", "rounds")
 _TUNING_ENV = ("RINGLET_SEGMENT_BYTES", "RINGLET_ALLREDUCE_SMALL_BYTES",
                "RINGLET_BCAST_SMALL_BYTES", "RINGLET_REDUCE_SMALL_BYTES", "RINGLET_SPIN_US",
-               "RINGLET_SOCKBUF_BYTES")
+               "RINGLET_SOCKBUF_BYTES", "RINGLET_SPIN_YIELD")
 
 
 def environment_info(versions: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
