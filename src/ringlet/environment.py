@@ -296,7 +296,7 @@ def _expand_host(item: str, spec: str, var: str) -> List[str]:
     return [prefix + v + t for v in values for t in tails]
 
 
-# ---- addresses ------------------------------------------------------------------------------
+# ---- scheduling -----------------------------------------------------------------------------
 _AUTOGROUP_SYSCTL = "/proc/sys/kernel/sched_autogroup_enabled"
 
 
@@ -330,6 +330,7 @@ def own_session_note(local_world_size: int) -> Optional[str]:
             "(docs/launching.md)")
 
 
+# ---- addresses ------------------------------------------------------------------------------
 def is_loopback(host: Optional[str]) -> bool:
     """True when ``host`` names this machine's loopback (127.0.0.0/8, ::1, "localhost").
 
