@@ -192,8 +192,9 @@ def test_aggregate_takes_medians_over_rounds():
 
 
 def _targets():
-    spec = importlib.util.spec_from_file_location("bench_targets", Path(SRC).parent / "bench" /
-                                                  "targets.py")
+    # bench/ is not installed: the repository's copy, next to tests/.
+    path = Path(__file__).resolve().parents[1] / "bench" / "targets.py"
+    spec = importlib.util.spec_from_file_location("bench_targets", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
