@@ -18,6 +18,7 @@ by which system drew it.  The ratio of the overall medians is counted too.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from typing import Dict, Tuple
 
@@ -46,12 +47,9 @@ def paired_ratio(doc: dict, op: str, size: int) -> float:
     for r in doc.get("round_rows", ()):
         if r["op"] == op and r["size"] == size:
             per.setdefault(r["round"], {})[r["system"]] = r["time_us"]
-    qs = sorted(t["ringlet"] / min(t[p] for p in PEERS if p in t)
-                for t in per.values() if "ringlet" in t and any(p in t for p in PEERS))
-    if not qs:
-        return float("nan")
-    m = len(qs) // 2
-    return qs[m] if len(qs) % 2 else (qs[m - 1] + qs[m]) / 2
+    qs = [t["ringlet"] / min(t[p] for p in PEERS if p in t)
+          for t in per.values() if "ringlet" in t and any(p in t for p in PEERS)]
+    return statistics.median(qs) if qs else float("nan")
 
 
 def summary(doc: dict) -> str:

@@ -45,30 +45,23 @@
 /* ------------------------------------------------------------------ */
 /* tuning, time, interrupt hook                                        */
 /* ------------------------------------------------------------------ */
-rl_tuning rl_tune = {
-    .segment_bytes = 512 << 10,
-    .allreduce_small_bytes = 64 << 10,
-    .bcast_small_bytes = 64 << 10,
-    .reduce_small_bytes = 64 << 10,
-    .spin_us = 50,
-    .sockbuf_bytes = 0, /* the kernel autotunes: docs/benchmarks.md, "Knobs" */
-    .max_frame_bytes = (int64_t)1 << 40,
-    .handshake_ms = 5000,
-    .p2p_unexpected_bytes = (int64_t)256 << 20,
-    .spin_yield = 1,
-};
-static const rl_tuning rl_tune_default_copy = {
-    .segment_bytes = 512 << 10,
-    .allreduce_small_bytes = 64 << 10,
-    .bcast_small_bytes = 64 << 10,
-    .reduce_small_bytes = 64 << 10,
-    .spin_us = 50,
-    .sockbuf_bytes = 0,
-    .max_frame_bytes = (int64_t)1 << 40,
-    .handshake_ms = 5000,
-    .p2p_unexpected_bytes = (int64_t)256 << 20,
-    .spin_yield = 1,
-};
+/* One list of defaults: the live knobs start from it and
+ * rl_tuning_defaults() hands it out again. */
+#define RL_TUNING_DEFAULTS                                                     \
+    {                                                                          \
+        .segment_bytes = 512 << 10,                                            \
+        .allreduce_small_bytes = 64 << 10,                                     \
+        .bcast_small_bytes = 64 << 10,                                         \
+        .reduce_small_bytes = 64 << 10,                                        \
+        .spin_us = 50,                                                         \
+        .sockbuf_bytes = 0, /* autotuned: docs/benchmarks.md, "Knobs" */       \
+        .max_frame_bytes = (int64_t)1 << 40,                                   \
+        .handshake_ms = 5000,                                                  \
+        .p2p_unexpected_bytes = (int64_t)256 << 20,                            \
+        .spin_yield = 1,                                                       \
+    }
+rl_tuning rl_tune = RL_TUNING_DEFAULTS;
+static const rl_tuning rl_tune_default_copy = RL_TUNING_DEFAULTS;
 
 void rl_tuning_defaults(rl_tuning *t) { *t = rl_tune_default_copy; }
 void rl_set_tuning(const rl_tuning *t) {

@@ -233,11 +233,9 @@ def _spin_yield_policy(local_world_size: int) -> int:
     else 0: two ranks that yield to each other on one core stay "cache hot"
     and the scheduler never spreads them to an idle core (docs/benchmarks.md,
     "Two speeds at 2 ranks")."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return 1 if local_world_size > cpus else 0
+    from .environment import usable_cpus
+
+    return 1 if local_world_size > usable_cpus() else 0
 
 
 def _apply_tuning_env() -> None:

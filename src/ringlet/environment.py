@@ -300,6 +300,14 @@ def _expand_host(item: str, spec: str, var: str) -> List[str]:
 _AUTOGROUP_SYSCTL = "/proc/sys/kernel/sched_autogroup_enabled"
 
 
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (its affinity mask where known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def own_session_note(local_world_size: int) -> Optional[str]:
     """A warning for a rank that will wait slowly, or None.
 
@@ -311,10 +319,10 @@ def own_session_note(local_world_size: int) -> Optional[str]:
     a shared core while they wait.  ``ringlet run`` and mpirun keep their
     ranks in one session.
     """
-    if local_world_size < 2 or not hasattr(os, "sched_getaffinity"):
+    if local_world_size < 2:
         return None
+    cpus = usable_cpus()
     try:
-        cpus = len(os.sched_getaffinity(0))
         with open(_AUTOGROUP_SYSCTL) as f:
             autogroups = f.read().strip() == "1"
         leader = os.getsid(0) == os.getpid()
