@@ -179,6 +179,25 @@ def test_batch_times_back_to_back_operations_and_divides(monkeypatch):
         SweepConfig("all_reduce", [64], batch=0).validate(1)
 
 
+def test_settle_runs_barriers_until_the_slowest_rank_passes_the_time(monkeypatch):
+    class Slow(_ClockedBackend):
+        barriers = 0
+
+        def barrier(self):
+            self.barriers += 1
+            self.now += 1e-3
+
+        def max_f64(self, a):
+            # Another rank is 5 ms further along: the slowest rank decides.
+            return np.asarray(a, np.float64) + 5e-3
+
+    backend = Slow(op_s=0.0)
+    monkeypatch.setattr(sweep_mod.time, "perf_counter", backend.clock)
+    done = sweep_mod.settle(backend, seconds=0.1, chunk=10)
+    assert done == backend.barriers == 100  # 95 ms here + 5 ms: stop after chunk 10
+    assert sweep_mod.settle(backend, seconds=0.0, chunk=7) == 7  # at least one chunk
+
+
 def test_aggregate_takes_medians_over_rounds():
     base = dict(system="ringlet", op="all_reduce", nranks=2, size=1000, count=250,
                 type="float32", redop="sum", root=-1, algbw=1.0, busbw=1.0, wrong=0,

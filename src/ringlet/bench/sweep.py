@@ -26,7 +26,12 @@ Timing method (per size):
      output (nccl-tests' in-place column; what FSDP and ZeRO call): nothing
      to copy locally.  all_reduce, broadcast and reduce have one buffer and
      are in place either way; the ops in ``NOT_IN_PLACE`` are not measured.
-  6. With ``batch`` > 1 a timed iteration runs ``batch`` such operations
+  6. Before its first size a driver *settles*: every rank runs barriers for
+     ``SETTLE_S`` seconds.  Just after a launch the scheduler is still placing
+     the new processes on cores, and the first size measured otherwise paid
+     for it on every system (4 ranks, 8 B all_reduce: first-round medians
+     1.4-1.6x the later rounds' for ringlet and Open MPI alike).
+  7. With ``batch`` > 1 a timed iteration runs ``batch`` such operations
      back to back after its one barrier and the time is divided by
      ``batch`` as well: nccl-tests' method (it times all iterations back to
      back), where consecutive operations may overlap, as in a training
@@ -48,7 +53,7 @@ import numpy as np
 
 __all__ = ["OPS", "NOT_IN_PLACE", "REDOPS", "DTYPES", "SweepConfig", "Backend", "Layout", "layout",
            "busbw_factor", "run_sweep", "parse_size", "size_range", "resolve_dtype",
-           "emit", "ROW_PREFIX", "MIN_ITERS", "ping_pong"]
+           "emit", "ROW_PREFIX", "MIN_ITERS", "SETTLE_S", "settle", "ping_pong"]
 
 OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather", "all_to_all",
        "gather", "scatter", "sendrecv", "barrier")
@@ -68,6 +73,7 @@ DTYPES = {
     "int64": "int64",
 }
 MIN_ITERS = 3
+SETTLE_S = 0.25
 _HUGE_MIN = 4 << 20  # numpy's own threshold for madvise(MADV_HUGEPAGE)
 ROW_PREFIX = "@@ringlet-bench "  # lines a driver's rank 0 prints for the parent
 
@@ -556,6 +562,22 @@ def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, A
     }
 
 
+def settle(backend: Backend, seconds: float = SETTLE_S, chunk: int = 20) -> int:
+    """Run barriers until ``seconds`` have passed on the slowest rank; returns how many.
+
+    Ranks agree when to stop through ``max_f64`` after every ``chunk``
+    barriers, so all of them run the same number.
+    """
+    clock = time.perf_counter
+    t0, done = clock(), 0
+    while True:
+        for _ in range(chunk):
+            backend.barrier()
+        done += chunk
+        if float(backend.max_f64(np.array([clock() - t0]))[0]) >= seconds:
+            return done
+
+
 def run_sweep(backend: Backend, cfg: SweepConfig,
               on_row: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Dict[str, Any]]:
     """Measure every size of ``cfg`` on ``backend``; rows in size order (all ranks).
@@ -594,6 +616,7 @@ def drive(backend: Backend, sweeps: Sequence[Dict[str, Any]]) -> int:
     if backend.rank == 0:
         emit("hello", {"system": backend.name, "nranks": backend.size,
                        "versions": backend.versions()})
+    settle(backend)
     for raw in sweeps:
         cfg = SweepConfig(**raw)
         reason = backend.unsupported(cfg)
