@@ -101,3 +101,34 @@ def test_shutdown_with_unanswered_irecv_is_bounded_and_safe():
     assert took < 30, took
     for w in works:
         assert w.is_completed() and w.exception() is not None
+
+
+def _keeps(rank, P):
+    from ringlet._world import _require
+
+    g = _require(None)
+    seen = []
+    queued = g._run_queued
+
+    def spy(op, fn, args, keep, async_op):
+        seen.append((op, keep))
+        return queued(op, fn, args, keep, async_op)
+
+    g._run_queued = spy
+    a = np.full(8, rank, np.float32)
+    out, inp = np.empty(P * 2, np.float32), np.full(2, rank, np.float32)
+    ringlet.all_reduce(a, async_op=True).wait(timeout=30)
+    gout = out if rank == 0 else None
+    ringlet.gather(gout, inp, dst=0, async_op=True).wait(timeout=30)
+    ringlet.barrier(async_op=True).wait(timeout=30)
+    del g._run_queued
+    # The Work of an async op keeps exactly the op's arrays alive (None is no array).
+    ids = [(op, [id(x) for x in keep]) for op, keep in seen]
+    want = [("all_reduce", [id(a)]),
+            ("gather", [id(out), id(inp)] if rank == 0 else [id(inp)]),
+            ("barrier", [])]
+    return ids == want and bool(np.all(a == sum(range(P))))
+
+
+def test_async_work_keeps_exactly_the_ops_arrays():
+    assert all(run_world(_keeps, 2, mode="thread", timeout=60))
