@@ -35,13 +35,14 @@ _SUM = ReduceOp.SUM
 # flags without building numpy's flags object.
 _array = _core.check_array
 
-# Unbound binding methods, called as fn(comm, *args): the synchronous path
+# Unbound binding methods, called as fn(comm, ...): the synchronous path
 # then builds no closure per call.
 _C = _core.Comm
 _NO = object()  # "no fifth argument" for ProcessGroup._call
 
 
 def _spread(comm: Any, fn: Callable[..., Any], args: tuple, _b: Any, _c: Any) -> Any:
+    # Lets _call run a binding of any arity: fn and its argument tuple ride as a, b.
     return fn(comm, *args)
 
 
