@@ -219,7 +219,7 @@ class ProcessGroup:
         a = _array(array, "array", True)
         code = dtype_code(a.dtype)
         op = 0 if op is _SUM else check_op(op, code, a.dtype)
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._call("all_reduce", async_op, _C.all_reduce, a, code, op, ms)
 
     def broadcast(self, array: np.ndarray, src: int = 0, *, async_op: bool = False,
@@ -228,7 +228,7 @@ class ProcessGroup:
         a = _array(array, "array", True)
         code = dtype_code(a.dtype)
         src = self._peer(src, "src")
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._call("broadcast", async_op, _C.broadcast, a, code, src, ms)
 
     def reduce(self, array: np.ndarray, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
@@ -238,7 +238,7 @@ class ProcessGroup:
         code = dtype_code(a.dtype)
         op = 0 if op is _SUM else check_op(op, code, a.dtype)
         dst = self._peer(dst, "dst")
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._call("reduce", async_op, _C.reduce, a, code, op, dst, ms)
 
     def all_gather(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
@@ -252,7 +252,7 @@ class ProcessGroup:
             raise ValueError(f"all_gather: output has {o.size} elements but needs group size "
                              f"{self.size} x input size {i.size} = {i.size * self.size}")
         code = dtype_code(o.dtype)
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._call("all_gather", async_op, _C.all_gather, o, i, code, ms)
 
     def reduce_scatter(self, output: np.ndarray, input: np.ndarray,
@@ -271,7 +271,7 @@ class ProcessGroup:
             raise ValueError("reduce_scatter: output must not overlap input")
         code = dtype_code(o.dtype)
         op = 0 if op is _SUM else check_op(op, code, o.dtype)
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._call("reduce_scatter", async_op, _C.reduce_scatter, o, i, code, op, ms)
 
     def all_to_all(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
@@ -290,7 +290,7 @@ class ProcessGroup:
         if np.shares_memory(o, i):
             raise ValueError("all_to_all: output must not overlap input")
         code = dtype_code(o.dtype)
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._call("all_to_all", async_op, _C.all_to_all, o, i, code, ms)
 
     def all_to_all_v(self, output: np.ndarray, output_counts: Sequence[int], input: np.ndarray,
@@ -318,7 +318,7 @@ class ProcessGroup:
         if np.shares_memory(o, i):
             raise ValueError("all_to_all: output must not overlap input")
         code = dtype_code(o.dtype)
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._run("all_to_all",
                          _C.all_to_all_v, (o, oc, i, ic, code, ms), (o, i), async_op)
 
@@ -338,7 +338,7 @@ class ProcessGroup:
                 raise ValueError(f"gather: output has {o.size} elements but needs group size "
                                  f"{self.size} x input size {i.size} = {i.size * self.size}")
         code = dtype_code(i.dtype)
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._call("gather", async_op, _C.gather, o, i, code, dst, ms)
 
     def scatter(self, output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *,
@@ -357,12 +357,12 @@ class ProcessGroup:
                 raise ValueError(f"scatter: input has {i.size} elements but needs group size "
                                  f"{self.size} x output size {o.size} = {o.size * self.size}")
         code = dtype_code(o.dtype)
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._call("scatter", async_op, _C.scatter, o, i, code, src, ms)
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
         """Return once every rank of the group has entered the barrier."""
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         return self._run("barrier", _C.barrier, (ms,), (), async_op)
 
     # ---- point to point -----------------------------------------------------
@@ -379,7 +379,7 @@ class ProcessGroup:
                 raise ValueError(f"tag must be an int in [0, 2**32), got {tag!r}")
             tag = int(tag)
         code = dtype_code(a.dtype)
-        ms = self._default_ms if timeout is None else self._ms(timeout)
+        ms = self._ms(timeout)
         if self._closed or self.rank < 0:
             self._usable()
         args = (a, code, peer, tag, ms)
