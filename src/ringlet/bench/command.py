@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_positive_int, default=None,
                    help="interleaved rounds per system (default 3 with --vs, else 1)")
     p.add_argument("--limits", action="store_true",
-                   help="also measure `limits` and show each row's busbw as %% of its ceiling")
+                   help="also measure `limits` (before every round; the ceiling is their median) "
+                        "and show each large row's busbw as %% of its ceiling")
     p.add_argument("--duration", type=float, default=1.0,
                    help="limits: seconds per stream measurement (default 1)")
     p.add_argument("--json", metavar="FILE", help="write rows and environment as JSON")
@@ -168,20 +169,35 @@ def _exit_code(rows: Sequence[Dict[str, Any]], args: argparse.Namespace, say) ->
     return code
 
 
-def _ceiling_column(rows: Sequence[Dict[str, Any]], ceil: Dict[str, float]) -> str:
-    lines = ["# busbw as % of the loopback TCP ceiling (`ringlet bench limits`, same run)",
-             f"#{'op':>15} {'size':>12} {'busbw':>8} {'ceiling':>8} {'%':>6}"]
+def _ceiling_column(rows: Sequence[Dict[str, Any]], samples: Sequence[Dict[str, Any]],
+                    nranks: int) -> str:
+    """busbw of each large row against the median ceiling of the run's limits
+    measurements, with the range those measurements spanned."""
+    from .limits import ceilings, median_limits
+
+    ceil = ceilings(median_limits(list(samples)), nranks)
+    each = [ceilings(s, nranks) for s in samples]
+    how = (f"median of {len(samples)} measurements, one before each round"
+           if len(samples) > 1 else "measured at the start")
+    lines = [f"# busbw as % of the loopback TCP ceiling (`ringlet bench limits`, {how})",
+             f"#{'op':>15} {'size':>12} {'busbw':>8} {'ceiling':>8} {'min':>7} {'max':>7} "
+             f"{'%':>6}"]
     for r in rows:
         c = ceil.get(r["op"])
         # Below ~16 MiB the socket buffers absorb much of a message, so the
         # steady-state stream rate is not yet the limit.
         if c and r["size"] >= (16 << 20):
+            lo = min(e[r["op"]] for e in each)
+            hi = max(e[r["op"]] for e in each)
             lines.append(f"{r['op']:>16} {r['size']:>12} {r['busbw']:>8.3f} {c:>8.3f} "
-                         f"{100 * r['busbw'] / c:>6.1f}")
+                         f"{lo:>7.3f} {hi:>7.3f} {100 * r['busbw'] / c:>6.1f}")
     return "\n".join(lines)
 
 
-def _outputs(args, rows, systems, skipped, env, limits_res, say, round_rows=()) -> None:
+def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=()) -> None:
+    from .limits import ceilings, median_limits
+
+    limits_res = median_limits(list(limit_samples)) if limit_samples else None
     if args.json:
         report.write_json(args.json, {
             "tool": "ringlet bench", "op": args.op, "nranks": args.nranks_eff,
@@ -189,7 +205,7 @@ def _outputs(args, rows, systems, skipped, env, limits_res, say, round_rows=()) 
                 "minbytes", "maxbytes", "stepfactor", "iters", "warmup", "check", "redop",
                 "dtype", "root", "inflight", "batch", "in_place", "budget", "rounds")},
             "systems": systems, "skipped": skipped, "environment": env,
-            "limits": limits_res, "rows": list(rows),
+            "limits": limits_res, "limits_rounds": list(limit_samples), "rows": list(rows),
             "round_rows": [{k: v for k, v in r.items() if k != "kind"} for r in round_rows],
             "summary": {s: {op: report.average_busbw([r for r in rows if r["system"] == s
                                                       and r["op"] == op])
@@ -199,7 +215,6 @@ def _outputs(args, rows, systems, skipped, env, limits_res, say, round_rows=()) 
     if args.csv:
         report.write_csv(args.csv, rows, env)
     if args.plot:
-        from .limits import ceilings
         from .plot import plot
 
         plot(args.plot, rows, title=f"ringlet bench {args.op}, {args.nranks_eff} ranks",
@@ -209,7 +224,7 @@ def _outputs(args, rows, systems, skipped, env, limits_res, say, round_rows=()) 
 # ---- stand-alone: launch a job per system and round ------------------------------
 def _run_launched(args: argparse.Namespace) -> int:
     from . import launch
-    from .limits import ceilings, format_limits, measure
+    from .limits import format_limits, measure, median_limits
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -231,13 +246,11 @@ def _run_launched(args: argparse.Namespace) -> int:
     rounds = args.rounds or (3 if peers else 1)
     args.rounds = rounds
     n = args.nranks_eff
-    limits_res = None
-    if args.limits:
-        say("ringlet bench: measuring limits ...")
-        limits_res = measure(max(2, n), args.duration)
-        print(format_limits(limits_res), flush=True)
-        print(flush=True)
     live = not peers and rounds == 1
+    # With several rounds the limits are measured before each one and the
+    # ceiling is their median: a single measurement at the start of a long
+    # sweep drifts more than ringlet's own numbers do (docs/benchmarks.md).
+    limit_samples: List[Dict[str, Any]] = []
     per_round: Dict[str, List[List[Dict[str, Any]]]] = {s: [] for s in systems}
     versions: Dict[str, Any] = {}
     op_skips: Dict[str, Dict[str, str]] = {}
@@ -259,6 +272,13 @@ def _run_launched(args: argparse.Namespace) -> int:
     live_rows: List[Dict[str, Any]] = []
     payload = [c.to_json() for c in sweeps]
     for k in range(rounds):
+        if args.limits:
+            say(f"ringlet bench: measuring limits ({k + 1}/{rounds}) ..." if rounds > 1
+                else "ringlet bench: measuring limits ...")
+            limit_samples.append(measure(max(2, n), args.duration))
+            if live:
+                print(format_limits(limit_samples[0]), flush=True)
+                print(flush=True)
         order = systems[k % len(systems):] + systems[:k % len(systems)]
         for s in order:
             if s in skipped:
@@ -293,6 +313,9 @@ def _run_launched(args: argparse.Namespace) -> int:
         for op, why in ops.items():
             say(f"ringlet bench: {s} skipped {op}: {why}")
     ring_rows = [r for r in rows if r["system"] == "ringlet"]
+    if limit_samples and not live:
+        print(format_limits(median_limits(limit_samples)), flush=True)
+        print(flush=True)
     if not live:
         for cfg in sweeps:
             mine = [r for r in ring_rows if r["op"] == cfg.op]
@@ -310,8 +333,8 @@ def _run_launched(args: argparse.Namespace) -> int:
             bad = sum(r["wrong"] for r in rows if r["system"] == s and r["wrong"] > 0)
             if s != "ringlet" and bad:
                 say(f"ringlet bench: warning: {s} produced {bad} wrong value(s)")
-    if limits_res:
-        print(_ceiling_column(ring_rows, ceilings(limits_res, n)))
+    if limit_samples:
+        print(_ceiling_column(ring_rows, limit_samples, n))
     env = report.environment_info(versions)
     if load_at_start is not None:
         env["loadavg_at_start"] = [round(x, 2) for x in load_at_start]
@@ -321,7 +344,7 @@ def _run_launched(args: argparse.Namespace) -> int:
             all_skips[f"{s}:{op}"] = why
     per_round_rows = [dict(r, round=k) for s in systems for k, rr in enumerate(per_round[s])
                       for r in rr]
-    _outputs(args, rows, systems, all_skips, env, limits_res, say, per_round_rows)
+    _outputs(args, rows, systems, all_skips, env, limit_samples, say, per_round_rows)
     return _exit_code(ring_rows, args, say)
 
 
@@ -364,7 +387,7 @@ def _run_in_place(args: argparse.Namespace, source: str) -> int:
         if lead:
             env = report.environment_info({"ringlet": backend.versions()})
             env["launcher"] = source
-            _outputs(args, rows, ["ringlet"], {}, env, None, say)
+            _outputs(args, rows, ["ringlet"], {}, env, (), say)
         return _exit_code(rows, args, say)
     finally:
         ringlet.shutdown()

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["measure", "format_limits", "ceilings"]
+__all__ = ["measure", "format_limits", "ceilings", "median_limits"]
 
 CHUNK = 4 << 20
 _PIPE_TIMEOUT = 60.0
@@ -391,6 +391,41 @@ def measure(nranks: int = 4, duration: float = 1.0,
     return res
 
 
+def median_limits(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Combine several ``measure()`` results: the median of every rate and time.
+
+    The ceilings drift over a long sweep (one 1-second measurement at its
+    start has read 2.2 and 3.0 GB/s on the same day), so ``ringlet bench
+    --limits`` measures before every round and judges against the median.
+    The settings (``nranks``, ``duration_s``, ``chunk_bytes``) must agree;
+    ``samples`` records how many measurements went in.
+    """
+    if not samples:
+        raise ValueError("median_limits needs at least one measurement")
+    settings = ("nranks", "duration_s", "chunk_bytes")
+    for s in samples[1:]:
+        for k in settings:
+            if s.get(k) != samples[0].get(k):
+                raise ValueError(f"limits measured with different {k}: "
+                                 f"{samples[0].get(k)!r} and {s.get(k)!r}")
+
+    def merge(vals: List[Any], where: str) -> Any:
+        if all(isinstance(v, dict) for v in vals):
+            keys = vals[0].keys()
+            if any(v.keys() != keys for v in vals):
+                raise ValueError(f"limits measurements differ in the keys of {where or 'the top'}")
+            return {k: merge([v[k] for v in vals], f"{where}.{k}".lstrip(".")) for k in keys}
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            return float(median(vals))
+        raise ValueError(f"limits: cannot combine {where}: {vals!r}")
+
+    out = merge([{k: v for k, v in s.items() if k not in settings + ("samples",)}
+                 for s in samples], "")
+    out.update({k: samples[0][k] for k in settings if k in samples[0]})
+    out["samples"] = len(samples)
+    return out
+
+
 def ceilings(limits: Dict[str, Any], nranks: int) -> Dict[str, float]:
     """Translate the TCP limits into a busbw ceiling (GB/s) per op for ``nranks`` ranks.
 
@@ -417,8 +452,10 @@ def ceilings(limits: Dict[str, Any], nranks: int) -> Dict[str, float]:
 
 def format_limits(res: Dict[str, Any]) -> str:
     """The limits as a small table."""
+    k = res.get("samples", 1)
     lines = ["# ringlet bench limits (loopback TCP, OS default socket buffers; "
-             f"{res['duration_s']:g} s per stream, {res['chunk_bytes'] >> 20} MiB sends)",
+             f"{res['duration_s']:g} s per stream, {res['chunk_bytes'] >> 20} MiB sends"
+             + (f"; median of {k} measurements, one before each round)" if k > 1 else ")"),
              f"{'measure':<44} {'value':>10}  unit"]
 
     def row(name: str, v: float, unit: str) -> None:
