@@ -88,16 +88,33 @@ def summary(doc: dict) -> str:
                + f" (by the ratio of the overall medians: behind in {behind_medians})")
     lim = doc.get("limits")
     if lim:
-        out.append(f"\n# {n} ranks: busbw of large messages as % of the TCP ceiling")
-        out.append("| op | size (B) | busbw GB/s | ceiling GB/s | % |")
-        out.append("|---|---:|---:|---:|---:|")
+        each = doc.get("limits_rounds") or [lim]
+        k = len(each)
+        out.append(f"\n# {n} ranks: busbw of large messages as % of the TCP ceiling"
+                   + (f" (median of {k} measurements, one before each round; range; and the "
+                      "median over rounds of round k's busbw / round k's ceiling)" if k > 1 else ""))
+        out.append("| op | size (B) | busbw GB/s | ceiling GB/s | range | % | % paired |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|")
         for op in ("all_reduce", "broadcast", "reduce_scatter", "all_gather"):
             for s in sizes:
                 r = rows.get((op, s), {}).get("ringlet")
                 if r and s >= LARGE:
                     c = ceiling(lim, op, n)
-                    out.append(f"| {op} | {s} | {r['busbw']:.2f} | {c:.2f} | {100 * r['busbw'] / c:.0f} |")
+                    cs = [ceiling(e, op, n) for e in each]
+                    q = paired_share(doc, op, s, cs)
+                    out.append(f"| {op} | {s} | {r['busbw']:.2f} | {c:.2f} | "
+                               f"{min(cs):.2f}–{max(cs):.2f} | {100 * r['busbw'] / c:.0f} | "
+                               + ("–" if q != q else f"{q:.0f}") + " |")
     return "\n".join(out)
+
+
+def paired_share(doc: dict, op: str, size: int, ceilings: list) -> float:
+    """Median over rounds of ringlet's busbw in round k / the ceiling measured before it."""
+    got = {r["round"]: r["busbw"] for r in doc.get("round_rows", ())
+           if r["system"] == "ringlet" and r["op"] == op and r["size"] == size}
+    if len(ceilings) < 2 or len(got) != len(ceilings):
+        return float("nan")
+    return statistics.median(100 * got[k] / c for k, c in enumerate(ceilings))
 
 
 if __name__ == "__main__":

@@ -241,6 +241,26 @@ def test_targets_verdict_pairs_rounds():
     assert "| 8 | **1.02** |" in t.summary(doc)
 
 
+def test_targets_ceiling_uses_the_median_and_pairs_rounds():
+    # Ceilings measured before each of 3 rounds: 2.0, 3.0, 2.5 GB/s (2 ranks:
+    # "both ways"); ringlet's busbw in those rounds 2.0, 2.4, 2.5.
+    def lim(both):
+        return {"tcp_both_ways": both, "tcp_one_way": 2 * both, "tcp_ring": {"2": both},
+                "tcp_chain": {"2": 2 * both}}
+    each = [lim(2.0), lim(3.0), lim(2.5)]
+    size = 16 << 20
+    rr = [dict(system="ringlet", op="all_reduce", size=size, time_us=1.0, busbw=b, round=k)
+          for k, b in enumerate((2.0, 2.4, 2.5))]
+    doc = {"nranks": 2, "limits": lim(2.5), "limits_rounds": each, "round_rows": rr,
+           "rows": [dict(system="ringlet", op="all_reduce", size=size, time_us=1.0, busbw=2.4)]}
+    t = _targets()
+    assert t.paired_share(doc, "all_reduce", size, [2.0, 3.0, 2.5]) == pytest.approx(100.0)
+    text = t.summary(doc)
+    assert f"| all_reduce | {size} | 2.40 | 2.50 | 2.00–3.00 | 96 | 100 |" in text
+    doc["limits_rounds"] = []  # one measurement: no paired share
+    assert f"| all_reduce | {size} | 2.40 | 2.50 | 2.50–2.50 | 96 | – |" in t.summary(doc)
+
+
 def test_expand_systems():
     assert launch.expand_systems("mpi,gloo") == ["mpi-tcp", "mpi-sm", "gloo"]
     assert launch.expand_systems("gloo,mpi-tcp,gloo") == ["gloo", "mpi-tcp"]
