@@ -41,8 +41,11 @@ def section(text: str, doc: dict, plot: str) -> str:
     limits, tables = _blocks(text)
     n = doc["nranks"]
     t = summary(doc).split("\n\n")
+    k = (doc.get("limits") or {}).get("samples", 1)
+    how = (f"median of {k} measurements, one before each round" if k > 1
+           else "measured at the start")
     body = [
-        "Machine ceilings measured at the start of the same run (`--limits`):", "",
+        f"Machine ceilings of the same run (`--limits`; {how}):", "",
         "```", *limits, "```", "",
         "Ratios to the faster of Open MPI over TCP and gloo (bold: ringlet behind), and "
         "large-message", "busbw against the ceiling, from `bench/targets.py`:", "",
