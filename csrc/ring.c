@@ -66,20 +66,39 @@ static int bruck_all_gather(rl_comm *c, const rl_opdesc *op, char *out, const ch
     return RL_OK;
 }
 
-/* Small reduce_scatter: all-reduce a copy of the whole input by recursive
- * doubling and keep this rank's block.  It moves P times the data of the
- * ring but takes ceil(log2 P) steps, which is what counts below the switch
- * point. */
-static int rd_reduce_scatter(rl_comm *c, const rl_opdesc *op, char *out, const char *in,
+/* Recursive halving (power-of-two P): at the step with distance d = P/2,
+ * P/4, .., 1 this rank holds partial sums of 2d consecutive blocks, its own
+ * among them; it sends the d blocks without its own to r ^ d and adds that
+ * rank's copy of the other d.  log2 P exchanges instead of the ring's P-1,
+ * with the ring's volume: (P-1) * n bytes sent per rank.  Each exchange uses
+ * one connection both ways and the sum waits for the whole half, so the
+ * pipelined ring wins once bandwidth dominates. */
+static int rh_reduce_scatter(rl_comm *c, const rl_opdesc *op, char *out, const char *in,
                              size_t count, rl_dtype dt, rl_redop rop) {
-    size_t blk = count * rl_dtype_size(dt), all = blk * (size_t)c->size;
-    char *tmp = malloc(all); /* the comm's scratch is the all-reduce's own */
-    if (!tmp) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory (%zu bytes)", all);
-    memcpy(tmp, in, all);
-    int st = rl_rd_all_reduce(c, op, tmp, count * (size_t)c->size, dt, rop);
-    if (st == RL_OK) memcpy(out, tmp + (size_t)c->rank * blk, blk);
-    free(tmp);
-    return st;
+    int P = c->size, r = c->rank, lo = 0;
+    size_t blk = count * rl_dtype_size(dt);
+    char *acc;
+    int st = rl_scratch(c, op, blk * (size_t)P, &acc); /* P/2 blocks of sums, P/2 received */
+    if (st != RL_OK) return st;
+    char *rcv = acc + blk * (size_t)(P / 2);
+    const char *cur = in; /* block lo + i of the current range at cur + i * blk */
+    uint32_t tag = 0;
+    for (int d = P / 2; d >= 1; d >>= 1, tag++) {
+        int peer = r ^ d, keep = (r & d) ? lo + d : lo, give = (r & d) ? lo : lo + d;
+        size_t len = (size_t)d * blk;
+        st = rl_exchange(c, op, peer, cur + (size_t)(give - lo) * blk, peer, rcv, len, tag);
+        if (st != RL_OK) return st;
+        const char *mine = cur + (size_t)(keep - lo) * blk;
+        char *dst = d == 1 ? out : acc; /* disjoint from, or equal to, mine */
+        if (peer < r) /* the lower rank's sum first, as in the other algorithms */
+            rl_reduce_kernel(dst, rcv, mine, count * (size_t)d, dt, rop);
+        else
+            rl_reduce_kernel(dst, mine, rcv, count * (size_t)d, dt, rop);
+        cur = acc;
+        lo = keep;
+    }
+    if (rop == RL_AVG) rl_scale_kernel(out, count, dt, 1.0 / P);
+    return RL_OK;
 }
 
 /* ---- all_gather ---- */
@@ -217,15 +236,14 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
         return RL_OK;
     }
     if (count == 0) return RL_OK;
-    /* Recursive doubling saves steps only for a power of two P >= 4 (3 ranks:
-     * 3 exchanges against the ring's 2; 2 ranks: 1 against 1, with twice the
-     * data), and its P-fold data volume outweighs that above about a quarter
-     * of the all-reduce switch point (4 ranks: 8 KiB faster, 64 KiB slower;
-     * docs/benchmarks.md). */
+    /* Recursive halving saves steps only for a power of two P >= 4 (2 ranks:
+     * one exchange either way).  At 4 ranks it beat the ring up to 1 MiB in
+     * all (342 against 364 us) and lost from 2 MiB (1014 against 956), so it
+     * runs up to 16 x the all-reduce switch point (docs/algorithms.md). */
     int P = c->size;
     if (P >= 4 && (P & (P - 1)) == 0 &&
-        (int64_t)(blk * (size_t)P) <= rl_tune.allreduce_small_bytes / 4)
-        return rl_end_op(c, rd_reduce_scatter(c, &op, out, in, count, dt, rop));
+        (int64_t)(blk * (size_t)P) <= 16 * rl_tune.allreduce_small_bytes)
+        return rl_end_op(c, rh_reduce_scatter(c, &op, out, in, count, dt, rop));
     ring_sg a;
     memset(&a, 0, sizeof a);
     a.out = out;

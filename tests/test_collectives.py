@@ -254,6 +254,33 @@ def test_blocks_larger_than_socket_buffers(tiny_buffers, P):
     assert results == [[]] * P, results
 
 
+# Recursive halving (power-of-two P, up to 16 x allreduce_small_bytes in all)
+# exchanges half the input at its first step, one connection both ways: with
+# buffers of 16 KiB a half of 64 KiB per rank must still flow without deadlock.
+def _halving(rank, P, n):
+    bad = []
+    for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+        ins = [data(r, n * P, np.float32, op, salt=5) for r in range(P)]
+        out = np.empty(n, np.float32)
+        ringlet.reduce_scatter(out, ins[rank], op)
+        want = reduce_np(ins, op, np.dtype(np.float32))[rank * n:(rank + 1) * n]
+        if not close(out, want, op):
+            bad.append(f"{op.name}: got {out[:4]} want {want[:4]}")
+    return bad
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_reduce_scatter_by_recursive_halving(P):
+    saved = _core.get_tuning()
+    assert P * 8192 * 4 <= 16 * saved["allreduce_small_bytes"]  # the halving path
+    _core.set_tuning(sockbuf_bytes=16384)
+    try:
+        results = run_world(_halving, P, timeout=120, init_timeout=60, args=(8192,))
+    finally:
+        _core.set_tuning(**saved)
+    assert results == [[]] * P, results
+
+
 # ---- inputs that alias the output ---------------------------------------------
 # The own block is copied while the sockets wait; an input that overlaps the
 # output must still be read before any receive can overwrite it.
