@@ -456,10 +456,10 @@ def format_limits(res: Dict[str, Any]) -> str:
     lines = ["# ringlet bench limits (loopback TCP, OS default socket buffers; "
              f"{res['duration_s']:g} s per stream, {res['chunk_bytes'] >> 20} MiB sends"
              + (f"; median of {k} measurements, one before each round)" if k > 1 else ")"),
-             f"{'measure':<44} {'value':>10}  unit"]
+             f"{'measure':<50} {'value':>10}  unit"]
 
     def row(name: str, v: float, unit: str) -> None:
-        lines.append(f"{name:<44} {v:>10.2f}  {unit}")
+        lines.append(f"{name:<50} {v:>10.2f}  {unit}")
 
     row("TCP one way (1 stream)", res["tcp_one_way"], "GB/s")
     row("TCP both ways at once (per direction)", res["tcp_both_ways"], "GB/s")
