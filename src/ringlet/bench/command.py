@@ -169,13 +169,13 @@ def _exit_code(rows: Sequence[Dict[str, Any]], args: argparse.Namespace, say) ->
     return code
 
 
-def _ceiling_column(rows: Sequence[Dict[str, Any]], samples: Sequence[Dict[str, Any]],
-                    nranks: int) -> str:
-    """busbw of each large row against the median ceiling of the run's limits
-    measurements, with the range those measurements spanned."""
-    from .limits import ceilings, median_limits
+def _ceiling_column(rows: Sequence[Dict[str, Any]], median: Dict[str, Any],
+                    samples: Sequence[Dict[str, Any]], nranks: int) -> str:
+    """busbw of each large row against the ceiling of ``median`` (of the run's
+    limits ``samples``), with the range those measurements spanned."""
+    from .limits import ceilings
 
-    ceil = ceilings(median_limits(list(samples)), nranks)
+    ceil = ceilings(median, nranks)
     each = [ceilings(s, nranks) for s in samples]
     how = (f"median of {len(samples)} measurements, one before each round"
            if len(samples) > 1 else "measured at the start")
@@ -313,8 +313,9 @@ def _run_launched(args: argparse.Namespace) -> int:
         for op, why in ops.items():
             say(f"ringlet bench: {s} skipped {op}: {why}")
     ring_rows = [r for r in rows if r["system"] == "ringlet"]
-    if limit_samples and not live:
-        print(format_limits(median_limits(limit_samples)), flush=True)
+    limits_res = median_limits(limit_samples) if limit_samples else None
+    if limits_res and not live:
+        print(format_limits(limits_res), flush=True)
         print(flush=True)
     if not live:
         for cfg in sweeps:
@@ -333,8 +334,8 @@ def _run_launched(args: argparse.Namespace) -> int:
             bad = sum(r["wrong"] for r in rows if r["system"] == s and r["wrong"] > 0)
             if s != "ringlet" and bad:
                 say(f"ringlet bench: warning: {s} produced {bad} wrong value(s)")
-    if limit_samples:
-        print(_ceiling_column(ring_rows, limit_samples, n))
+    if limits_res:
+        print(_ceiling_column(ring_rows, limits_res, limit_samples, n))
     env = report.environment_info(versions)
     if load_at_start is not None:
         env["loadavg_at_start"] = [round(x, 2) for x in load_at_start]
