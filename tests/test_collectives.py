@@ -247,7 +247,7 @@ def _big_blocks(rank, P, n):
     return bad
 
 
-@pytest.mark.parametrize("P", [3, 4])
+@pytest.mark.parametrize("P", [3, 4, 5])
 def test_blocks_larger_than_socket_buffers(tiny_buffers, P):
     n = 64 * 1024  # 256 KiB per block: 64 segments, ~8x what the buffers hold
     results = run_world(_big_blocks, P, timeout=120, init_timeout=60, args=(n,))
