@@ -22,17 +22,15 @@ import statistics
 import sys
 from typing import Dict, Tuple
 
+from ringlet.bench.limits import ceilings
+
 PEERS = ("mpi-tcp", "gloo")
 LARGE = 16 << 20
 
 
 def ceiling(limits: dict, op: str, nranks: int) -> float:
     """The per-link TCP rate the op's busiest link can reach on this machine."""
-    ring = limits["tcp_ring"].get(str(nranks), limits["tcp_both_ways"])
-    chain = limits["tcp_chain"].get(str(nranks), limits["tcp_one_way"])
-    if op in ("broadcast", "reduce"):
-        return chain  # pipelined chain: every link carries N one way
-    return ring  # ring ops: every rank sends and receives at once
+    return ceilings(limits, nranks)[op]
 
 
 def main(path: str) -> int:

@@ -387,6 +387,15 @@ def test_limits_json(capsys, tmp_path):
     lim = json.loads(js.read_text())["limits"]
     assert lim["tcp_one_way"] > 0 and lim["tcp_both_ways"] > 0
     assert lim["tcp_ring"]["3"] > 0 and lim["tcp_chain"]["3"] > 0
+    assert lim["volume_bytes"] == 256 << 20
+    sep = lim["tcp_separate"]
+    # Every link's own rate counts only its own first-to-last byte, so their
+    # mean can only be above the rate at which all of them finish together
+    # (5% slack: a lone link's first byte is a few microseconds after start).
+    for together, alone in ((lim["tcp_both_ways"], sep["both_ways"]),
+                            (lim["tcp_ring"]["3"], sep["ring"]["3"]),
+                            (lim["tcp_chain"]["3"], sep["chain"]["3"])):
+        assert 0 < together <= alone * 1.05
     assert set(lim["rtt_us"]) == {"blocking_1pair", "blocking_2pair", "polling_1pair",
                                   "polling_2pair"}
     assert all(v > 0 for v in lim["rtt_us"].values())
@@ -489,7 +498,7 @@ def test_missing_peer_is_skipped_with_the_pip_command(capsys, monkeypatch):
 
 
 def _fake_limits(one_way, ring3, rtt):
-    return {"nranks": 3, "duration_s": 0.5, "chunk_bytes": 4 << 20,
+    return {"nranks": 3, "duration_s": 0.5, "chunk_bytes": 4 << 20, "volume_bytes": 256 << 20,
             "tcp_one_way": one_way, "tcp_both_ways": one_way / 2,
             "tcp_ring": {"2": one_way / 2, "3": ring3}, "tcp_chain": {"2": one_way, "3": ring3},
             "rtt_us": {"blocking_1pair": rtt}, "memcpy": {"64MiB": 9.0}}
@@ -513,6 +522,9 @@ def test_median_limits_rejects_measurements_that_do_not_match():
     other = dict(_fake_limits(2.0, 1.0, 5.0), duration_s=1.0)
     with pytest.raises(ValueError, match="duration_s"):
         median_limits([_fake_limits(2.0, 1.0, 5.0), other])
+    with pytest.raises(ValueError, match="volume_bytes"):
+        median_limits([_fake_limits(2.0, 1.0, 5.0),
+                       dict(_fake_limits(2.0, 1.0, 5.0), volume_bytes=64 << 20)])
     fewer = _fake_limits(2.0, 1.0, 5.0)
     del fewer["rtt_us"]
     with pytest.raises(ValueError, match="keys"):
@@ -537,3 +549,11 @@ def test_sweep_with_limits_measures_before_every_round(capsys, tmp_path):
     busbw, ceil, lo, hi, pct = map(float, row[2:7])
     assert lo <= ceil <= hi
     assert pct == pytest.approx(100 * busbw / ceil, rel=0.02, abs=0.1)
+
+
+def test_limits_rejects_a_volume_below_one_send():
+    from ringlet.bench.limits import CHUNK, measure
+    with pytest.raises(ValueError, match="volume must be an int >= "):
+        measure(2, 0.1, volume=CHUNK - 1)
+    with pytest.raises(ValueError, match="nranks"):
+        measure(1, 0.1)

@@ -3,7 +3,7 @@
 Measured with plain sockets and numpy in separate processes on loopback, with
 the operating system's default socket buffers:
 
-* TCP one way: one process streams 4 MiB ``sendall`` calls to another.
+* TCP one way: one process streams to another in 4 MiB sends.
 * TCP both ways: two processes each send to and receive from the other at
   the same time over one connection, the pattern of a 2-rank ring.
 * TCP ring of N: N processes, each sending to the next and receiving from
@@ -11,8 +11,14 @@ the operating system's default socket buffers:
 * TCP chain of N: N-1 links 0->1->...->N-1 all busy at once (pipelined
   broadcast and reduce); the middle processes send and receive.
   Each process is one thread driving its sockets non-blocking with poll(2),
-  like ringlet's engine.  Stream rates are per link and per direction: bytes
-  received / (last byte - first byte), averaged over the receivers.
+  like ringlet's engine.  Every link carries the same bytes (256 MiB, the
+  sweeps' largest size) per transfer, all links at once; the rate is those
+  bytes / (the last byte anywhere - the first sender's start), per link and
+  per direction, the median over transfers repeated for ``duration``
+  seconds.  That is how a collective is timed: it ends with its slowest
+  link.  Each link's own rate (its first to last byte), averaged, is kept
+  too ("tcp_separate"): on a machine with fewer cores than streams the
+  links share the CPUs unevenly and that mean reads up to ~25% higher.
 * Round trip: 8-byte ping-pong, with a blocking receive, and with a polling
   receive (non-blocking ``recv`` with ``sched_yield()`` between tries, the
   policy of ringlet's ``spin_us``), for one pair and for two pairs at once
@@ -43,6 +49,9 @@ __all__ = ["measure", "format_limits", "ceilings", "median_limits"]
 
 CHUNK = 4 << 20
 _PIPE_TIMEOUT = 60.0
+# Bytes each link carries per timed transfer: the largest size of the sweeps,
+# so that a late start of one process is a small part of the time.
+VOLUME = 256 << 20
 
 
 class LimitsError(RuntimeError):
@@ -92,13 +101,15 @@ def _accept(ls: socket.socket) -> socket.socket:
 
 # ---- streams ---------------------------------------------------------------------
 def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
-                 duration: float, conn) -> None:
-    """Send to one process and/or receive from another for ``duration`` seconds.
+                 volume: int, conn) -> None:
+    """Send ``volume`` bytes to one process and/or receive as many from another,
+    once per "go" from the parent, until told to stop.
 
     One thread drives both directions over non-blocking sockets with poll(2),
     as ringlet's progress engine does.  When the process sends to and
     receives from the same peer, one connection carries both directions
-    (ringlet's 2-rank ring does the same).
+    (ringlet's 2-rank ring does the same).  Per transfer it reports when it
+    started, and (if it receives) when its first and last bytes arrived.
     """
     try:
         ls = _listener()
@@ -112,56 +123,53 @@ def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
             out = _connect(ports[sends_to]) if sends_to is not None else None
             inp = _accept(ls) if recvs_from is not None else None
         ls.close()
-        conn.send("ready")
-        conn.recv()  # go
-        result: Dict[str, Any] = {}
         sbuf = memoryview(bytearray(os.urandom(1024)) * (CHUNK // 1024))
         rbuf = memoryview(bytearray(CHUNK))
-        socks = {s for s in (out, inp) if s is not None}
-        for s_ in socks:
+        for s_ in {s for s in (out, inp) if s is not None}:
             s_.setblocking(False)
         poller = select.poll()
-        sending, receiving = out is not None, inp is not None
-        soff, total, first, last = 0, 0, None, None
-        stop = time.perf_counter() + duration
-        hard_stop = stop + _PIPE_TIMEOUT
-        while sending or receiving:
-            if time.perf_counter() > hard_stop:
-                raise LimitsError("stream did not finish")
-            if sending:
-                try:
-                    soff = (soff + out.send(sbuf[soff:])) % CHUNK
-                except BlockingIOError:
-                    pass
-                if time.perf_counter() >= stop:
-                    sending = False
-                    out.shutdown(socket.SHUT_WR)
-            while receiving:
-                try:
-                    n = inp.recv_into(rbuf)
-                except BlockingIOError:
-                    break
-                if n == 0:
-                    receiving = False
-                    break
-                now = time.perf_counter()
-                if first is None:
-                    first, n = now, 0  # the rate counts bytes after the first arrival
-                total += n
-                last = now
-            if sending or receiving:
-                ev = {}
-                if sending:
-                    ev[out.fileno()] = select.POLLOUT
-                if receiving:
-                    ev[inp.fileno()] = ev.get(inp.fileno(), 0) | select.POLLIN
-                for fd, mask in ev.items():
-                    poller.register(fd, mask)
-                poller.poll(100)
-                for fd in ev:
-                    poller.unregister(fd)
-        result = {"bytes": total, "seconds": (last - first) if first and last else 0.0}
-        conn.send(("ok", result))
+        conn.send("ready")
+        while conn.recv() == "go":
+            clock = time.perf_counter
+            t_start = clock()
+            hard_stop = t_start + _PIPE_TIMEOUT
+            sent = 0 if out is not None else volume
+            got = 0 if inp is not None else volume
+            first = last = None
+            while sent < volume or got < volume:
+                if sent < volume:
+                    try:
+                        off = sent % CHUNK
+                        sent += out.send(sbuf[off:off + min(CHUNK - off, volume - sent)])
+                    except BlockingIOError:
+                        pass
+                while got < volume:
+                    try:
+                        n = inp.recv_into(rbuf, min(CHUNK, volume - got))
+                    except BlockingIOError:
+                        break
+                    if n == 0:
+                        raise LimitsError("peer closed the stream")
+                    got += n
+                    last = clock()
+                    if first is None:
+                        first = last
+                if sent < volume or got < volume:
+                    if clock() > hard_stop:
+                        raise LimitsError("stream did not finish")
+                    ev = {}
+                    if sent < volume:
+                        ev[out.fileno()] = select.POLLOUT
+                    if got < volume:
+                        ev[inp.fileno()] = ev.get(inp.fileno(), 0) | select.POLLIN
+                    for fd, mask in ev.items():
+                        poller.register(fd, mask)
+                    poller.poll(100)
+                    for fd in ev:
+                        poller.unregister(fd)
+            conn.send(("ok", {"start": t_start if out is not None else None,
+                              "first": first, "last": last}))
+        conn.send(("ok", None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"process {idx}: {exc!r}"))
 
@@ -181,6 +189,10 @@ def _go_and_collect(pipes) -> list:
         _recv(c, "readiness")
     for c in pipes:
         c.send("go")
+    return _collect(pipes)
+
+
+def _collect(pipes) -> list:
     results = []
     for c in pipes:
         status, res = _recv(c, "its result")
@@ -190,8 +202,18 @@ def _go_and_collect(pipes) -> list:
     return results
 
 
-def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float) -> float:
-    """Run the given (src, dst) links at once; return the mean per-link GB/s."""
+def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float,
+           volume: int = VOLUME) -> Tuple[float, float]:
+    """Run the given (src, dst) links at once, each carrying ``volume`` bytes,
+    repeatedly for about ``duration`` seconds (at least 3 transfers).
+
+    Returns two per-link GB/s figures, medians over the transfers:
+    ``volume`` / (last byte anywhere - first sender's start), the rate at
+    which every link carries the same bytes (what a collective needs: it ends
+    with its slowest link); and the mean over links of each link's own rate
+    (first to last byte), which counts a link that finished early at its own
+    pace and so reads higher whenever the links share the CPUs unevenly.
+    """
     ctx = _context()
     sends = {s: d for s, d in links}
     recvs = {d: s for s, d in links}
@@ -200,16 +222,32 @@ def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float) -> float:
         for i in range(nprocs):
             a, b = ctx.Pipe()
             p = ctx.Process(target=_flow_worker,
-                            args=(i, sends.get(i), recvs.get(i), duration, b), daemon=True)
+                            args=(i, sends.get(i), recvs.get(i), volume, b), daemon=True)
             p.start()
             procs.append(p)
             pipes.append(a)
         ports = [_recv(c, "its port") for c in pipes]
         for c in pipes:
             c.send(ports)
-        rates = [res["bytes"] / res["seconds"] / 1e9 for res in _go_and_collect(pipes)
-                 if res and res["seconds"] > 0]
-        return sum(rates) / len(rates) if rates else 0.0
+        for c in pipes:
+            _recv(c, "readiness")
+        together: List[float] = []
+        separate: List[float] = []
+        stop = time.perf_counter() + duration
+        while len(together) < 3 or time.perf_counter() < stop:
+            for c in pipes:
+                c.send("go")
+            res = _collect(pipes)
+            start = min(r["start"] for r in res if r["start"] is not None)
+            last = max(r["last"] for r in res if r["last"] is not None)
+            together.append(volume / (last - start) / 1e9)
+            own = [volume / (r["last"] - r["first"]) / 1e9 for r in res
+                   if r["last"] is not None and r["last"] > r["first"]]
+            separate.append(sum(own) / len(own) if own else 0.0)
+        for c in pipes:
+            c.send("stop")
+        _collect(pipes)
+        return median(together), median(separate)
     finally:
         _reap(procs)
 
@@ -352,13 +390,14 @@ def _memory(duration: float) -> Dict[str, Dict[str, float]]:
 
 # ---- driver --------------------------------------------------------------------
 def measure(nranks: int = 4, duration: float = 1.0,
-            progress=None) -> Dict[str, Any]:
+            progress=None, volume: int = VOLUME) -> Dict[str, Any]:
     """Measure every ceiling; returns a JSON-ready dict (rates in GB/s, times in us).
 
     Args:
         nranks: also measure a ring and a chain of this many processes (>= 3).
         duration: seconds per stream measurement (round trips get half).
         progress: optional callable(str) told what is being measured.
+        volume: bytes each link carries per timed transfer.
     Raises:
         ValueError: bad arguments.  LimitsError: a measuring process failed.
     """
@@ -366,20 +405,33 @@ def measure(nranks: int = 4, duration: float = 1.0,
         raise ValueError(f"nranks must be an int >= 2, got {nranks!r}")
     if not duration > 0:
         raise ValueError(f"duration must be > 0 seconds, got {duration!r}")
+    if isinstance(volume, bool) or not isinstance(volume, int) or volume < CHUNK:
+        raise ValueError(f"volume must be an int >= {CHUNK} bytes, got {volume!r}")
     say = progress or (lambda s: None)
-    res: Dict[str, Any] = {"nranks": nranks, "duration_s": duration, "chunk_bytes": CHUNK}
+    res: Dict[str, Any] = {"nranks": nranks, "duration_s": duration, "chunk_bytes": CHUNK,
+                           "volume_bytes": volume}
+    # The ceilings are the rates at which every link carries the same bytes
+    # (a collective ends with its slowest link); "tcp_separate" keeps each
+    # link's own rate, averaged, which reads higher when links share the
+    # cores unevenly (docs/benchmarks.md, "The TCP ceiling").
+    sep: Dict[str, Any] = {}
     say("TCP one way")
-    res["tcp_one_way"] = _flows([(0, 1)], 2, duration)
+    res["tcp_one_way"], sep["one_way"] = _flows([(0, 1)], 2, duration, volume)
     say("TCP both ways")
-    res["tcp_both_ways"] = _flows([(0, 1), (1, 0)], 2, duration)
+    res["tcp_both_ways"], sep["both_ways"] = _flows([(0, 1), (1, 0)], 2, duration, volume)
     res["tcp_ring"] = {"2": res["tcp_both_ways"]}
     res["tcp_chain"] = {"2": res["tcp_one_way"]}
+    sep["ring"] = {"2": sep["both_ways"]}
+    sep["chain"] = {"2": sep["one_way"]}
     if nranks > 2:
-        n = nranks
+        n = str(nranks)
         say(f"TCP ring of {n}")
-        res["tcp_ring"][str(n)] = _flows([(i, (i + 1) % n) for i in range(n)], n, duration)
+        res["tcp_ring"][n], sep["ring"][n] = _flows(
+            [(i, (i + 1) % nranks) for i in range(nranks)], nranks, duration, volume)
         say(f"TCP chain of {n}")
-        res["tcp_chain"][str(n)] = _flows([(i, i + 1) for i in range(n - 1)], n, duration)
+        res["tcp_chain"][n], sep["chain"][n] = _flows(
+            [(i, i + 1) for i in range(nranks - 1)], nranks, duration, volume)
+    res["tcp_separate"] = sep
     rt: Dict[str, float] = {}
     for mode in ("blocking", "polling"):
         for pairs in (1, 2):
@@ -402,7 +454,7 @@ def median_limits(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
     """
     if not samples:
         raise ValueError("median_limits needs at least one measurement")
-    settings = ("nranks", "duration_s", "chunk_bytes")
+    settings = ("nranks", "duration_s", "chunk_bytes", "volume_bytes")
     for s in samples[1:]:
         for k in settings:
             if s.get(k) != samples[0].get(k):
@@ -453,22 +505,28 @@ def ceilings(limits: Dict[str, Any], nranks: int) -> Dict[str, float]:
 def format_limits(res: Dict[str, Any]) -> str:
     """The limits as a small table."""
     k = res.get("samples", 1)
+    vol = res.get("volume_bytes")
+    how = (f"every link carries {vol >> 20} MiB per transfer, median over ~{res['duration_s']:g} s"
+           if vol else f"{res['duration_s']:g} s per stream")
     lines = ["# ringlet bench limits (loopback TCP, OS default socket buffers; "
-             f"{res['duration_s']:g} s per stream, {res['chunk_bytes'] >> 20} MiB sends"
+             f"{how}, {res['chunk_bytes'] >> 20} MiB sends"
              + (f"; median of {k} measurements, one before each round)" if k > 1 else ")"),
              f"{'measure':<50} {'value':>10}  unit"]
 
     def row(name: str, v: float, unit: str) -> None:
         lines.append(f"{name:<50} {v:>10.2f}  {unit}")
 
+    sep = res.get("tcp_separate", {})
     row("TCP one way (1 stream)", res["tcp_one_way"], "GB/s")
     row("TCP both ways at once (per direction)", res["tcp_both_ways"], "GB/s")
-    for n, v in sorted(res["tcp_ring"].items(), key=lambda kv: int(kv[0])):
-        if n != "2":
-            row(f"TCP ring of {n} (per link)", v, "GB/s")
-    for n, v in sorted(res["tcp_chain"].items(), key=lambda kv: int(kv[0])):
-        if n != "2":
-            row(f"TCP chain of {n} (per link)", v, "GB/s")
+    if "both_ways" in sep:
+        row("  each direction timed on its own, mean", sep["both_ways"], "GB/s")
+    for kind in ("ring", "chain"):
+        for n, v in sorted(res[f"tcp_{kind}"].items(), key=lambda kv: int(kv[0])):
+            if n != "2":
+                row(f"TCP {kind} of {n} (per link)", v, "GB/s")
+                if n in sep.get(kind, {}):
+                    row("  each link timed on its own, mean", sep[kind][n], "GB/s")
     for k, v in res["rtt_us"].items():
         mode, pairs = k.split("_")
         row(f"round trip 8 B, {mode} recv, {pairs[0]} pair(s) at once", v, "us")
