@@ -13,7 +13,15 @@
  *   Each chunk travels as segments (rl_tune.segment_bytes).  Segment k of
  *   step t+1 is the segment k that step t received, so it may be sent as
  *   soon as that one segment has arrived and been reduced: transfer and
- *   reduction overlap, and no step waits for a whole chunk.
+ *   reduction overlap, and no step waits for a whole chunk.  At 2 ranks both
+ *   streams run segment-major (segment 0 of both steps, then segment 1, ..):
+ *   a reduced segment goes out while it is still in cache, which made 16-256
+ *   MiB 35-40% faster.  From 3 ranks they run step-major (every segment of
+ *   step 0, then of step 1, ..): a segment-major row must travel 2(P-1)
+ *   hops around the ring before the next row starts, and at 4 ranks on 2
+ *   cores that cost as much as the cache saved (docs/benchmarks.md).
+ *   (Chunks differ by at most one element, so only the last segment row of
+ *   the segment-major order can lack some steps.)
  *   Bytes sent per rank: 2 (P-1)/P * N; reduction work: (P-1)/P * N.
  *   Every chunk is reduced on exactly one rank and then copied around, so all
  *   ranks end with bit-identical results.
@@ -33,6 +41,17 @@
 #include "internal.h"
 
 /* ---- ring --------------------------------------------------------------- */
+/* The order of one stream.  Segment-major: row k holds segment k of every
+ * step; rows below kmin are full, the last row has only the steps in
+ * last[0..nlast).  Step-major: step t's segments start at index off[t]. */
+typedef struct {
+    int by_step;
+    int kmin, nlast;
+    int *last; /* steps present in the last row, in order */
+    int *pos;  /* pos[t]: t's place in the last row, or -1 */
+    int *off;  /* step-major: first index of each step, and the total */
+} seg_order;
+
 typedef struct {
     char *buf;
     size_t count, esz, seg_elems;
@@ -40,8 +59,7 @@ typedef struct {
     rl_redop op;
     int P, r;
     int nsteps;
-    int *send_off; /* first segment index of step t in the send stream */
-    int *recv_off; /* ... and in the receive stream (chunk sizes differ) */
+    seg_order so, ro; /* send and receive stream orders */
     char *scratch;
     rl_stream *recv;
 } ring_ar;
@@ -50,15 +68,60 @@ static int step_chunk(const ring_ar *a, int t, int sending) {
     return rl_mod(a->r - t - (sending ? 0 : 1), a->P);
 }
 
-/* Map a stream-wide segment index to (step, segment within the chunk). */
-static void split_index(const int *off, int nsteps, int i, int *t, int *k) {
-    int lo = 0, hi = nsteps - 1;
-    while (lo < hi) { /* last step whose first index <= i */
-        int mid = (lo + hi + 1) / 2;
-        if (off[mid] <= i) lo = mid; else hi = mid - 1;
+static int chunk_nseg(const ring_ar *a, int chunk) {
+    return rl_nseg(rl_block_count(a->count, a->P, chunk) * a->esz, a->seg_elems * a->esz);
+}
+
+/* Builds the order of one stream; returns its number of segments. */
+static int order_init(const ring_ar *a, seg_order *o, int sending) {
+    int T = a->nsteps, kmin = -1, kmax = 0;
+    if (o->by_step) {
+        o->off[0] = 0;
+        for (int t = 0; t < T; t++)
+            o->off[t + 1] = o->off[t] + chunk_nseg(a, step_chunk(a, t, sending));
+        return o->off[T];
     }
-    *t = lo;
-    *k = i - off[lo];
+    for (int t = 0; t < T; t++) {
+        int n = chunk_nseg(a, step_chunk(a, t, sending));
+        if (kmin < 0 || n < kmin) kmin = n;
+        if (n > kmax) kmax = n;
+    }
+    o->kmin = kmin;
+    o->nlast = 0;
+    for (int t = 0; t < T; t++) {
+        o->pos[t] = -1;
+        if (kmax > kmin && chunk_nseg(a, step_chunk(a, t, sending)) == kmax) {
+            o->pos[t] = o->nlast;
+            o->last[o->nlast++] = t;
+        }
+    }
+    return kmin * T + o->nlast;
+}
+
+static void order_split(const ring_ar *a, const seg_order *o, int i, int *t, int *k) {
+    if (o->by_step) {
+        int lo = 0, hi = a->nsteps - 1;
+        while (lo < hi) { /* last step whose first index <= i */
+            int mid = (lo + hi + 1) / 2;
+            if (o->off[mid] <= i) lo = mid; else hi = mid - 1;
+        }
+        *t = lo;
+        *k = i - o->off[lo];
+        return;
+    }
+    int full = o->kmin * a->nsteps;
+    if (i < full) {
+        *k = i / a->nsteps;
+        *t = i % a->nsteps;
+    } else {
+        *k = o->kmin;
+        *t = o->last[i - full];
+    }
+}
+
+static int order_index(const ring_ar *a, const seg_order *o, int t, int k) {
+    if (o->by_step) return o->off[t] + k;
+    return k < o->kmin ? k * a->nsteps + t : o->kmin * a->nsteps + o->pos[t];
 }
 
 static void seg_span(const ring_ar *a, int chunk, int k, size_t *start, size_t *n) {
@@ -72,10 +135,10 @@ static int ar_send_ready(void *alg, rl_stream *s, int i) {
     ring_ar *a = alg;
     int t, k;
     (void)s;
-    split_index(a->send_off, a->nsteps, i, &t, &k);
+    order_split(a, &a->so, i, &t, &k);
     if (t == 0) return 1;
     /* Segment k of step t is what step t-1 received as its segment k. */
-    return a->recv->cur > a->recv_off[t - 1] + k;
+    return a->recv->cur > order_index(a, &a->ro, t - 1, k);
 }
 
 static void ar_send_where(void *alg, rl_stream *s, int i, char **ptr, size_t *len) {
@@ -83,7 +146,7 @@ static void ar_send_where(void *alg, rl_stream *s, int i, char **ptr, size_t *le
     int t, k;
     size_t st, n;
     (void)s;
-    split_index(a->send_off, a->nsteps, i, &t, &k);
+    order_split(a, &a->so, i, &t, &k);
     seg_span(a, step_chunk(a, t, 1), k, &st, &n);
     *ptr = a->buf + st * a->esz;
     *len = n * a->esz;
@@ -94,7 +157,7 @@ static void ar_recv_where(void *alg, rl_stream *s, int i, char **ptr, size_t *le
     int t, k;
     size_t st, n;
     (void)s;
-    split_index(a->recv_off, a->nsteps, i, &t, &k);
+    order_split(a, &a->ro, i, &t, &k);
     seg_span(a, step_chunk(a, t, 0), k, &st, &n);
     /* Reduce-scatter steps land in scratch and are reduced in done();
      * all-gather steps land directly in the user's buffer. */
@@ -107,7 +170,7 @@ static int ar_recv_done(void *alg, rl_stream *s, int i) {
     int t, k;
     size_t st, n;
     (void)s;
-    split_index(a->recv_off, a->nsteps, i, &t, &k);
+    order_split(a, &a->ro, i, &t, &k);
     if (t >= a->P - 1) return RL_OK;
     seg_span(a, step_chunk(a, t, 0), k, &st, &n);
     char *dst = a->buf + st * a->esz;
@@ -133,22 +196,19 @@ static int ring_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t co
     a.seg_elems = (size_t)rl_tune.segment_bytes / a.esz;
     if (a.seg_elems == 0) a.seg_elems = 1;
     a.nsteps = 2 * (a.P - 1);
-    int offs_small[128];
-    int *offs = 2 * (a.nsteps + 1) <= 128 ? offs_small
-                                         : malloc(sizeof(int) * 2 * (size_t)(a.nsteps + 1));
-    if (!offs) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory");
-    a.send_off = offs;
-    a.recv_off = offs + a.nsteps + 1;
-    int nsend = 0, nrecv = 0;
-    size_t segb = a.seg_elems * a.esz;
-    for (int t = 0; t < a.nsteps; t++) {
-        a.send_off[t] = nsend;
-        a.recv_off[t] = nrecv;
-        nsend += rl_nseg(rl_block_count(count, a.P, step_chunk(&a, t, 1)) * a.esz, segb);
-        nrecv += rl_nseg(rl_block_count(count, a.P, step_chunk(&a, t, 0)) * a.esz, segb);
-    }
-    a.send_off[a.nsteps] = nsend;
-    a.recv_off[a.nsteps] = nrecv;
+    /* Segment-major at 2 ranks, step-major from 3 (see the top of the file). */
+    a.so.by_step = a.ro.by_step = a.P > 2;
+    size_t per = 3 * (size_t)a.nsteps + 1;
+    int tabs_small[256];
+    int *tabs = 2 * per <= 256 ? tabs_small : malloc(sizeof(int) * 2 * per);
+    if (!tabs) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory");
+    a.so.last = tabs;
+    a.so.pos = tabs + a.nsteps;
+    a.so.off = tabs + 2 * a.nsteps;
+    a.ro.last = tabs + per;
+    a.ro.pos = tabs + per + a.nsteps;
+    a.ro.off = tabs + per + 2 * a.nsteps;
+    int nsend = order_init(&a, &a.so, 1), nrecv = order_init(&a, &a.ro, 0);
     int st = rl_scratch(c, op, a.seg_elems * a.esz, &a.scratch);
     if (st == RL_OK) {
         rl_stream s[2];
@@ -165,7 +225,7 @@ static int ring_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t co
         a.recv = &s[1];
         st = rl_run_streams(c, op, s, 2, &a);
     }
-    if (offs != offs_small) free(offs);
+    if (tabs != tabs_small) free(tabs);
     return st;
 }
 

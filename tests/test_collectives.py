@@ -254,6 +254,29 @@ def test_blocks_larger_than_socket_buffers(tiny_buffers, P):
     assert results == [[]] * P, results
 
 
+# The ring all-reduce orders its segments segment-major at 2 ranks and
+# step-major from 3; chunks whose sizes straddle a segment boundary (one more
+# segment than the others) exercise the ragged last row of either order.
+def _ragged(rank, P, counts):
+    bad = []
+    for n in counts:
+        for op in (ReduceOp.SUM, ReduceOp.AVG):
+            ins = [data(r, n, np.float32, op, salt=9) for r in range(P)]
+            x = ins[rank].copy()
+            ringlet.all_reduce(x, op)
+            if not close(x, reduce_np(ins, op, np.dtype(np.float32)), op):
+                bad.append(f"n={n} {op.name}: got {x[:4]} want ...")
+    return bad
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_all_reduce_segments_straddling_chunks(tiny_buffers, P):
+    seg = 4096 // 4  # float32 elements per segment under tiny_buffers
+    counts = [P * seg + 1, P * 3 * seg + P - 1, P * 16 * seg + 1]
+    results = run_world(_ragged, P, mode="thread", timeout=120, args=(counts,))
+    assert results == [[]] * P, results
+
+
 # Recursive halving (power-of-two P, up to 16 x allreduce_small_bytes in all)
 # exchanges half the input at its first step, one connection both ways: with
 # buffers of 16 KiB a half of 64 KiB per rank must still flow without deadlock.
