@@ -24,7 +24,9 @@ from targets import summary  # noqa: E402
 def _blocks(text: str) -> tuple:
     """(limits lines, side-by-side tables) of a ``ringlet bench all`` text report."""
     lines = text.splitlines()
-    limits = [ln for ln in lines if ln.startswith("measure") or re.match(r"^[A-Za-z].*  \S+  (GB/s|us)$", ln)]
+    # Rows start with a letter; the indented "each link timed on its own" rows
+    # under a stream pattern belong to it.
+    limits = [ln for ln in lines if ln.startswith("measure") or re.match(r"^ *[A-Za-z].*  \S+  (GB/s|us)$", ln)]
     tables, cur = [], None
     for ln in lines:
         if re.match(r"^# \w+, \d+ ranks: median time and busbw", ln):
@@ -44,6 +46,8 @@ def section(text: str, doc: dict, plot: str) -> str:
     k = (doc.get("limits") or {}).get("samples", 1)
     how = (f"median of {k} measurements, one before each round" if k > 1
            else "measured at the start")
+    if (doc.get("limits") or {}).get("volume_bytes"):
+        how += "; every link of a pattern timed carrying the same bytes, until the last ends"
     body = [
         f"Machine ceilings of the same run (`--limits`; {how}):", "",
         "```", *limits, "```", "",
