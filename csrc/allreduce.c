@@ -15,8 +15,9 @@
  *   soon as that one segment has arrived and been reduced: transfer and
  *   reduction overlap, and no step waits for a whole chunk.  At 2 ranks both
  *   streams run segment-major (segment 0 of both steps, then segment 1, ..):
- *   a reduced segment goes out while it is still in cache, which made 16-256
- *   MiB 35-40% faster.  From 3 ranks they run step-major (every segment of
+ *   a reduced segment goes out while it is still in cache, which made 4-256
+ *   MiB 27-44% faster; with 2 segments a chunk (2 MiB) it was 18% slower (15
+ *   alternating rounds), so it starts at 4 segments a chunk.  From 3 ranks they run step-major (every segment of
  *   step 0, then of step 1, ..): a segment-major row must travel 2(P-1)
  *   hops around the ring before the next row starts, and at 4 ranks on 2
  *   cores that cost as much as the cache saved (docs/benchmarks.md).
@@ -196,8 +197,9 @@ static int ring_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t co
     a.seg_elems = (size_t)rl_tune.segment_bytes / a.esz;
     if (a.seg_elems == 0) a.seg_elems = 1;
     a.nsteps = 2 * (a.P - 1);
-    /* Segment-major at 2 ranks, step-major from 3 (see the top of the file). */
-    a.so.by_step = a.ro.by_step = a.P > 2;
+    /* Segment-major at 2 ranks once a chunk has 4 segments or more,
+     * step-major otherwise (see the top of the file). */
+    a.so.by_step = a.ro.by_step = a.P > 2 || chunk_nseg(&a, 0) < 4;
     size_t per = 3 * (size_t)a.nsteps + 1;
     int tabs_small[256];
     int *tabs = 2 * per <= 256 ? tabs_small : malloc(sizeof(int) * 2 * per);
