@@ -12,9 +12,8 @@
  * partial sum of block (r - t - 2) mod P, adding its own input block to it.
  * At step P-2 the received block is r itself, and the sum lands in the
  * output.  A segment's partial sum received at step t is forwarded at step
- * t+1; the streams take the segments in groups (all steps of group g, then
- * group g+1), so it is forwarded one group later, from 2 groups of scratch
- * slots that stay in cache, instead of one block later from two blocks.  The
+ * t+1 right away (the streams run segment-major), from one of two scratch
+ * slots that stay in cache.  The
  * input is never modified.  Bytes sent per rank: (P-1) * n.
  */
 #include <stdlib.h>
@@ -28,7 +27,6 @@ typedef struct {
     size_t blk;    /* bytes per block */
     size_t seg;    /* bytes per segment */
     int S;         /* segments per block */
-    int G;         /* reduce_scatter: segments per group (see below) */
     int P, r;
     rl_dtype dt;
     rl_redop op;
@@ -180,86 +178,73 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
 }
 
 /* ---- reduce_scatter ---- */
-/* The segments of a step go in groups of G (the last group may be shorter):
- * both streams run group g's segments for step 0, then for step 1, .., then
- * group g+1.  Segment k received at step t is forwarded as segment k of step
- * t+1, one group later in the stream, so its partial sum is still in cache
- * when it is sent, and partial sums need 2 G slots instead of two whole
- * blocks.  Measured at 4 ranks (10 alternating
- * rounds, docs/benchmarks.md): groups of 1 segment beat whole blocks (the
- * order before) by 7-27% from 16 MiB up; groups of 2, 4 and 8 did not. */
-#define RL_RS_GROUP 1
-static int rs_group(const ring_sg *a, int g) {
-    int left = a->S - g * a->G;
-    return left < a->G ? left : a->G;
-}
-static int rs_index(const ring_sg *a, int g, int t, int j) {
-    return g * a->G * (a->P - 1) + t * rs_group(a, g) + j;
-}
-static void rs_split(const ring_sg *a, int i, int *g, int *t, int *j) {
-    *g = i / (a->G * (a->P - 1));
-    int rem = i - *g * a->G * (a->P - 1), n = rs_group(a, *g);
-    *t = rem / n;
-    *j = rem % n;
+/* Both streams run segment-major: stream index i is segment k = i / (P-1)
+ * of step t = i % (P-1).  Segment k received at step t is forwarded as
+ * segment k of step t+1, the next index, so its partial sum is still in
+ * cache when it is sent, and partial sums need one slot per step parity
+ * instead of two whole blocks.  Measured at 4 ranks (10 alternating rounds,
+ * docs/algorithms.md): 7-27% faster than the step-major order before from
+ * 16 MiB up; leads of 2, 4 and 8 segments between the two were not. */
+static void rs_split(const ring_sg *a, int i, int *t, int *k) {
+    *k = i / (a->P - 1);
+    *t = i % (a->P - 1);
 }
 /* Receives of the last step are reduced into the output as soon as they
- * arrive, so they all share one slot after the 2 G of partial sums. */
-static char *rs_slot(const ring_sg *a, int t, int j) {
-    if (t == a->P - 2) return a->scratch + (size_t)(a->P > 2 ? 2 * a->G : 0) * a->seg;
-    return a->scratch + (size_t)((t % 2) * a->G + j) * a->seg;
+ * arrive, so they all share one slot after the two of partial sums. */
+static char *rs_slot(const ring_sg *a, int t) {
+    if (t == a->P - 2) return a->scratch + (size_t)(a->P > 2 ? 2 : 0) * a->seg;
+    return a->scratch + (size_t)(t % 2) * a->seg;
 }
 static int rs_recv_ready(void *alg, rl_stream *s, int i) {
     ring_sg *a = alg;
-    int g, t, j;
+    int t, k;
     (void)s;
-    rs_split(a, i, &g, &t, &j);
+    rs_split(a, i, &t, &k);
     if (t == a->P - 2) return 1; /* the tail slot is free once reduced */
     /* The slot's previous partial sum must have been forwarded. */
-    if (t >= 2) return a->send->cur > rs_index(a, g, t - 1, j);
-    if (g == 0) return 1;
-    int prev = (a->P - 3) - ((a->P - 3 - t) % 2); /* last step of group g-1 in this slot */
-    return a->send->cur > rs_index(a, g - 1, prev + 1, j);
+    if (t >= 2) return a->send->cur > i - 1;
+    if (k == 0) return 1;
+    int prev = (a->P - 3) - ((a->P - 3 - t) % 2); /* last step of row k-1 in this slot */
+    return a->send->cur > (k - 1) * (a->P - 1) + prev + 1;
 }
 static void rs_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
     ring_sg *a = alg;
-    int g, t, j;
+    int t, k;
     (void)s;
-    rs_split(a, i, &g, &t, &j);
-    *p = rs_slot(a, t, j);
-    *l = seg_len(a, g * a->G + j);
+    rs_split(a, i, &t, &k);
+    *p = rs_slot(a, t);
+    *l = seg_len(a, k);
 }
 static int rs_recv_done(void *alg, rl_stream *s, int i) {
     ring_sg *a = alg;
-    int g, t, j;
+    int t, k;
     (void)s;
-    rs_split(a, i, &g, &t, &j);
-    int k = g * a->G + j;
+    rs_split(a, i, &t, &k);
     size_t esz = rl_dtype_size(a->dt), l = seg_len(a, k);
     int blk = rl_mod(a->r - t - 2, a->P);
     const char *own = a->in + (size_t)blk * a->blk + (size_t)k * a->seg;
-    char *dst = t == a->P - 2 ? a->out + (size_t)k * a->seg : rs_slot(a, t, j);
-    rl_reduce_kernel(dst, rs_slot(a, t, j), own, l / esz, a->dt, a->op);
+    char *dst = t == a->P - 2 ? a->out + (size_t)k * a->seg : rs_slot(a, t);
+    rl_reduce_kernel(dst, rs_slot(a, t), own, l / esz, a->dt, a->op);
     if (t == a->P - 2 && a->op == RL_AVG) rl_scale_kernel(dst, l / esz, a->dt, 1.0 / a->P);
     return RL_OK;
 }
 static int rs_send_ready(void *alg, rl_stream *s, int i) {
     ring_sg *a = alg;
-    int g, t, j;
+    int t, k;
     (void)s;
     if (a->P == 2) return pair_in_step(a, i);
-    rs_split(a, i, &g, &t, &j);
-    return t == 0 || a->recv->cur > rs_index(a, g, t - 1, j);
+    rs_split(a, i, &t, &k);
+    return t == 0 || a->recv->cur > i - 1; /* segment k of step t-1 arrived */
 }
 static void rs_send_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
     ring_sg *a = alg;
-    int g, t, j;
+    int t, k;
     (void)s;
-    rs_split(a, i, &g, &t, &j);
-    int k = g * a->G + j;
+    rs_split(a, i, &t, &k);
     if (t == 0)
         *p = (char *)a->in + (size_t)rl_mod(a->r - 1, a->P) * a->blk + (size_t)k * a->seg;
     else
-        *p = rs_slot(a, t - 1, j);
+        *p = rs_slot(a, t - 1);
     *l = seg_len(a, k);
 }
 
@@ -296,8 +281,7 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     a.dt = dt;
     a.op = rop;
     if (a.seg > blk) a.seg = blk; /* one segment per block */
-    a.G = RL_RS_GROUP < a.S ? RL_RS_GROUP : a.S;
-    size_t slots = ((size_t)(a.P > 2 ? 2 * a.G : 0) + 1) * a.seg;
+    size_t slots = ((size_t)(a.P > 2 ? 2 : 0) + 1) * a.seg;
     if ((st = rl_scratch(c, &op, slots, &a.scratch)) != RL_OK) return rl_end_op(c, st);
     rl_stream s[2];
     memset(s, 0, sizeof s);
