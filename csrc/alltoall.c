@@ -5,8 +5,15 @@
  * Step s = 1 .. P-1: rank r sends its block for (r + s) mod P and receives
  * the block from (r - s) mod P, both at once.  Every rank sends and receives
  * exactly once per step, so no link is oversubscribed and no rank waits for
- * a busy one.  Each frame is checked against the count the receiver
- * expects, so mismatched count tables fail as a desync naming both sizes.
+ * a busy one.  Each stream's headers carry the pair's own byte count, so
+ * mismatched count tables fail at the first frame as a desync naming both
+ * sizes.
+ *
+ * When the block goes to the rank it comes from (every step at 2 ranks, step
+ * P/2 for even P), one connection carries both directions.  Then both blocks
+ * travel as segments and the directions are kept in step (segment i is sent
+ * once segment i-1 has arrived), as ring.c does for its 2-rank exchanges:
+ * letting both run freely was slower (docs/algorithms.md).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -16,17 +23,32 @@
 typedef struct {
     char *sp, *rp;
     size_t sl, rl;
+    size_t seg;      /* bytes per frame */
+    rl_stream *recv;
 } pairx;
 
+static size_t px_len(size_t n, size_t seg, int i) {
+    size_t off = (size_t)i * seg;
+    return off >= n ? 0 : (n - off < seg ? n - off : seg);
+}
 static void px_send(void *alg, rl_stream *s, int i, char **p, size_t *l) {
-    (void)s; (void)i;
-    *p = ((pairx *)alg)->sp;
-    *l = ((pairx *)alg)->sl;
+    pairx *x = alg;
+    (void)s;
+    *p = x->sp + (size_t)i * x->seg;
+    *l = px_len(x->sl, x->seg, i);
 }
 static void px_recv(void *alg, rl_stream *s, int i, char **p, size_t *l) {
-    (void)s; (void)i;
-    *p = ((pairx *)alg)->rp;
-    *l = ((pairx *)alg)->rl;
+    pairx *x = alg;
+    (void)s;
+    *p = x->rp + (size_t)i * x->seg;
+    *l = px_len(x->rl, x->seg, i);
+}
+/* Segment i goes out once segment i-1 has come in, or once the (shorter)
+ * incoming block is complete. */
+static int px_send_ready(void *alg, rl_stream *s, int i) {
+    const rl_stream *r = ((pairx *)alg)->recv;
+    (void)s;
+    return i == 0 || r->cur > i - 1 || r->cur >= r->nseg;
 }
 
 int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
@@ -59,18 +81,25 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
     for (int step = 1; step < P && st == RL_OK; step++) {
         int to = rl_mod(r + step, P), from = rl_mod(r - step, P);
         pairx x = {(char *)in + in_displs[to] * esz, (char *)out + out_displs[from] * esz,
-                   in_counts[to] * esz, out_counts[from] * esz};
+                   in_counts[to] * esz, out_counts[from] * esz, 0, NULL};
         rl_stream s[2];
         memset(s, 0, sizeof s);
+        /* One frame each way unless the pair shares the connection. */
+        x.seg = to == from ? (size_t)rl_tune.segment_bytes : (x.sl > x.rl ? x.sl : x.rl);
+        if (x.seg == 0) x.seg = 1;
         s[0].peer = to;
         s[0].is_send = 1;
-        s[0].nseg = 1;
+        s[0].nseg = rl_nseg(x.sl, x.seg);
         s[0].tag_base = (uint32_t)step;
         s[0].where = px_send;
+        s[0].total = x.sl;
+        if (to == from) s[0].ready = px_send_ready;
         s[1].peer = from;
-        s[1].nseg = 1;
+        s[1].nseg = rl_nseg(x.rl, x.seg);
         s[1].tag_base = (uint32_t)step;
         s[1].where = px_recv;
+        s[1].total = x.rl;
+        x.recv = &s[1];
         st = rl_run_streams_copy(c, &op, s, 2, &x, step == 1 ? &cp : NULL);
     }
     return rl_end_op(c, st);

@@ -192,6 +192,7 @@ static int stream_io(rl_comm *c, const rl_opdesc *op, rl_stream *s, void *alg,
                 return rl_handle_abort(c, op, s->peer, s->fd, &s->hdr, s->ptr,
                                        s->off - H);
             rl_fill_header(&want, c, op, s->tag_base + (uint32_t)s->cur, s->len);
+            if (s->total) want.total = s->total;
             int st = rl_check_header(c, op, s->peer, &s->hdr, &want);
             if (st != RL_OK) return st;
         }
@@ -249,7 +250,10 @@ int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, vo
                     if (x->cur >= x->nseg) break;
                     if (x->ready && !x->ready(alg, x, x->cur)) break;
                     x->where(alg, x, x->cur, &x->ptr, &x->len);
-                    if (x->is_send) rl_fill_header(&x->hdr, c, op, x->tag_base + (uint32_t)x->cur, x->len);
+                    if (x->is_send) {
+                        rl_fill_header(&x->hdr, c, op, x->tag_base + (uint32_t)x->cur, x->len);
+                        if (x->total) x->hdr.total = x->total;
+                    }
                     x->off = 0;
                     x->active = 1;
                 }

@@ -134,6 +134,9 @@ struct rl_stream {
     void (*where)(void *alg, rl_stream *s, int seg, char **ptr, size_t *len);
     /* Called once frame `seg` is fully sent / received.  NULL = nothing. */
     int (*done)(void *alg, rl_stream *s, int seg);
+    /* Nonzero: the byte count this stream's headers carry (send) or must
+     * carry (recv) in place of op->total; all_to_all_v's pairs differ. */
+    uint64_t total;
     /* engine state */
     int fd;
     int cur;

@@ -254,6 +254,37 @@ def test_blocks_larger_than_socket_buffers(tiny_buffers, P):
     assert results == [[]] * P, results
 
 
+# A pair that shares one connection (every step at 2 ranks, step P/2 for even
+# P) exchanges its blocks as segments kept in step.  The two directions may
+# differ in length, down to nothing: the longer one must go on once the
+# shorter has arrived.
+def _pairs_in_step(rank, P, seg_elems):
+    bad = []
+    for lens in ((3 * seg_elems + 5, seg_elems + 1), (5 * seg_elems, 0), (1, 4 * seg_elems - 3)):
+        # rank s sends lens[0] elements to the rank opposite it when s < P/2,
+        # lens[1] when s >= P/2, and 7 + s + d elements to every other rank d
+        def cnt(s, d):
+            if d == (s + P // 2) % P and P % 2 == 0:
+                return lens[0] if s < P // 2 else lens[1]
+            return 0 if s == d else 7 + s + d
+        counts = [[cnt(s, d) for d in range(P)] for s in range(P)]
+        srcs = [data(s, sum(counts[s]), np.float32, salt=17) for s in range(P)]
+        out_counts = [counts[s][rank] for s in range(P)]
+        out = np.empty(sum(out_counts), np.float32)
+        ringlet.all_to_all_v(out, out_counts, srcs[rank], counts[rank])
+        want = np.concatenate([srcs[s][sum(counts[s][:rank]):sum(counts[s][:rank + 1])]
+                               for s in range(P)])
+        if not np.array_equal(out, want):
+            bad.append(f"rank {rank}: lens {lens}")
+    return bad
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_all_to_all_pairs_in_step(tiny_buffers, P):
+    results = run_world(_pairs_in_step, P, mode="thread", timeout=120, args=(4096 // 4,))
+    assert results == [[]] * P, results
+
+
 # The ring all-reduce orders its segments segment-major at 2 ranks and
 # step-major from 3; chunks whose sizes straddle a segment boundary (one more
 # segment than the others) exercise the ragged last row of either order.

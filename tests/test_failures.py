@@ -67,6 +67,35 @@ def test_desync_detected_at_once(kind):
         assert "expects" in msg and "peer sent" in msg or "rank" in msg
 
 
+# all_to_all_v count tables that disagree by whole segments: every frame but
+# the last would match in size, so the pair's byte count in each header is
+# what catches it, in this op on the receiving rank rather than in the next.
+def _a2av_mismatch(rank, P):
+    seg = 4096 // 4
+    # rank 0 sends 2 segments to rank 1, which expects 1
+    send = [5, 2 * seg] if rank == 0 else [seg, 5]
+    recv = [5, seg] if rank == 0 else [seg, 5]
+    try:
+        ringlet.all_to_all_v(np.empty(sum(recv), np.float32), recv,
+                             np.ones(sum(send), np.float32), send, timeout=30)
+        ringlet.barrier(timeout=30)  # the sender may have finished first
+    except DesyncError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_all_to_all_v_count_mismatch_fails_in_the_op():
+    saved = _core.get_tuning()
+    _core.set_tuning(segment_bytes=4096)
+    try:
+        msgs = run_world(_a2av_mismatch, 2, mode="thread", timeout=60)
+    finally:
+        _core.set_tuning(**saved)
+    assert "no error" not in msgs, msgs
+    # the receiver fails in the all_to_all itself and names both byte counts
+    assert "all_to_all" in msgs[1] and "total=4096" in msgs[1] and "total=8192" in msgs[1], msgs
+
+
 def test_desync_message_names_both_sides():
     res = run_world(_desync, 2, mode="thread", timeout=60, args=("dtype",))
     msgs = " ".join(m for _, m, _, _ in res)
