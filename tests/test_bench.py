@@ -388,6 +388,11 @@ def test_limits_json(capsys, tmp_path):
     assert lim["tcp_one_way"] > 0 and lim["tcp_both_ways"] > 0
     assert lim["tcp_ring"]["3"] > 0 and lim["tcp_chain"]["3"] > 0
     assert lim["volume_bytes"] == 256 << 20
+    # the same stream walking 256 MiB buffers: shown beneath, never a ceiling
+    assert lim["tcp_one_way_dram"] > 0
+    assert "from and into 256 MiB buffers (not judged)" in out
+    from ringlet.bench.limits import ceilings
+    assert ceilings(lim, 2)["broadcast"] == lim["tcp_one_way"]
     sep = lim["tcp_separate"]
     # Every link's own rate counts only its own first-to-last byte, so their
     # mean can only be above the rate at which all of them finish together
