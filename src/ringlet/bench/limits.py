@@ -134,9 +134,7 @@ def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
         sbuf = rbuf = memoryview(b"")
         if out is not None:
             if span > CHUNK:
-                sb = np.empty(span, np.uint8)
-                sb[:] = np.resize(np.frombuffer(os.urandom(1024), np.uint8), span)
-                sbuf = memoryview(sb)
+                sbuf = memoryview(np.resize(np.frombuffer(os.urandom(1024), np.uint8), span))
             else:
                 sbuf = memoryview(bytearray(os.urandom(1024)) * (CHUNK // 1024))
         if inp is not None:
