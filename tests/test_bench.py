@@ -208,6 +208,22 @@ def test_aggregate_takes_medians_over_rounds():
     assert row["algbw"] == pytest.approx(1000 / 20e-6 / 1e9)
     assert row["busbw"] == pytest.approx(row["algbw"])  # factor 1 for 2-rank all_reduce
     assert row["iters"] == 15
+    assert (row["round_min_us"], row["round_max_us"]) == (10.0, 30.0)
+
+
+def test_table_footer_names_rounds_far_apart():
+    base = dict(system="ringlet", op="all_reduce", nranks=2, count=250, type="float32",
+                redop="sum", root=-1, algbw=1.0, busbw=1.0, wrong=-1, iters=5, inflight=1)
+    steady = [[dict(base, size=8, time_us=t, p10_us=t, p90_us=t)] for t in (10.0, 11.0, 14.0)]
+    halved = [[dict(base, size=1024, time_us=t, p10_us=t, p90_us=t)]
+              for t in (48.0, 93.0, 50.0)]
+    rows = report.aggregate(steady) + report.aggregate(halved)
+    foot = report.format_footer(rows)
+    note = [ln for ln in foot.splitlines() if "apart" in ln]
+    assert len(note) == 1 and "1024 B 48.0-93.0 us" in note[0] and " 8 B" not in note[0]
+    # One round, or rounds within 1.5x: no note.
+    assert "apart" not in report.format_footer(report.aggregate(steady))
+    assert "apart" not in report.format_footer(report.aggregate(halved[:1]))
 
 
 def _targets():

@@ -71,7 +71,10 @@ def aggregate(rounds: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, Any]
     """Median over rounds of each (system, op, size): time, p10, p90; bandwidths follow.
 
     ``wrong`` is summed over rounds (-1 when unchecked).  Row order follows
-    the first round in which each row appears.
+    the first round in which each row appears.  ``round_min_us`` and
+    ``round_max_us`` keep the fastest and slowest round's time: on a shared
+    machine a whole round can run at half speed (docs/benchmarks.md, "Two
+    speeds at 2 ranks, large messages"), which the median hides.
     """
     groups: Dict[Tuple, List[Dict[str, Any]]] = {}
     for rows in rounds:
@@ -91,6 +94,8 @@ def aggregate(rounds: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, Any]
         first["wrong"] = -1 if any(w < 0 for w in wrongs) else sum(wrongs)
         first["iters"] = sum(r["iters"] for r in rows)
         first["rounds"] = len(rows)
+        first["round_min_us"] = min(r["time_us"] for r in rows)
+        first["round_max_us"] = max(r["time_us"] for r in rows)
         out.append(first)
     return out
 
@@ -147,10 +152,21 @@ def format_row(row: Dict[str, Any], ratios: Optional[Dict[str, Optional[float]]]
     return line
 
 
+# Rounds further apart than this get a line under the table.
+SPREAD_NOTE = 1.5
+
+
 def format_footer(rows: Sequence[Dict[str, Any]]) -> str:
     wrong = [r["wrong"] for r in rows if r["wrong"] >= 0]
     lines = [f"# Out of bounds values : {sum(wrong) if wrong else 'N/A'}",
              f"# Avg bus bandwidth    : {average_busbw(rows):.4f} GB/s"]
+    wide = [r for r in rows if r.get("rounds", 1) > 1 and r.get("round_min_us", 0) > 0
+            and r["round_max_us"] / r["round_min_us"] > SPREAD_NOTE]
+    if wide:
+        cells = ", ".join(f"{r['size']} B {_t(r['round_min_us'])}-{_t(r['round_max_us'])} us"
+                          for r in wide)
+        lines.append(f"# Rounds more than {SPREAD_NOTE}x apart (the machine changed speed; "
+                     f"the median of the rounds is shown): {cells}")
     return "\n".join(lines)
 
 
