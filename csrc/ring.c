@@ -138,7 +138,9 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     size_t blk = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, RL_OP_ALL_GATHER, dt, 0, -1, blk, timeout_ms);
     if (st != RL_OK) return st;
-    if (c->size > 1 && count && (int64_t)(blk * (size_t)c->size) <= rl_tune.allreduce_small_bytes)
+    /* Bruck saves steps from 3 ranks on; at 2 ranks both are one exchange,
+     * and the ring's needs no staging copies (docs/algorithms.md). */
+    if (c->size > 2 && count && (int64_t)(blk * (size_t)c->size) <= rl_tune.allreduce_small_bytes)
         return rl_end_op(c, bruck_all_gather(c, &op, out, in, blk));
     char *mine = (char *)out + (size_t)c->rank * blk;
     rl_idle_copy cp = {mine, in, 0, 0};

@@ -367,8 +367,9 @@ def _aliased(rank, P, n):
 
 
 @pytest.mark.parametrize("P", [2, 3])
-def test_aliased_inputs(tiny_buffers, P):
-    results = run_world(_aliased, P, timeout=120, init_timeout=60, args=(50_000,))
+@pytest.mark.parametrize("n", [100, 50_000])  # small: Bruck at 3 ranks, the ring's one exchange at 2
+def test_aliased_inputs(tiny_buffers, P, n):
+    results = run_world(_aliased, P, timeout=120, init_timeout=60, args=(n,))
     assert results == [[]] * P, results
 
 
