@@ -66,11 +66,27 @@ def _cases(rank, P):
     expect(TypeError, ["dst", "int"], lambda: ringlet.send(f, float(1 - rank)))
     expect(ValueError, ["dst=2", "size 2"], lambda: ringlet.send(f, 2))
     expect(ValueError, ["tag"], lambda: ringlet.send(f, 1 - rank, tag=True))
+    # Byte-swapped data (here after native arrays of the same types went
+    # through) is refused, never reduced as garbage.
+    for t in (">f4", ">f8", ">i4", ">i8", ">f2"):
+        sw = np.arange(1, 5).astype(t)
+        native = sw.dtype.newbyteorder("=").str
+        expect(TypeError, [t, "non-native byte order", native], lambda: ringlet.all_reduce(sw))
+        expect(TypeError, [t, "non-native"], lambda: ringlet.broadcast(sw))
+        expect(TypeError, [t, "non-native"], lambda: ringlet.reduce(sw, ReduceOp.MAX))
+        expect(TypeError, [t, "non-native"], lambda: ringlet.send(sw, 1 - rank))
+        expect(TypeError, ["output", t, "non-native"],
+               lambda: ringlet.all_gather(np.zeros(8, t), sw))
     expect(ValueError, ["not in the parent"], lambda: ringlet.new_group([0, 7]))
     expect(ValueError, ["duplicate"], lambda: ringlet.new_group([0, 0]))
     # nothing was sent: the group still works, and a numpy integer is a valid rank
     x = np.ones(4, np.float32)
     ringlet.all_reduce(x)
+    for t in ("f4", "f8", "i4", "i8", "f2"):  # native arrays of the same types still reduce
+        z = np.full(4, rank + 1, t)
+        ringlet.all_reduce(z)
+        if not np.all(z == P * (P + 1) // 2):
+            results.append(("NO ERROR", f"native {t} all_reduce gave {z}", ["sum"]))
     y = np.full(4, rank, np.float32)
     ringlet.broadcast(y, src=np.int64(1))
     return results, bool(np.all(x == P) and np.all(y == 1))
@@ -83,6 +99,32 @@ def test_bad_input_is_refused_with_clear_messages():
         for kind, msg, missing in results:
             assert not kind.startswith(("WRONG", "NO ERROR")), (kind, msg, missing)
             assert not missing, f"{kind}: message {msg!r} lacks {missing}"
+
+
+def test_c_dtype_mapping_agrees_with_python():
+    # The binding maps numpy's built-in types itself (the collectives' fast
+    # path); it must give dtype_code's answer for every spelling of a type.
+    from ringlet import _core
+    from ringlet._dtypes import dtype_code
+
+    types = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64,
+             np.bool_, np.intc, np.int_, np.longlong, np.single, np.double, np.half]
+    for t in types:
+        x = np.zeros(3, t)
+        assert _core.array_code(x, "x", True, dtype_code) == dtype_code(x.dtype), t
+
+    def refuse(dtype, what):
+        raise TypeError(f"fallback: {what} {dtype}")
+    for t in (np.int16, np.uint32, np.complex64, np.float128 if hasattr(np, "float128") else np.clongdouble):
+        with pytest.raises(TypeError, match="fallback: y"):
+            _core.array_code(np.zeros(2, t), "y", False, refuse)
+    with pytest.raises(TypeError, match="fallback"):  # byte-swapped never maps in C
+        _core.array_code(np.zeros(2, ">f4"), "y", False, refuse)
+    with pytest.raises(TypeError, match="unsupported dtype int16"):
+        _core.array_code(np.zeros(2, np.int16), "y", False, dtype_code)
+    for t in (np.bool_, np.int8, np.uint8):  # one-byte types have no byte order
+        assert _core.array_code(np.zeros(2, np.dtype(t).newbyteorder(">")), "y", False,
+                                refuse) == dtype_code(np.dtype(t))
 
 
 def test_not_initialized():

@@ -103,6 +103,43 @@ def check_array(x, str what, bint writable):
     return x
 
 
+cdef int _native_code(cnp.ndarray x):
+    # The C dtype code when x holds one of numpy's built-in types that the
+    # core supports, in native byte order; else -1.  By type number and item
+    # size: int64 is NPY_LONG on some platforms, NPY_LONGLONG on others.
+    if not cnp.PyArray_ISNOTSWAPPED(x):
+        return -1  # byte-swapped data would be reduced as garbage
+    cdef int t = cnp.PyArray_TYPE(x)
+    cdef Py_ssize_t n = cnp.PyArray_ITEMSIZE(x)
+    if t == cnp.NPY_FLOAT:
+        return 2
+    if t == cnp.NPY_DOUBLE:
+        return 3
+    if t == cnp.NPY_INT or t == cnp.NPY_LONG or t == cnp.NPY_LONGLONG:
+        return 6 if n == 4 else (7 if n == 8 else -1)
+    if t == cnp.NPY_FLOAT16:
+        return 0
+    if t == cnp.NPY_BYTE:
+        return 4
+    if t == cnp.NPY_UBYTE:
+        return 5
+    if t == cnp.NPY_BOOL:
+        return 8
+    return -1
+
+
+def array_code(x, str what, bint writable, fallback):
+    """``check_array``, then the C dtype code of ``x``.
+
+    Built-in numpy types are mapped here, in one call; any other dtype
+    (ml_dtypes' bfloat16, unsupported or byte-swapped ones) goes to
+    ``fallback(x.dtype, what)``, which returns a code or raises.
+    """
+    check_array(x, what, writable)
+    cdef int code = _native_code(<cnp.ndarray>x)
+    return code if code >= 0 else fallback(x.dtype, what)
+
+
 def dtype_size(int dt):
     return rl_dtype_size(<rl_dtype>dt)
 

@@ -40,25 +40,28 @@ _BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 SUPPORTED = "float16, bfloat16 (ml_dtypes), float32, float64, int8, uint8, int32, int64, bool"
 
 
-_BY_NUM: dict = {}  # dtype.num -> code, filled as dtypes are seen (hashing a dtype is slow)
-
-
 def dtype_code(dtype: np.dtype, what: str = "array") -> int:
-    """The C code of a numpy dtype; TypeError naming it when unsupported."""
-    num = getattr(dtype, "num", None)
-    code = _BY_NUM.get(num)
+    """The C code of a numpy dtype; TypeError naming it when unsupported.
+
+    Native byte order only: the kernels read values as this machine stores
+    them, and a byte-swapped array reduced as if native is garbage.  (The
+    collectives map numpy's built-in types in the C binding,
+    ``_core.array_code``, and come here for the rest.)
+    """
+    if not isinstance(dtype, np.dtype):
+        dtype = np.dtype(dtype)
+    code = _CODES.get(dtype)  # np.dtype(">f4") != np.dtype("<f4"): swapped types miss
     if code is not None:
-        return code
-    dtype = np.dtype(dtype)
-    code = _CODES.get(dtype)
-    if code is not None:
-        _BY_NUM[dtype.num] = code
         return code
     # ml_dtypes.bfloat16 is an extension dtype: match it by name so ml_dtypes
     # never has to be imported unless the user already uses it.
-    if dtype.name == "bfloat16" and dtype.itemsize == 2:
-        _BY_NUM[dtype.num] = _BF16
+    if dtype.name == "bfloat16" and dtype.itemsize == 2 and dtype.isnative:
         return _BF16
+    if not dtype.isnative:
+        native = dtype.newbyteorder("=")
+        if native in _CODES or native.name == "bfloat16":
+            raise TypeError(f"{what} has dtype {dtype.str} ({native.name} in non-native byte order); "
+                            f"convert it first, e.g. array.astype('{native.str}')")
     raise TypeError(f"{what} has unsupported dtype {dtype}; supported: {SUPPORTED}")
 
 

@@ -34,6 +34,9 @@ _SUM = ReduceOp.SUM
 # unless C-contiguous (and writable).  The C binding's check, as it reads the
 # flags without building numpy's flags object.
 _array = _core.check_array
+# _acode(x, what, writable, dtype_code): the same checks, then x's C dtype
+# code, in one call (numpy's built-in types mapped in C, others by dtype_code).
+_acode = _core.array_code
 
 # Unbound binding methods, called as fn(comm, ...): the synchronous path
 # then builds no closure per call.
@@ -216,30 +219,29 @@ class ProcessGroup:
             g = np.full(4, ringlet.get_rank(), np.float32)
             ringlet.all_reduce(g)  # every rank: sum of all ranks
         """
-        a = _array(array, "array", True)
-        code = dtype_code(a.dtype)
-        op = 0 if op is _SUM else check_op(op, code, a.dtype)
-        ms = self._ms(timeout)
-        return self._call("all_reduce", async_op, _C.all_reduce, a, code, op, ms)
+        code = _acode(array, "array", True, dtype_code)
+        op = 0 if op is _SUM else check_op(op, code, array.dtype)
+        ms = self._default_ms if timeout is None else self._ms(timeout)
+        return self._call("all_reduce", async_op, _C.all_reduce, array, code, op, ms)
 
     def broadcast(self, array: np.ndarray, src: int = 0, *, async_op: bool = False,
                   timeout: Optional[float] = None):
         """Copy ``array`` from group rank ``src`` into ``array`` on every rank."""
-        a = _array(array, "array", True)
-        code = dtype_code(a.dtype)
-        src = self._peer(src, "src")
-        ms = self._ms(timeout)
-        return self._call("broadcast", async_op, _C.broadcast, a, code, src, ms)
+        code = _acode(array, "array", True, dtype_code)
+        if type(src) is not int or not 0 <= src < self.size:
+            src = self._peer(src, "src")
+        ms = self._default_ms if timeout is None else self._ms(timeout)
+        return self._call("broadcast", async_op, _C.broadcast, array, code, src, ms)
 
     def reduce(self, array: np.ndarray, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False, timeout: Optional[float] = None):
         """Reduce ``array`` over the group into ``array`` on rank ``dst`` (others unchanged)."""
-        a = _array(array, "array", True)
-        code = dtype_code(a.dtype)
-        op = 0 if op is _SUM else check_op(op, code, a.dtype)
-        dst = self._peer(dst, "dst")
-        ms = self._ms(timeout)
-        return self._call("reduce", async_op, _C.reduce, a, code, op, dst, ms)
+        code = _acode(array, "array", True, dtype_code)
+        op = 0 if op is _SUM else check_op(op, code, array.dtype)
+        if type(dst) is not int or not 0 <= dst < self.size:
+            dst = self._peer(dst, "dst")
+        ms = self._default_ms if timeout is None else self._ms(timeout)
+        return self._call("reduce", async_op, _C.reduce, array, code, op, dst, ms)
 
     def all_gather(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
                    timeout: Optional[float] = None):
@@ -251,7 +253,7 @@ class ProcessGroup:
         if o.size != i.size * self.size:
             raise ValueError(f"all_gather: output has {o.size} elements but needs group size "
                              f"{self.size} x input size {i.size} = {i.size * self.size}")
-        code = dtype_code(o.dtype)
+        code = dtype_code(o.dtype, "output")
         ms = self._ms(timeout)
         return self._call("all_gather", async_op, _C.all_gather, o, i, code, ms)
 
@@ -269,7 +271,7 @@ class ProcessGroup:
                              f"{self.size} x output size {o.size} = {o.size * self.size}")
         if np.shares_memory(o, i):
             raise ValueError("reduce_scatter: output must not overlap input")
-        code = dtype_code(o.dtype)
+        code = dtype_code(o.dtype, "output")
         op = 0 if op is _SUM else check_op(op, code, o.dtype)
         ms = self._ms(timeout)
         return self._call("reduce_scatter", async_op, _C.reduce_scatter, o, i, code, op, ms)
@@ -289,7 +291,7 @@ class ProcessGroup:
             raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
         if np.shares_memory(o, i):
             raise ValueError("all_to_all: output must not overlap input")
-        code = dtype_code(o.dtype)
+        code = dtype_code(o.dtype, "output")
         ms = self._ms(timeout)
         return self._call("all_to_all", async_op, _C.all_to_all, o, i, code, ms)
 
@@ -317,7 +319,7 @@ class ProcessGroup:
                              f"but expects {oc[self.rank]}")
         if np.shares_memory(o, i):
             raise ValueError("all_to_all: output must not overlap input")
-        code = dtype_code(o.dtype)
+        code = dtype_code(o.dtype, "output")
         ms = self._ms(timeout)
         return self._run("all_to_all",
                          _C.all_to_all_v, (o, oc, i, ic, code, ms), (o, i), async_op)
@@ -337,7 +339,7 @@ class ProcessGroup:
             if o.size != i.size * self.size:
                 raise ValueError(f"gather: output has {o.size} elements but needs group size "
                                  f"{self.size} x input size {i.size} = {i.size * self.size}")
-        code = dtype_code(i.dtype)
+        code = dtype_code(i.dtype, "input")
         ms = self._ms(timeout)
         return self._call("gather", async_op, _C.gather, o, i, code, dst, ms)
 
@@ -356,7 +358,7 @@ class ProcessGroup:
             if i.size != o.size * self.size:
                 raise ValueError(f"scatter: input has {i.size} elements but needs group size "
                                  f"{self.size} x output size {o.size} = {o.size * self.size}")
-        code = dtype_code(o.dtype)
+        code = dtype_code(o.dtype, "output")
         ms = self._ms(timeout)
         return self._call("scatter", async_op, _C.scatter, o, i, code, src, ms)
 
@@ -368,7 +370,8 @@ class ProcessGroup:
     # ---- point to point -----------------------------------------------------
     def _p2p(self, fn: Callable[..., Any], kind: str, array: Any, peer: Any, tag: Any,
              timeout: Optional[float], async_op: bool, what: str) -> Any:
-        a = _array(array, "array", kind == "recv")
+        code = _acode(array, "array", kind == "recv", dtype_code)
+        a = array
         if type(peer) is not int or not 0 <= peer < self.size or peer == self.rank:
             peer = self._peer(peer, what)
             if peer == self.rank:
@@ -378,8 +381,7 @@ class ProcessGroup:
                     or not 0 <= tag <= _MAX_TAG:
                 raise ValueError(f"tag must be an int in [0, 2**32), got {tag!r}")
             tag = int(tag)
-        code = dtype_code(a.dtype)
-        ms = self._ms(timeout)
+        ms = self._default_ms if timeout is None else self._ms(timeout)
         if self._closed or self.rank < 0:
             self._usable()
         args = (a, code, peer, tag, ms)
