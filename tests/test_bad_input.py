@@ -127,6 +127,21 @@ def test_c_dtype_mapping_agrees_with_python():
                                 refuse) == dtype_code(np.dtype(t))
 
 
+def test_overlap_check_matches_numpy():
+    # The collectives' overlap check compares address ranges of C-contiguous
+    # arrays; for those it must agree with numpy's exact answer.
+    from ringlet import _core
+
+    buf = np.zeros(64, np.float32)
+    other = np.zeros(8, np.float32)
+    views = [buf[a:b] for a in range(0, 64, 7) for b in (a, a + 1, a + 9, 64)] + [other]
+    views.append(buf.view(np.uint8)[5:17])  # unaligned bytes of the same buffer
+    for x in views:
+        for y in views:
+            assert _core.overlap(x, y) == np.shares_memory(x, y), (x.__array_interface__["data"], x.nbytes,
+                                                                   y.__array_interface__["data"], y.nbytes)
+
+
 def test_not_initialized():
     with pytest.raises(RuntimeError, match="init"):
         ringlet.all_reduce(np.zeros(2, np.float32))

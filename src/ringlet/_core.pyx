@@ -140,6 +140,16 @@ def array_code(x, str what, bint writable, fallback):
     return code if code >= 0 else fallback(x.dtype, what)
 
 
+def overlap(cnp.ndarray a, cnp.ndarray b):
+    """Whether two arrays that passed ``check_array`` (C-contiguous) share a
+    byte: their address ranges meet.  numpy's shares_memory costs ~0.3 us."""
+    cdef const char *x = <const char *>cnp.PyArray_DATA(a)
+    cdef const char *y = <const char *>cnp.PyArray_DATA(b)
+    cdef Py_ssize_t n = cnp.PyArray_NBYTES(a)
+    cdef Py_ssize_t m = cnp.PyArray_NBYTES(b)
+    return n > 0 and m > 0 and x < y + m and y < x + n
+
+
 def dtype_size(int dt):
     return rl_dtype_size(<rl_dtype>dt)
 

@@ -37,6 +37,8 @@ _array = _core.check_array
 # _acode(x, what, writable, dtype_code): the same checks, then x's C dtype
 # code, in one call (numpy's built-in types mapped in C, others by dtype_code).
 _acode = _core.array_code
+# _overlap(a, b): whether two checked (C-contiguous) arrays share a byte.
+_overlap = _core.overlap
 
 # Unbound binding methods, called as fn(comm, ...): the synchronous path
 # then builds no closure per call.
@@ -253,8 +255,8 @@ class ProcessGroup:
         if o.size != i.size * self.size:
             raise ValueError(f"all_gather: output has {o.size} elements but needs group size "
                              f"{self.size} x input size {i.size} = {i.size * self.size}")
-        code = dtype_code(o.dtype, "output")
-        ms = self._ms(timeout)
+        code = _acode(o, "output", True, dtype_code)
+        ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("all_gather", async_op, _C.all_gather, o, i, code, ms)
 
     def reduce_scatter(self, output: np.ndarray, input: np.ndarray,
@@ -269,11 +271,11 @@ class ProcessGroup:
         if i.size != o.size * self.size:
             raise ValueError(f"reduce_scatter: input has {i.size} elements but needs group size "
                              f"{self.size} x output size {o.size} = {o.size * self.size}")
-        if np.shares_memory(o, i):
+        if _overlap(o, i):
             raise ValueError("reduce_scatter: output must not overlap input")
-        code = dtype_code(o.dtype, "output")
+        code = _acode(o, "output", True, dtype_code)
         op = 0 if op is _SUM else check_op(op, code, o.dtype)
-        ms = self._ms(timeout)
+        ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("reduce_scatter", async_op, _C.reduce_scatter, o, i, code, op, ms)
 
     def all_to_all(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
@@ -289,10 +291,10 @@ class ProcessGroup:
                              f"they must be equal")
         if o.dtype != i.dtype:
             raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
-        if np.shares_memory(o, i):
+        if _overlap(o, i):
             raise ValueError("all_to_all: output must not overlap input")
-        code = dtype_code(o.dtype, "output")
-        ms = self._ms(timeout)
+        code = _acode(o, "output", True, dtype_code)
+        ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("all_to_all", async_op, _C.all_to_all, o, i, code, ms)
 
     def all_to_all_v(self, output: np.ndarray, output_counts: Sequence[int], input: np.ndarray,
@@ -317,7 +319,7 @@ class ProcessGroup:
         if oc[self.rank] != ic[self.rank]:
             raise ValueError(f"all_to_all_v: this rank sends itself {ic[self.rank]} elements "
                              f"but expects {oc[self.rank]}")
-        if np.shares_memory(o, i):
+        if _overlap(o, i):
             raise ValueError("all_to_all: output must not overlap input")
         code = dtype_code(o.dtype, "output")
         ms = self._ms(timeout)
