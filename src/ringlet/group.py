@@ -341,8 +341,8 @@ class ProcessGroup:
             if o.size != i.size * self.size:
                 raise ValueError(f"gather: output has {o.size} elements but needs group size "
                                  f"{self.size} x input size {i.size} = {i.size * self.size}")
-        code = dtype_code(i.dtype, "input")
-        ms = self._ms(timeout)
+        code = _acode(i, "input", False, dtype_code)
+        ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("gather", async_op, _C.gather, o, i, code, dst, ms)
 
     def scatter(self, output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *,
@@ -360,8 +360,8 @@ class ProcessGroup:
             if i.size != o.size * self.size:
                 raise ValueError(f"scatter: input has {i.size} elements but needs group size "
                                  f"{self.size} x output size {o.size} = {o.size * self.size}")
-        code = dtype_code(o.dtype, "output")
-        ms = self._ms(timeout)
+        code = _acode(o, "output", True, dtype_code)
+        ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("scatter", async_op, _C.scatter, o, i, code, src, ms)
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
