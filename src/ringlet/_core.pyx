@@ -104,7 +104,7 @@ def check_array(x, str what, bint writable):
 
 
 cdef int _native_code(cnp.ndarray x):
-    # The C dtype code when x holds one of numpy's built-in types that the
+    # The core's rl_dtype when x holds one of numpy's built-in types that the
     # core supports, in native byte order; else -1.  By type number and item
     # size: int64 is NPY_LONG on some platforms, NPY_LONGLONG on others.
     if not cnp.PyArray_ISNOTSWAPPED(x):
@@ -112,19 +112,19 @@ cdef int _native_code(cnp.ndarray x):
     cdef int t = cnp.PyArray_TYPE(x)
     cdef Py_ssize_t n = cnp.PyArray_ITEMSIZE(x)
     if t == cnp.NPY_FLOAT:
-        return 2
+        return RL_F32
     if t == cnp.NPY_DOUBLE:
-        return 3
+        return RL_F64
     if t == cnp.NPY_INT or t == cnp.NPY_LONG or t == cnp.NPY_LONGLONG:
-        return 6 if n == 4 else (7 if n == 8 else -1)
+        return RL_I32 if n == 4 else (RL_I64 if n == 8 else -1)
     if t == cnp.NPY_FLOAT16:
-        return 0
+        return RL_F16
     if t == cnp.NPY_BYTE:
-        return 4
+        return RL_I8
     if t == cnp.NPY_UBYTE:
-        return 5
+        return RL_U8
     if t == cnp.NPY_BOOL:
-        return 8
+        return RL_BOOL
     return -1
 
 

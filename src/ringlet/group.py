@@ -248,14 +248,14 @@ class ProcessGroup:
     def all_gather(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
                    timeout: Optional[float] = None):
         """Concatenate every rank's ``input`` into ``output`` (size × input.size), rank order."""
-        o = _array(output, "output", True)
+        code = _acode(output, "output", True, dtype_code)
+        o = output
         i = _array(input, "input", False)
         if o.dtype != i.dtype:
             raise TypeError(f"all_gather: output dtype {o.dtype} differs from input dtype {i.dtype}")
         if o.size != i.size * self.size:
             raise ValueError(f"all_gather: output has {o.size} elements but needs group size "
                              f"{self.size} x input size {i.size} = {i.size * self.size}")
-        code = _acode(o, "output", True, dtype_code)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("all_gather", async_op, _C.all_gather, o, i, code, ms)
 
@@ -263,7 +263,8 @@ class ProcessGroup:
                        op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
                        timeout: Optional[float] = None):
         """Reduce ``input`` (size × output.size) over ranks; rank r gets block r in ``output``."""
-        o = _array(output, "output", True)
+        code = _acode(output, "output", True, dtype_code)
+        o = output
         i = _array(input, "input", False)
         if o.dtype != i.dtype:
             raise TypeError(f"reduce_scatter: output dtype {o.dtype} differs from input dtype "
@@ -273,7 +274,6 @@ class ProcessGroup:
                              f"{self.size} x output size {o.size} = {o.size * self.size}")
         if _overlap(o, i):
             raise ValueError("reduce_scatter: output must not overlap input")
-        code = _acode(o, "output", True, dtype_code)
         op = 0 if op is _SUM else check_op(op, code, o.dtype)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("reduce_scatter", async_op, _C.reduce_scatter, o, i, code, op, ms)
@@ -282,7 +282,8 @@ class ProcessGroup:
                    timeout: Optional[float] = None):
         """Rank r sends block j of ``input`` to rank j, which stores it as block r of ``output``."""
         i = _array(input, "input", False)
-        o = _array(output, "output", True)
+        code = _acode(output, "output", True, dtype_code)
+        o = output
         if i.size % self.size:
             raise ValueError(f"all_to_all: input size {i.size} is not divisible by the group "
                              f"size {self.size}")
@@ -293,7 +294,6 @@ class ProcessGroup:
             raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
         if _overlap(o, i):
             raise ValueError("all_to_all: output must not overlap input")
-        code = _acode(o, "output", True, dtype_code)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("all_to_all", async_op, _C.all_to_all, o, i, code, ms)
 
@@ -302,7 +302,8 @@ class ProcessGroup:
                      timeout: Optional[float] = None):
         """All-to-all with per-rank element counts (blocks laid out back to back, rank order)."""
         i = _array(input, "input", False)
-        o = _array(output, "output", True)
+        code = _acode(output, "output", True, dtype_code)
+        o = output
         if o.dtype != i.dtype:
             raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
         oc = [int(c) for c in output_counts]
@@ -321,7 +322,6 @@ class ProcessGroup:
                              f"but expects {oc[self.rank]}")
         if _overlap(o, i):
             raise ValueError("all_to_all: output must not overlap input")
-        code = dtype_code(o.dtype, "output")
         ms = self._ms(timeout)
         return self._run("all_to_all",
                          _C.all_to_all_v, (o, oc, i, ic, code, ms), (o, i), async_op)
@@ -329,7 +329,8 @@ class ProcessGroup:
     def gather(self, output: Optional[np.ndarray], input: np.ndarray, dst: int = 0, *,
                async_op: bool = False, timeout: Optional[float] = None):
         """Collect every rank's ``input`` into ``output`` on ``dst`` (output may be None elsewhere)."""
-        i = _array(input, "input", False)
+        code = _acode(input, "input", False, dtype_code)
+        i = input
         dst = self._peer(dst, "dst")
         o = None
         if self.rank == dst:
@@ -341,14 +342,14 @@ class ProcessGroup:
             if o.size != i.size * self.size:
                 raise ValueError(f"gather: output has {o.size} elements but needs group size "
                                  f"{self.size} x input size {i.size} = {i.size * self.size}")
-        code = _acode(i, "input", False, dtype_code)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("gather", async_op, _C.gather, o, i, code, dst, ms)
 
     def scatter(self, output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *,
                 async_op: bool = False, timeout: Optional[float] = None):
         """Rank ``src`` sends block r of ``input`` to rank r's ``output`` (input may be None elsewhere)."""
-        o = _array(output, "output", True)
+        code = _acode(output, "output", True, dtype_code)
+        o = output
         src = self._peer(src, "src")
         i = None
         if self.rank == src:
@@ -360,7 +361,6 @@ class ProcessGroup:
             if i.size != o.size * self.size:
                 raise ValueError(f"scatter: input has {i.size} elements but needs group size "
                                  f"{self.size} x output size {o.size} = {o.size * self.size}")
-        code = _acode(o, "output", True, dtype_code)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("scatter", async_op, _C.scatter, o, i, code, src, ms)
 
