@@ -8,6 +8,14 @@ the median over rounds of each variant's median time.
     PYTHONPATH=src python3 bench/knobs.py all_reduce -n 2 -b 1M -e 64M -f 4 \\
         --rounds 3 --vary RINGLET_SEGMENT_BYTES=262144,524288,1048576,2097152
 
+To time two builds of ringlet against each other the same way, name each one's
+``src`` folder with ``--build`` (e.g. a ``git worktree`` of the commit before,
+built with ``python setup.py build_ext --inplace``); every round then runs each
+build in turn, with ``PYTHONPATH`` pointing at it:
+
+    python3 bench/knobs.py reduce -n 2 -b 4K -e 64K -f 2 --rounds 7 \\
+        --build /tmp/old/src --build src
+
 Arguments after the known options go to ``ringlet bench`` unchanged.
 """
 
@@ -47,9 +55,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("op")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--vary", action="append", required=True, metavar="RINGLET_VAR=v1,v2")
+    p.add_argument("--vary", action="append", default=[], metavar="RINGLET_VAR=v1,v2")
+    p.add_argument("--build", action="append", default=[], metavar="SRC_DIR",
+                   help="a build's src folder; with two or more, each round runs every build")
     args, rest = p.parse_known_args()
+    if not args.vary and len(args.build) < 2:
+        p.error("give --vary RINGLET_VAR=v1,v2 or two or more --build SRC_DIR")
     variants = _variants(args.vary)
+    if args.build:
+        for d in args.build:
+            if not os.path.isdir(os.path.join(d, "ringlet")):
+                p.error(f"--build {d}: no ringlet package in it")
+        variants = [dict(env, PYTHONPATH=os.path.abspath(d)) for d in args.build
+                    for env in variants]
     times: Dict[Tuple[int, int], List[float]] = {}
     busbw: Dict[Tuple[int, int], List[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,7 +78,8 @@ def main() -> int:
                     times.setdefault((i, row["size"]), []).append(row["time_us"])
                     busbw.setdefault((i, row["size"]), []).append(row["busbw"])
     sizes = sorted({s for _, s in times})
-    names = [" ".join(f"{k[8:]}={v}" for k, v in env.items()) for env in variants]
+    names = [" ".join(f"{k[8:]}={v}" if k.startswith("RINGLET_") else f"build {v}"
+                      for k, v in env.items()) for env in variants]
     print(f"# {args.op} {' '.join(rest)}; median over {args.rounds} interleaved rounds")
     print("# size (B) | " + " | ".join(f"{n}: us, GB/s" for n in names))
     for s in sizes:

@@ -6,7 +6,7 @@
  * the mask bit, send the partial result to v - mask and stop; otherwise
  * receive v + mask's partial result (when that rank exists) and reduce it
  * in.  ceil(log2 P) steps, N bytes per message.  Non-roots accumulate in
- * scratch so their input stays untouched.
+ * scratch from their first receive on, so their input stays untouched.
  *
  * Chain: data flows from v = P-1 towards the root.  Rank v receives segment
  * k of the partial result from v+1 into one of RL_NSLOT scratch slots,
@@ -118,20 +118,31 @@ static int tree_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count,
                        rl_dtype dt, rl_redop rop, int root) {
     int P = c->size, v = rl_mod(c->rank - root, P);
     size_t len = count * rl_dtype_size(dt);
-    char *scratch;
-    int st = rl_scratch(c, op, 2 * len, &scratch);
-    if (st != RL_OK) return st;
-    char *acc = v == 0 ? buf : scratch, *tmp = scratch + len;
-    if (v != 0) memcpy(acc, buf, len);
+    /* The partial result is read from buf until the first receive; that
+     * reduction writes it to scratch on non-roots (their input stays
+     * untouched), so a leaf sends its input as it is and nobody copies it. */
+    const char *acc = buf;
+    char *sum = buf, *tmp = NULL;
     uint32_t tag = 0;
     for (int mask = 1; mask < P; mask <<= 1, tag++) {
         if (v & mask) {
             return rl_exchange(c, op, rl_mod(v - mask + root, P), acc, -1, NULL, len, tag);
         }
         if (v + mask < P) {
-            st = rl_exchange(c, op, -1, NULL, rl_mod(v + mask + root, P), tmp, len, tag);
+            if (!tmp) { /* first child: [sum (non-root) | received] */
+                char *scratch;
+                int st = rl_scratch(c, op, (v != 0 ? 2 : 1) * len, &scratch);
+                if (st != RL_OK) return st;
+                tmp = scratch;
+                if (v != 0) {
+                    sum = scratch;
+                    tmp = scratch + len;
+                }
+            }
+            int st = rl_exchange(c, op, -1, NULL, rl_mod(v + mask + root, P), tmp, len, tag);
             if (st != RL_OK) return st;
-            rl_reduce_kernel(acc, acc, tmp, count, dt, rop);
+            rl_reduce_kernel(sum, acc, tmp, count, dt, rop); /* the lower rank's first */
+            acc = sum;
         }
     }
     if (v == 0 && rop == RL_AVG) rl_scale_kernel(buf, count, dt, 1.0 / P);

