@@ -109,6 +109,9 @@ static int chain_bcast(rl_comm *c, const rl_opdesc *op, char *buf, size_t len, i
         s[n].peer = rl_mod(v - 1 + root, P);
         s[n].nseg = nseg;
         s[n].where = cb_where;
+        /* From the root, which only sends, to a rank that only receives:
+         * P = 2.  A forwarding sender needs its successor to drain at once. */
+        s[n].bulk = v == 1 && P == 2;
         a.recv = &s[n];
         n++;
     }

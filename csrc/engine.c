@@ -207,6 +207,41 @@ int rl_overlap(const void *a, size_t al, const void *b, size_t bl) {
     return al && bl && x < y + bl && y < x + al;
 }
 
+/* Bulk receive.  A receiver blocked in poll() is woken for every batch of
+ * segments the loopback delivers, and each wake-up is work for the sending
+ * core, which runs the delivery.  Where an algorithm marks a stream `bulk`
+ * (its sender does nothing else: the root of a 2-rank broadcast) and the
+ * rank has nothing else to do either, a message of at least bulk_recv_bytes
+ * in several frames is taken in bulk: the engine sets SO_RCVLOWAT to what
+ * the current frame still misses, so the kernel wakes the rank once per
+ * frame, and blocks instead of spinning.  That costs one frame's copy at
+ * the end of the message (it no longer overlaps the transfer), which smaller
+ * messages do not earn back (docs/benchmarks.md, "Knobs").  The kernel
+ * still wakes a reader whose receive window is full, and a peer's abort or
+ * exit shuts the socket down, which wakes it too. */
+#define RL_LOWAT_MIN ((size_t)64 << 10)
+static void set_lowat(rl_stream *x, size_t want) {
+    if (x->lowat == want) return;
+    int v = want > 1 ? (want < (1u << 30) ? (int)want : 1 << 30) : 1;
+    (void)setsockopt(x->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);
+    x->lowat = want;
+}
+
+static int bulk_receiver(const rl_opdesc *op, const rl_stream *s, int n,
+                         const rl_idle_copy *cp) {
+    uint64_t total = s->total ? s->total : op->total;
+    return rl_tune.bulk_recv_bytes > 0 && n == 1 && s->bulk && !s->is_send && !cp &&
+           s->nseg >= 2 && total >= (uint64_t)rl_tune.bulk_recv_bytes;
+}
+
+/* Before a bulk receiver waits: mark what its frame still misses; returns 1
+ * when that is enough to block for. */
+static int bulk_wait(rl_stream *x) {
+    size_t rem = x->active ? sizeof(rl_hdr) + x->len - x->off : 0;
+    set_lowat(x, rem >= RL_LOWAT_MIN ? rem : 0);
+    return rem >= RL_LOWAT_MIN;
+}
+
 /* One slice of the idle copy; returns 1 if it copied anything.  A slice is
  * small enough (tens of microseconds) not to delay a socket that becomes
  * ready meanwhile, large enough that the call overhead is negligible. */
@@ -233,6 +268,7 @@ int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, vo
     struct pollfd *pfd = n <= 8 ? pfd_small : malloc(sizeof(struct pollfd) * (size_t)n);
     if (!pfd) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory");
     int st = RL_OK;
+    for (int i = 0; i < n; i++) s[i].lowat = 0; /* read on every exit path */
     for (int i = 0; i < n; i++) {
         s[i].cur = 0;
         s[i].active = 0;
@@ -241,6 +277,7 @@ int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, vo
     }
     waiter w;
     waiter_reset(&w);
+    const int bulk = bulk_receiver(op, s, n, cp);
     for (;;) {
         int moved = 0, unfinished = 0, npoll = 0, blame = -1;
         for (int i = 0; i < n; i++) {
@@ -283,11 +320,16 @@ int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, vo
             st = rl_fail(c, op, RL_ERR_INVALID, -1, 0, "internal error: streams stalled");
             goto out;
         }
+        if (bulk && bulk_wait(&s[0])) {
+            w.spinning = 1; /* block at once: the frame is far from complete */
+            w.spin_until = 0;
+        }
         if ((st = wait_some(c, op, &w, pfd, npoll, blame)) != RL_OK) goto out;
         if (c->poisoned) { st = RL_ERR_POISONED; goto out; }
     }
     while (idle_copy_step(cp)) {}
 out:
+    for (int i = 0; i < n; i++) set_lowat(&s[i], 0); /* the next op may not want it */
     if (pfd != pfd_small) free(pfd);
     return st;
 }

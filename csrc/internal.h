@@ -137,11 +137,15 @@ struct rl_stream {
     /* Nonzero: the byte count this stream's headers carry (send) or must
      * carry (recv) in place of op->total; all_to_all_v's pairs differ. */
     uint64_t total;
+    /* Nonzero (recv streams): the peer does nothing but send this stream,
+     * so this rank may take it in bulk (engine.c, "Bulk receive"). */
+    int bulk;
     /* engine state */
     int fd;
     int cur;
     int active;
     size_t off; /* bytes of header+payload moved for the current frame */
+    size_t lowat; /* SO_RCVLOWAT the engine set on fd (0: the default) */
     char *ptr;
     size_t len;
     rl_hdr hdr;

@@ -59,6 +59,7 @@
         .handshake_ms = 5000,                                                  \
         .p2p_unexpected_bytes = (int64_t)256 << 20,                            \
         .spin_yield = 1,                                                       \
+        .bulk_recv_bytes = 16 << 20, /* docs/benchmarks.md, "Knobs" */        \
     }
 rl_tuning rl_tune = RL_TUNING_DEFAULTS;
 static const rl_tuning rl_tune_default_copy = RL_TUNING_DEFAULTS;

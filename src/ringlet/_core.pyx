@@ -175,7 +175,7 @@ def build_info():
 
 _TUNING_FIELDS = ("segment_bytes", "allreduce_small_bytes", "bcast_small_bytes",
                   "reduce_small_bytes", "spin_us", "sockbuf_bytes", "max_frame_bytes",
-                  "handshake_ms", "p2p_unexpected_bytes", "spin_yield")
+                  "handshake_ms", "p2p_unexpected_bytes", "spin_yield", "bulk_recv_bytes")
 
 
 def get_tuning():
@@ -185,7 +185,8 @@ def get_tuning():
             "bcast_small_bytes": t.bcast_small_bytes, "reduce_small_bytes": t.reduce_small_bytes,
             "spin_us": t.spin_us, "sockbuf_bytes": t.sockbuf_bytes,
             "max_frame_bytes": t.max_frame_bytes, "handshake_ms": t.handshake_ms,
-            "p2p_unexpected_bytes": t.p2p_unexpected_bytes, "spin_yield": t.spin_yield}
+            "p2p_unexpected_bytes": t.p2p_unexpected_bytes, "spin_yield": t.spin_yield,
+            "bulk_recv_bytes": t.bulk_recv_bytes}
 
 
 def set_tuning(**kw):
@@ -207,6 +208,7 @@ def set_tuning(**kw):
     if "handshake_ms" in kw: t.handshake_ms = kw["handshake_ms"]
     if "p2p_unexpected_bytes" in kw: t.p2p_unexpected_bytes = kw["p2p_unexpected_bytes"]
     if "spin_yield" in kw: t.spin_yield = kw["spin_yield"]
+    if "bulk_recv_bytes" in kw: t.bulk_recv_bytes = kw["bulk_recv_bytes"]
     rl_set_tuning(&t)
 
 

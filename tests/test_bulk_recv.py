@@ -1,0 +1,200 @@
+"""Bulk receive (engine.c, ``bulk_recv_bytes``).
+
+The receiver of a large 2-rank broadcast asks the kernel (SO_RCVLOWAT) to
+wake it once per frame.  These tests lower the threshold so that messages of
+a few MiB take that path, and check that the broadcast, and the collectives
+around it, still deliver numpy's results, also with socket buffers smaller
+than a frame (the kernel caps the mark then); that a frame which can never be
+completed (a desync, a silent or killed peer) is still reported within its
+bounds; and that the mark is taken off after each op, so a later small
+message is not held back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import ReduceOp, _core
+from ringlet.errors import CollectiveTimeout, DesyncError, PeerClosedError, RingletError
+from ringlet.testing import WorldError, run_world
+
+from _oracle import close, data, reduce_np
+
+# Messages of 1 MiB and more in frames of 256 KiB take the bulk path.
+BULK = dict(bulk_recv_bytes=1 << 20, segment_bytes=256 << 10)
+
+
+def _ops(rank, P, tuning):
+    _core.set_tuning(**tuning)
+    bad = []
+    n = (3 << 20) // 4 + 5  # several frames per rank, not divisible by P
+    f32 = np.dtype(np.float32)
+    ins = [data(r, n, f32) for r in range(P)]
+    x = ins[rank].copy()
+    ringlet.all_reduce(x)
+    if not close(x, reduce_np(ins, ReduceOp.SUM, f32), ReduceOp.SUM):
+        bad.append("all_reduce")
+    for root in range(P):
+        x = ins[rank].copy()
+        ringlet.broadcast(x, src=root)
+        if not np.array_equal(x, ins[root]):
+            bad.append(f"broadcast root {root}")
+        x = ins[rank].copy()
+        ringlet.reduce(x, dst=root)
+        if rank == root and not close(x, reduce_np(ins, ReduceOp.SUM, f32), ReduceOp.SUM):
+            bad.append(f"reduce root {root}")
+    m = n // P
+    out = np.empty(m, np.float32)
+    ringlet.reduce_scatter(out, ins[rank][:m * P])
+    want = reduce_np([a[:m * P] for a in ins], ReduceOp.SUM, f32)[rank * m:(rank + 1) * m]
+    if not close(out, want, ReduceOp.SUM):
+        bad.append("reduce_scatter")
+    out = np.empty(m * P, np.float32)
+    ringlet.all_gather(out, ins[rank][:m])
+    if not np.array_equal(out, np.concatenate([a[:m] for a in ins])):
+        bad.append("all_gather")
+    full = np.empty(m * P, np.float32) if rank == 0 else None
+    ringlet.gather(full, ins[rank][:m], dst=0)
+    if rank == 0 and not np.array_equal(full, np.concatenate([a[:m] for a in ins])):
+        bad.append("gather")
+    part = np.empty(m, np.float32)
+    ringlet.scatter(part, ins[0][:m * P] if rank == 0 else None, src=0)
+    if not np.array_equal(part, ins[0][rank * m:(rank + 1) * m]):
+        bad.append("scatter")
+    blocks = np.empty(m * P, np.float32)
+    ringlet.all_to_all(blocks, ins[rank][:m * P])
+    if not np.array_equal(blocks, np.concatenate([a[rank * m:(rank + 1) * m] for a in ins])):
+        bad.append("all_to_all")
+    return bad
+
+
+def test_collectives_match_numpy_with_bulk_receives_in_processes():
+    assert run_world(_ops, 2, mode="process", timeout=180, args=(BULK,)) == [[], []]
+
+
+@pytest.mark.parametrize("tuning", [BULK, dict(BULK, sockbuf_bytes=32 << 10)],
+                         ids=["autotuned-buffers", "buffers-below-a-frame"])
+def test_collectives_match_numpy_with_bulk_receives_in_threads(tuning):
+    saved = _core.get_tuning()
+    try:
+        assert run_world(_ops, 2, mode="thread", timeout=180, args=(tuning,)) == [[], []]
+    finally:
+        _core.set_tuning(**saved)
+
+
+def test_bulk_threshold_is_a_tuning_knob():
+    saved = _core.get_tuning()
+    try:
+        assert saved["bulk_recv_bytes"] > 0
+        _core.set_tuning(bulk_recv_bytes=0)
+        assert _core.get_tuning()["bulk_recv_bytes"] == 0
+        with pytest.raises(ValueError, match="bulk_recv_bytes"):
+            _core.set_tuning(bulk_recv_bytes=-1)
+    finally:
+        _core.set_tuning(**saved)
+
+
+# ---- the mark comes off after each op ---------------------------------------------
+def _small_after_large(rank, P):
+    # Rank 1 receives a large broadcast in bulk, then plays ping-pong with
+    # small ones, so it waits for rank 0 in every round.  Without spinning
+    # every wait goes to poll(); a mark left on rank 1's socket would hold
+    # many replies back until poll's 100 ms slice ends (a build without the
+    # reset took 10.6 s for these 200 rounds, this one about 10 ms).
+    _core.set_tuning(spin_us=0, **BULK)
+    big = np.ones(4 << 20, np.float32)
+    ringlet.broadcast(big, src=0)
+    x = np.zeros(4, np.float32)
+    t0 = time.monotonic()
+    for i in range(200):
+        if rank == 1:
+            x += 1
+        ringlet.broadcast(x, src=1)
+        if rank == 0:
+            x += 1
+        ringlet.broadcast(x, src=0)
+    took = time.monotonic() - t0
+    return (float(x[0]), took)
+
+
+def test_small_messages_after_a_large_one_are_not_held_back():
+    res = run_world(_small_after_large, 2, mode="process", timeout=120)
+    for value, took in res:
+        assert value == 400.0
+        assert took < 3.0, res
+
+
+# ---- frames that never complete ---------------------------------------------------
+def _short_frame(rank, P):
+    # rank 1 expects 4 MiB; rank 0 sends 4 KiB: rank 1's wait for its first
+    # 256 KiB frame can never be met by the bytes that arrive
+    _core.set_tuning(**BULK)
+    x = np.ones((4 << 20) // 4 if rank == 1 else 1024, np.float32)
+    t0 = time.monotonic()
+    try:
+        ringlet.broadcast(x, src=0, timeout=60)
+        ringlet.barrier(timeout=60)
+    except RingletError as exc:
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_short_frame_is_reported_as_a_desync_long_before_the_timeout():
+    res = run_world(_short_frame, 2, mode="process", timeout=90)
+    kind, took, msg = res[1]
+    assert kind == DesyncError.__name__ and "broadcast" in msg and took < 10, res
+    assert res[0][0] != "completed" and res[0][1] < 30, res
+
+
+def _silent_sender(rank, P):
+    _core.set_tuning(**BULK)
+    ringlet.barrier(timeout=60)
+    t0 = time.monotonic()
+    if rank == 0:  # waits for 4 MiB that rank 1 never sends
+        try:
+            ringlet.broadcast(np.zeros(1 << 20, np.float32), src=1, timeout=1.0)
+        except CollectiveTimeout as exc:
+            return ("timeout", time.monotonic() - t0, str(exc))
+        return ("completed", time.monotonic() - t0, "")
+    try:  # p2p has its own connection; rank 0's exit ends this wait
+        ringlet.recv(np.empty(1, np.float32), 0, timeout=60)
+    except RingletError as exc:
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_wait_for_a_large_frame_ends_at_the_deadline():
+    res = run_world(_silent_sender, 2, mode="process", timeout=90)
+    kind, took, msg = res[0]
+    assert kind == "timeout" and 0.9 <= took < 10 and "broadcast" in msg, res
+    assert res[1][0] != "completed", res
+
+
+def _killed_sender(rank, P):
+    _core.set_tuning(**BULK)
+    x = np.ones(4 << 20, np.float32)
+    ringlet.broadcast(x, src=1)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        ringlet.broadcast(x, src=1, timeout=60)
+    except PeerClosedError as exc:
+        return ("closed", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_killed_sender_is_reported_long_before_the_timeout():
+    with pytest.raises(WorldError) as ei:
+        run_world(_killed_sender, 2, mode="process", timeout=90)
+    assert "signal 9" in ei.value.failures[1]
+    kind, took, msg = ei.value.results[0]
+    assert kind == "closed" and took < 10, (kind, took, msg)
