@@ -209,22 +209,23 @@ int rl_overlap(const void *a, size_t al, const void *b, size_t bl) {
 
 /* Bulk receive.  A receiver blocked in poll() is woken for every batch of
  * segments the loopback delivers, and each wake-up is work for the sending
- * core, which runs the delivery.  Where an algorithm marks a stream `bulk`
- * (its sender does nothing else: the root of a 2-rank broadcast) and the
- * rank has nothing else to do either, a message of at least bulk_recv_bytes
- * in several frames is taken in bulk: the engine sets SO_RCVLOWAT to what
- * the current frame still misses, so the kernel wakes the rank once per
- * frame, and blocks instead of spinning.  That costs one frame's copy at
- * the end of the message (it no longer overlaps the transfer), which smaller
- * messages do not earn back (docs/benchmarks.md, "Knobs").  The kernel
- * still wakes a reader whose receive window is full, and a peer's abort or
- * exit shuts the socket down, which wakes it too. */
+ * core, which runs the delivery.  A rank that does nothing but receive a
+ * message of at least bulk_recv_bytes from a sender that does nothing but
+ * send it takes it in bulk: it sets SO_RCVLOWAT to a frame's worth of what
+ * is still missing, so the kernel wakes it once per frame, and blocks
+ * instead of spinning.  That costs one frame's copy at the end of the
+ * message (it no longer overlaps the transfer), which smaller messages do
+ * not earn back.  Collectives opt in per stream (`bulk`: the receiver of a
+ * 2-rank broadcast); a point-to-point receive of that size always does
+ * (docs/benchmarks.md, "Knobs").  The kernel still wakes a reader whose
+ * receive window is full, and a peer's abort or exit shuts the socket
+ * down, which wakes it too. */
 #define RL_LOWAT_MIN ((size_t)64 << 10)
-static void set_lowat(rl_stream *x, size_t want) {
-    if (x->lowat == want) return;
+static void set_lowat(int fd, size_t *have, size_t want) {
+    if (*have == want) return;
     int v = want > 1 ? (want < (1u << 30) ? (int)want : 1 << 30) : 1;
-    (void)setsockopt(x->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);
-    x->lowat = want;
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);
+    *have = want;
 }
 
 static int bulk_receiver(const rl_opdesc *op, const rl_stream *s, int n,
@@ -238,7 +239,7 @@ static int bulk_receiver(const rl_opdesc *op, const rl_stream *s, int n,
  * when that is enough to block for. */
 static int bulk_wait(rl_stream *x) {
     size_t rem = x->active ? sizeof(rl_hdr) + x->len - x->off : 0;
-    set_lowat(x, rem >= RL_LOWAT_MIN ? rem : 0);
+    set_lowat(x->fd, &x->lowat, rem >= RL_LOWAT_MIN ? rem : 0);
     return rem >= RL_LOWAT_MIN;
 }
 
@@ -329,18 +330,19 @@ int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, vo
     }
     while (idle_copy_step(cp)) {}
 out:
-    for (int i = 0; i < n; i++) set_lowat(&s[i], 0); /* the next op may not want it */
+    for (int i = 0; i < n; i++) set_lowat(s[i].fd, &s[i].lowat, 0); /* the next op may not want it */
     if (pfd != pfd_small) free(pfd);
     return st;
 }
 
 /* ---- blocking helpers for point to point ------------------------------- */
-static int one_stream(rl_comm *c, const rl_opdesc *op, int peer, void *buf,
-                      size_t len, int sending, rl_hdr *h) {
-    int fd;
-    int st = rl_peer_fd(c, op, peer, &fd);
-    if (st != RL_OK) return st;
+static int one_stream_io(rl_comm *c, const rl_opdesc *op, int peer, int fd, void *buf,
+                         size_t len, int sending, rl_hdr *h, size_t *lowat) {
+    int st;
     size_t H = h ? sizeof(rl_hdr) : 0, off = 0, total = H + len;
+    /* A large receive is taken in bulk, woken per segment's worth of bytes. */
+    int bulk = !sending && rl_tune.bulk_recv_bytes > 0 && len >= (uint64_t)rl_tune.bulk_recv_bytes;
+    size_t seg = (size_t)rl_tune.segment_bytes;
     waiter w;
     waiter_reset(&w);
     while (off < total) {
@@ -368,10 +370,26 @@ static int one_stream(rl_comm *c, const rl_opdesc *op, int peer, void *buf,
         if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
             return io_error(c, op, peer, errno, sending);
         struct pollfd p = {fd, (short)(sending ? POLLOUT : POLLIN), 0};
+        if (bulk && total - off >= RL_LOWAT_MIN) {
+            set_lowat(fd, lowat, total - off < seg ? total - off : seg);
+            w.spinning = 1;
+            w.spin_until = 0;
+        }
         if ((st = wait_some(c, op, &w, &p, 1, peer)) != RL_OK) return st;
         if (c->poisoned) return RL_ERR_POISONED;
     }
     return RL_OK;
+}
+
+static int one_stream(rl_comm *c, const rl_opdesc *op, int peer, void *buf,
+                      size_t len, int sending, rl_hdr *h) {
+    int fd;
+    int st = rl_peer_fd(c, op, peer, &fd);
+    if (st != RL_OK) return st;
+    size_t lowat = 0;
+    st = one_stream_io(c, op, peer, fd, buf, len, sending, h, &lowat);
+    set_lowat(fd, &lowat, 0); /* the next receive may not want it */
+    return st;
 }
 
 int rl_send_frame(rl_comm *c, const rl_opdesc *op, int peer, rl_hdr *h,

@@ -125,8 +125,8 @@ typedef struct {
     int64_t handshake_ms;          /* deadline for one connection handshake */
     int64_t p2p_unexpected_bytes;  /* cap on buffered unmatched p2p frames  */
     int64_t spin_yield;            /* 1: sched_yield between polls of a spin */
-    int64_t bulk_recv_bytes;       /* a rank that only receives a message of */
-                                   /* >= this is woken per frame, 0 = never  */
+    int64_t bulk_recv_bytes;       /* 2-rank broadcast or p2p recv >= this:  */
+                                   /* woken once per frame, 0 = never       */
 } rl_tuning;
 
 void rl_tuning_defaults(rl_tuning *t);

@@ -1,7 +1,7 @@
 """Bulk receive (engine.c, ``bulk_recv_bytes``).
 
-The receiver of a large 2-rank broadcast asks the kernel (SO_RCVLOWAT) to
-wake it once per frame.  These tests lower the threshold so that messages of
+The receiver of a large 2-rank broadcast, and of a large point-to-point
+message, asks the kernel (SO_RCVLOWAT) to wake it once per frame.  These tests lower the threshold so that messages of
 a few MiB take that path, and check that the broadcast, and the collectives
 around it, still deliver numpy's results, also with socket buffers smaller
 than a frame (the kernel caps the mark then); that a frame which can never be
@@ -33,7 +33,9 @@ BULK = dict(bulk_recv_bytes=1 << 20, segment_bytes=256 << 10)
 def _ops(rank, P, tuning):
     _core.set_tuning(**tuning)
     bad = []
-    n = (3 << 20) // 4 + 5  # several frames per rank, not divisible by P
+    # more than the socket buffers hold (so receivers wait), in many frames,
+    # not divisible by P
+    n = (16 << 20) // 4 + 5
     f32 = np.dtype(np.float32)
     ins = [data(r, n, f32) for r in range(P)]
     x = ins[rank].copy()
@@ -198,3 +200,66 @@ def test_killed_sender_is_reported_long_before_the_timeout():
     assert "signal 9" in ei.value.failures[1]
     kind, took, msg = ei.value.results[0]
     assert kind == "closed" and took < 10, (kind, took, msg)
+
+
+# ---- point to point --------------------------------------------------------------
+def _p2p(rank, P):
+    _core.set_tuning(spin_us=0, **BULK)
+    bad = []
+    # over the threshold (and more than the socket buffers hold, so the
+    # receiver waits), then under it
+    sizes = [(16 << 20) // 4 + 3, (1 << 20) // 4 - 1]
+    for tag, n in enumerate(sizes):
+        want = data(tag, n, np.dtype(np.float32))
+        if rank == 0:
+            ringlet.send(want, 1, tag=tag)
+        else:
+            got = np.zeros(n, np.float32)
+            ringlet.recv(got, 0, tag=tag)
+            if not np.array_equal(got, want):
+                bad.append(f"p2p {n * 4} B")
+    # ping-pong with small messages: a mark left on rank 1's socket would
+    # hold the replies back as in _small_after_large (a build without the
+    # reset took about 10 s for these 400 rounds, this one about 20 ms)
+    x = np.zeros(4, np.float32)
+    t0 = time.monotonic()
+    for _ in range(400):
+        if rank == 0:
+            ringlet.send(x, 1)
+            ringlet.recv(x, 1)
+        else:
+            ringlet.recv(x, 0)
+            x += 1
+            ringlet.send(x, 0)
+    return (bad, float(x[0]), time.monotonic() - t0)
+
+
+def test_large_point_to_point_messages_in_bulk():
+    res = run_world(_p2p, 2, mode="process", timeout=120)
+    for bad, value, took in res:
+        assert bad == [] and value == 400.0 and took < 2.0, res
+
+
+def _killed_p2p_sender(rank, P):
+    _core.set_tuning(**BULK)
+    x = np.ones(4 << 20, np.float32)
+    if rank == 1:
+        ringlet.send(x[:1024], 0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    ringlet.recv(x[:1024], 1)
+    t0 = time.monotonic()
+    try:
+        ringlet.recv(x, 1, timeout=60)
+    except PeerClosedError as exc:
+        return ("closed", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_killed_sender_of_a_large_point_to_point_message_is_reported_fast():
+    with pytest.raises(WorldError) as ei:
+        run_world(_killed_p2p_sender, 2, mode="process", timeout=90)
+    assert "signal 9" in ei.value.failures[1]
+    kind, took, msg = ei.value.results[0]
+    assert kind == "closed" and took < 10 and "recv" in msg, (kind, took, msg)
