@@ -374,6 +374,8 @@ static int one_stream_io(rl_comm *c, const rl_opdesc *op, int peer, int fd, void
             set_lowat(fd, lowat, total - off < seg ? total - off : seg);
             w.spinning = 1;
             w.spin_until = 0;
+        } else if (bulk) {
+            set_lowat(fd, lowat, 0); /* a short tail: a mark above it would never be met */
         }
         if ((st = wait_some(c, op, &w, &p, 1, peer)) != RL_OK) return st;
         if (c->poisoned) return RL_ERR_POISONED;
