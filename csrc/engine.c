@@ -235,12 +235,17 @@ static int bulk_receiver(const rl_opdesc *op, const rl_stream *s, int n,
            s->nseg >= 2 && total >= (uint64_t)rl_tune.bulk_recv_bytes;
 }
 
-/* Before a bulk receiver waits: mark what its frame still misses; returns 1
- * when that is enough to block for. */
-static int bulk_wait(rl_stream *x) {
-    size_t rem = x->active ? sizeof(rl_hdr) + x->len - x->off : 0;
-    set_lowat(x->fd, &x->lowat, rem >= RL_LOWAT_MIN ? rem : 0);
-    return rem >= RL_LOWAT_MIN;
+/* Before a bulk receiver with `rem` bytes still to come waits: mark up to
+ * `cap` of them and block at once, or, for a short tail that a larger mark
+ * would never see met, take the mark off and wait as usual. */
+static void bulk_wait(int fd, size_t *lowat, size_t rem, size_t cap, waiter *w) {
+    if (rem < RL_LOWAT_MIN) {
+        set_lowat(fd, lowat, 0);
+        return;
+    }
+    set_lowat(fd, lowat, rem < cap ? rem : cap);
+    w->spinning = 1;
+    w->spin_until = 0;
 }
 
 /* One slice of the idle copy; returns 1 if it copied anything.  A slice is
@@ -321,10 +326,9 @@ int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, vo
             st = rl_fail(c, op, RL_ERR_INVALID, -1, 0, "internal error: streams stalled");
             goto out;
         }
-        if (bulk && bulk_wait(&s[0])) {
-            w.spinning = 1; /* block at once: the frame is far from complete */
-            w.spin_until = 0;
-        }
+        if (bulk) /* the mark: what the current frame still misses */
+            bulk_wait(s[0].fd, &s[0].lowat,
+                      s[0].active ? sizeof(rl_hdr) + s[0].len - s[0].off : 0, SIZE_MAX, &w);
         if ((st = wait_some(c, op, &w, pfd, npoll, blame)) != RL_OK) goto out;
         if (c->poisoned) { st = RL_ERR_POISONED; goto out; }
     }
@@ -370,13 +374,7 @@ static int one_stream_io(rl_comm *c, const rl_opdesc *op, int peer, int fd, void
         if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
             return io_error(c, op, peer, errno, sending);
         struct pollfd p = {fd, (short)(sending ? POLLOUT : POLLIN), 0};
-        if (bulk && total - off >= RL_LOWAT_MIN) {
-            set_lowat(fd, lowat, total - off < seg ? total - off : seg);
-            w.spinning = 1;
-            w.spin_until = 0;
-        } else if (bulk) {
-            set_lowat(fd, lowat, 0); /* a short tail: a mark above it would never be met */
-        }
+        if (bulk) bulk_wait(fd, lowat, total - off, seg, &w); /* one frame's worth */
         if ((st = wait_some(c, op, &w, &p, 1, peer)) != RL_OK) return st;
         if (c->poisoned) return RL_ERR_POISONED;
     }
