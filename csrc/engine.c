@@ -252,7 +252,6 @@ static void bulk_wait(int fd, size_t *lowat, size_t rem, size_t cap, waiter *w) 
  * small enough (tens of microseconds) not to delay a socket that becomes
  * ready meanwhile, large enough that the call overhead is negligible. */
 #define RL_COPY_SLICE ((size_t)128 << 10)
-#define RL_STREAM_COPY_MIN ((size_t)4 << 20)
 static int idle_copy_step(rl_idle_copy *cp) {
     if (!cp || cp->done >= cp->len) return 0;
     size_t k = cp->len - cp->done < RL_COPY_SLICE ? cp->len - cp->done : RL_COPY_SLICE;

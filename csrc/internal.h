@@ -18,6 +18,11 @@
 #define RL_HANDSHAKE_MAGIC 0x48544c52u /* "RLTH" */
 #define RL_ABORT_REASON_MAX 512
 #define RL_HOST_MAX 64
+/* Own blocks of at least this many bytes are copied, and reduce_scatter
+ * outputs of at least RL_STREAM_OUT_MIN written, with non-temporal stores
+ * (rl_copy_stream): the op does not read them again. */
+#define RL_STREAM_COPY_MIN ((size_t)4 << 20)
+#define RL_STREAM_OUT_MIN ((size_t)16 << 20)
 
 /* Every frame starts with this 48-byte header, then `nbytes` of payload.
  * The receiver always knows what it expects and compares field by field

@@ -190,6 +190,31 @@ def test_large_own_blocks_streamed():
     assert run_world(_streamed_own_blocks, 2, mode="thread", timeout=120) == [[], []]
 
 
+def _streamed_reduce_scatter(rank, P):
+    """Output blocks of >= 16 MiB are summed in the cached slot and streamed
+    out; an odd length and an output one element into its buffer exercise the
+    copy's unaligned head and byte tail, AVG the scaling before the copy."""
+    n = (16 << 20) // 4 + 5
+    # Each input repeats a short pattern, so a rank builds only its own input
+    # and every rank's block r for the oracle (inputs: P x P x 16 MiB in all).
+    pats = [data(r, 4099, np.float32, salt=6) for r in range(P)]
+    idx = np.arange(rank * n, (rank + 1) * n) % 4099
+    want_in = [p[idx] for p in pats]
+    bad = []
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        buf = np.full(n + 2, -1.0, np.float32)
+        ringlet.reduce_scatter(buf[1:1 + n], np.resize(pats[rank], n * P), op)
+        want = reduce_np(want_in, op, np.float32)
+        if not (close(buf[1:1 + n], want, op) and buf[0] == -1.0 and buf[-1] == -1.0):
+            bad.append(op.name)
+    return bad
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_large_reduce_scatter_streamed(P):
+    assert run_world(_streamed_reduce_scatter, P, mode="thread", timeout=120) == [[]] * P
+
+
 def _identical(rank, P):
     rng = np.random.default_rng(rank)
     x = rng.standard_normal(50_001).astype(np.float32)  # inexact sums: order matters
