@@ -131,6 +131,25 @@ static void ag_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
     *l = seg_len(a, k);
 }
 
+/* 2 ranks, blocks of RL_STREAM_OUT_MIN or more: nothing received is sent
+ * on, so each segment lands in a cached slot and is streamed into the output
+ * (no read of the output's lines first, as for reduce_scatter's output):
+ * 64 / 256 MiB 5-8% / 7-11% faster (docs/algorithms.md).  At more ranks the
+ * received blocks are forwarded from the output, which should stay cached. */
+static void ag_slot_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    ring_sg *a = alg;
+    (void)s;
+    *p = a->scratch;
+    *l = seg_len(a, i);
+}
+static int ag_slot_done(void *alg, rl_stream *s, int i) {
+    ring_sg *a = alg;
+    (void)s;
+    rl_copy_stream(a->out + (size_t)(1 - a->r) * a->blk + (size_t)i * a->seg, a->scratch,
+                   seg_len(a, i));
+    return RL_OK;
+}
+
 int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype dt,
                   int64_t timeout_ms) {
     if ((unsigned)dt >= RL_NDTYPES || (count && (!out || !in))) return RL_ERR_INVALID;
@@ -174,6 +193,11 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     s[1].peer = rl_mod(a.r - 1, a.P);
     s[1].nseg = (a.P - 1) * a.S;
     s[1].where = ag_recv_where;
+    if (a.P == 2 && blk >= RL_STREAM_OUT_MIN) {
+        if ((st = rl_scratch(c, &op, a.seg, &a.scratch)) != RL_OK) return rl_end_op(c, st);
+        s[1].where = ag_slot_where;
+        s[1].done = ag_slot_done;
+    }
     a.recv = &s[1];
     st = rl_run_streams_copy(c, &op, s, 2, &a, &cp);
     return rl_end_op(c, st);

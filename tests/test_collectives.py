@@ -215,6 +215,30 @@ def test_large_reduce_scatter_streamed(P):
     assert run_world(_streamed_reduce_scatter, P, mode="thread", timeout=120) == [[]] * P
 
 
+def _streamed_all_gather(rank, P):
+    """2 ranks, blocks of >= 16 MiB: each received segment lands in a slot and
+    is streamed into the output, unaligned (one element into its buffer),
+    out of place and in place (the input is the rank's own slot)."""
+    n = (16 << 20) // 4 + 5
+    ins = [np.resize(data(r, 4099, np.float32, salt=7), n) for r in range(P)]
+    want = np.concatenate(ins)
+    bad = []
+    buf = np.full(n * P + 2, -1.0, np.float32)
+    ringlet.all_gather(buf[1:1 + n * P], ins[rank])
+    if not (np.array_equal(buf[1:1 + n * P], want) and buf[0] == -1.0 and buf[-1] == -1.0):
+        bad.append("out of place")
+    out = np.full(n * P, -1.0, np.float32)
+    out[rank * n:(rank + 1) * n] = ins[rank]
+    ringlet.all_gather(out, out[rank * n:(rank + 1) * n])
+    if not np.array_equal(out, want):
+        bad.append("in place")
+    return bad
+
+
+def test_large_all_gather_streamed():
+    assert run_world(_streamed_all_gather, 2, mode="thread", timeout=120) == [[], []]
+
+
 def _identical(rank, P):
     rng = np.random.default_rng(rank)
     x = rng.standard_normal(50_001).astype(np.float32)  # inexact sums: order matters
