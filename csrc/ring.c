@@ -254,9 +254,9 @@ static int rs_recv_done(void *alg, rl_stream *s, int i) {
     /* A large output is not read again by this op: the sum is formed in the
      * cached slot and streamed out, so the output's lines are written without
      * first being read from memory (what a plain store into them costs).
-     * Blocks of 16 MiB and more: 64-256 MiB at 2 ranks 12-18% faster, 4
-     * ranks 4-10%; 4 MiB blocks (16 MiB at 4 ranks), whose output can stay
-     * in the L3 between calls, 7% slower (docs/algorithms.md). */
+     * Blocks of 16 MiB and more: 64 / 256 MiB at 2 ranks 11 / 20% faster,
+     * at 4 ranks 5 / 4%; 4 MiB blocks (16 MiB at 4 ranks), whose output can
+     * stay in the L3 between calls, were 7% slower (docs/algorithms.md). */
     int stream = last && a->blk >= RL_STREAM_OUT_MIN;
     char *dst = last && !stream ? out : slot;
     rl_reduce_kernel(dst, slot, own, l / esz, a->dt, a->op);
