@@ -16,7 +16,8 @@ build in turn, with ``PYTHONPATH`` pointing at it:
     python3 bench/knobs.py reduce -n 2 -b 4K -e 64K -f 2 --rounds 7 \\
         --build /tmp/old/src --build src
 
-Arguments after the known options go to ``ringlet bench`` unchanged.
+OP may be ``all`` (one row per op and size).  Arguments after the known options
+go to ``ringlet bench`` unchanged.
 """
 
 from __future__ import annotations
@@ -68,27 +69,33 @@ def main() -> int:
                 p.error(f"--build {d}: no ringlet package in it")
         variants = [dict(env, PYTHONPATH=os.path.abspath(d)) for d in args.build
                     for env in variants]
-    times: Dict[Tuple[int, int], List[float]] = {}
-    busbw: Dict[Tuple[int, int], List[float]] = {}
+    times: Dict[Tuple[int, str, int], List[float]] = {}
+    busbw: Dict[Tuple[int, str, int], List[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for i, env in enumerate(variants):
                 print(f"round {rnd + 1}/{args.rounds}: {env}", file=sys.stderr)
                 for row in _run(args.op, rest, env, os.path.join(tmp, f"{i}.json")):
-                    times.setdefault((i, row["size"]), []).append(row["time_us"])
-                    busbw.setdefault((i, row["size"]), []).append(row["busbw"])
-    sizes = sorted({s for _, s in times})
+                    key = (i, row["op"], row["size"])
+                    times.setdefault(key, []).append(row["time_us"])
+                    busbw.setdefault(key, []).append(row["busbw"])
+    first = {}  # ops in the order the sweep ran them
+    for _, op, _s in times:
+        first.setdefault(op, len(first))
+    cells = sorted({(op, s) for _, op, s in times}, key=lambda c: (first[c[0]], c[1]))
     names = [" ".join(f"{k[8:]}={v}" if k.startswith("RINGLET_") else f"build {v}"
                       for k, v in env.items()) for env in variants]
     print(f"# {args.op} {' '.join(rest)}; median over {args.rounds} interleaved rounds")
-    print("# size (B) | " + " | ".join(f"{n}: us, GB/s" for n in names))
-    for s in sizes:
-        cells = []
+    many = len({op for op, _ in cells}) > 1  # OP "all": one row per op and size
+    print("# " + ("op | " if many else "") + "size (B) | "
+          + " | ".join(f"{n}: us, GB/s" for n in names))
+    for op, s in cells:
+        row = []
         for i in range(len(variants)):
-            t = statistics.median(times[(i, s)])
-            b = statistics.median(busbw[(i, s)])
-            cells.append(f"{t:10.1f} {b:6.3f}")
-        print(f"{s:12d} | " + " | ".join(cells))
+            t = statistics.median(times[(i, op, s)])
+            b = statistics.median(busbw[(i, op, s)])
+            row.append(f"{t:10.1f} {b:6.3f}")
+        print((f"{op:>14} | " if many else "") + f"{s:12d} | " + " | ".join(row))
     return 0
 
 

