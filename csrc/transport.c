@@ -60,6 +60,7 @@
         .p2p_unexpected_bytes = (int64_t)256 << 20,                            \
         .spin_yield = 1,                                                       \
         .bulk_recv_bytes = 16 << 20, /* docs/benchmarks.md, "Knobs" */        \
+        .local_reno = 1,             /* same_host_reno() */                   \
     }
 rl_tuning rl_tune = RL_TUNING_DEFAULTS;
 static const rl_tuning rl_tune_default_copy = RL_TUNING_DEFAULTS;
@@ -115,6 +116,39 @@ static void tune_socket(int fd) {
         setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
         setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
     }
+}
+
+/* Both ends of a connection on this host: the peer's address is the
+ * socket's own (ranks that meet on the host's LAN address) or loopback. */
+static int same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b) {
+    if (a->ss_family != b->ss_family) return 0;
+    if (a->ss_family == AF_INET) {
+        uint32_t x = ntohl(((const struct sockaddr_in *)a)->sin_addr.s_addr);
+        uint32_t y = ntohl(((const struct sockaddr_in *)b)->sin_addr.s_addr);
+        return x == y || ((x >> 24) == 127 && (y >> 24) == 127);
+    }
+    if (a->ss_family == AF_INET6) {
+        const struct in6_addr *x = &((const struct sockaddr_in6 *)a)->sin6_addr;
+        const struct in6_addr *y = &((const struct sockaddr_in6 *)b)->sin6_addr;
+        return memcmp(x, y, sizeof *x) == 0 || (IN6_IS_ADDR_LOOPBACK(x) && IN6_IS_ADDR_LOOPBACK(y));
+    }
+    return 0;
+}
+
+/* A connection within this host switches to Reno (rl_tune.local_reno).
+ * Nothing on the loopback path needs congestion control, and a pacing one
+ * (BBR, some distributions' default) holds each packet for a timer: with
+ * more ranks than cores every large collective measured 12-24% slower under
+ * it (docs/benchmarks.md, "Knobs").  Reno is built into every kernel and
+ * allowed to unprivileged processes; a refusal leaves the system's choice. */
+static void same_host_reno(int fd) {
+    struct sockaddr_storage a, b;
+    socklen_t al = sizeof a, bl = sizeof b;
+    if (!rl_tune.local_reno || getsockname(fd, (struct sockaddr *)&a, &al) != 0 ||
+        getpeername(fd, (struct sockaddr *)&b, &bl) != 0 || !same_host(&a, &b))
+        return;
+    static const char reno[] = "reno";
+    setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, reno, (socklen_t)(sizeof reno - 1));
 }
 
 static int set_nonblock(int fd) {
@@ -412,6 +446,7 @@ static void *listener_main(void *arg) {
                 int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
                 if (fd < 0) break;
                 tune_socket(fd);
+                same_host_reno(fd);
                 memset(&hs[npend], 0, sizeof hs[npend]);
                 hs[npend].fd = fd;
                 hs[npend].deadline = rl_now_ns() + rl_tune.handshake_ms * 1000000LL;
@@ -659,6 +694,7 @@ static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) 
                            peer, soerr, "connect: %s (is the peer process alive?)", strerror(soerr));
         }
     }
+    same_host_reno(fd); /* connected by now */
     uint8_t hello[HELLO_LEN], reply[REPLY_LEN], mac[32], status[4];
     put32(hello, RL_HANDSHAKE_MAGIC);
     put16(hello + 4, RL_PROTOCOL_VERSION);

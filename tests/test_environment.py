@@ -10,6 +10,7 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 
 import ringlet
@@ -377,3 +378,62 @@ def test_spin_yield_follows_oversubscription(monkeypatch):
         assert _core.get_tuning()["spin_yield"] == 1
     finally:
         _core.set_tuning(**saved)
+
+
+# ---- congestion control of same-host connections (local_reno) --------------------------------
+def _congestion_by_ports():
+    """{(local port, peer port): congestion control} of this process's TCP connections."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = os.dup(int(name))
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)  # not a socket
+            continue
+        with s:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                peer = s.getpeername()
+            except OSError:
+                continue  # a listener
+            cc = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+            out[(s.getsockname()[1], peer[1])] = cc.split(b"\0")[0].decode()
+    return out
+
+
+def _ring_connections(rank, P):
+    from ringlet import _world
+
+    x = np.ones(1000, np.float32)
+    ringlet.all_reduce(x)  # a ring: every rank connects to its neighbours
+    ringlet.barrier()
+    seen = _congestion_by_ports() if rank == 0 else None
+    ringlet.barrier()
+    return _world._current().ctx.port, seen
+
+
+@pytest.mark.parametrize("reno", [1, 0])
+def test_same_host_connections_use_reno(reno):
+    # Thread ranks share this process, so rank 0 sees both ends of every
+    # connection; ringlet's are those with a rank's listening port at one end.
+    from ringlet import _core
+    from ringlet.testing import run_world
+
+    saved = _core.get_tuning()
+    assert saved["local_reno"] == 1  # the default
+    try:
+        _core.set_tuning(local_reno=reno)
+        results = run_world(_ring_connections, 3, timeout=60)
+    finally:
+        _core.set_tuning(**saved)
+    ports = {port for port, _ in results}
+    ours = {k: cc for k, cc in results[0][1].items() if k[0] in ports or k[1] in ports}
+    assert len(ours) >= 6, ours  # 3 connections, both ends
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        default = f.read().strip()
+    assert set(ours.values()) == {"reno" if reno else default}, (ours, default)

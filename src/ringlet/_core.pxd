@@ -31,6 +31,7 @@ cdef extern from "ringlet.h" nogil:
         int64_t p2p_unexpected_bytes
         int64_t spin_yield
         int64_t bulk_recv_bytes
+        int64_t local_reno
 
     size_t rl_dtype_size(rl_dtype dt)
     const char *rl_dtype_name(rl_dtype dt)

@@ -175,7 +175,8 @@ def build_info():
 
 _TUNING_FIELDS = ("segment_bytes", "allreduce_small_bytes", "bcast_small_bytes",
                   "reduce_small_bytes", "spin_us", "sockbuf_bytes", "max_frame_bytes",
-                  "handshake_ms", "p2p_unexpected_bytes", "spin_yield", "bulk_recv_bytes")
+                  "handshake_ms", "p2p_unexpected_bytes", "spin_yield", "bulk_recv_bytes",
+                  "local_reno")
 
 
 def get_tuning():
@@ -186,7 +187,7 @@ def get_tuning():
             "spin_us": t.spin_us, "sockbuf_bytes": t.sockbuf_bytes,
             "max_frame_bytes": t.max_frame_bytes, "handshake_ms": t.handshake_ms,
             "p2p_unexpected_bytes": t.p2p_unexpected_bytes, "spin_yield": t.spin_yield,
-            "bulk_recv_bytes": t.bulk_recv_bytes}
+            "bulk_recv_bytes": t.bulk_recv_bytes, "local_reno": t.local_reno}
 
 
 def set_tuning(**kw):
@@ -209,6 +210,7 @@ def set_tuning(**kw):
     if "p2p_unexpected_bytes" in kw: t.p2p_unexpected_bytes = kw["p2p_unexpected_bytes"]
     if "spin_yield" in kw: t.spin_yield = kw["spin_yield"]
     if "bulk_recv_bytes" in kw: t.bulk_recv_bytes = kw["bulk_recv_bytes"]
+    if "local_reno" in kw: t.local_reno = kw["local_reno"]
     rl_set_tuning(&t)
 
 

@@ -225,7 +225,8 @@ _TUNING_ENV = {"RINGLET_SEGMENT_BYTES": "segment_bytes",
                "RINGLET_REDUCE_SMALL_BYTES": "reduce_small_bytes",
                "RINGLET_SPIN_US": "spin_us", "RINGLET_SOCKBUF_BYTES": "sockbuf_bytes",
                "RINGLET_SPIN_YIELD": "spin_yield",
-               "RINGLET_BULK_RECV_BYTES": "bulk_recv_bytes"}
+               "RINGLET_BULK_RECV_BYTES": "bulk_recv_bytes",
+               "RINGLET_LOCAL_RENO": "local_reno"}
 
 
 def _spin_yield_policy(local_world_size: int) -> int:
