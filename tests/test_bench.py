@@ -613,6 +613,49 @@ def test_sweep_with_limits_measures_before_every_round(capsys, tmp_path):
     assert pct == pytest.approx(100 * busbw / ceil, rel=0.02, abs=0.1)
 
 
+def _system_congestion():
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        return f.read().strip()
+
+
+def test_limits_measure_with_ringlets_congestion_control(monkeypatch):
+    # The ceilings must be timed the way ringlet's own same-host connections
+    # run (Reno by default), else a ringlet faster than "the TCP ceiling"
+    # only means the kernel's default paces loopback.  Every measuring
+    # socket reports its congestion control back.
+    from ringlet.bench.limits import CHUNK, format_limits, measure
+    system = _system_congestion()
+    monkeypatch.delenv("RINGLET_LOCAL_RENO", raising=False)
+    got = measure(2, 0.05, volume=CHUNK)
+    assert got["congestion"] == "reno"
+    assert "loopback TCP (reno)," in format_limits(got)
+    assert measure(2, 0.05, volume=CHUNK, congestion="system")["congestion"] == system
+    assert measure(2, 0.05, volume=CHUNK, congestion=None)["congestion"] == system
+    monkeypatch.setenv("RINGLET_LOCAL_RENO", "0")  # ringlet keeps the system's: so do we
+    assert measure(2, 0.05, volume=CHUNK)["congestion"] == system
+    with pytest.raises(ValueError, match="'no_such_cc' refused by the kernel.*allowed here: .*reno"):
+        measure(2, 0.05, volume=CHUNK, congestion="no_such_cc")
+    with pytest.raises(ValueError, match="congestion"):
+        measure(2, 0.05, volume=CHUNK, congestion="")
+
+
+def test_limits_cli_rejects_a_congestion_control_the_kernel_refuses(capsys):
+    code, out, err = bench(capsys, "limits", "-n", "2", "--congestion", "no_such_cc")
+    assert code == 2 and "--congestion: congestion control 'no_such_cc' refused" in err
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", "--limits",
+                           "--congestion", "no_such_cc")
+    assert code == 2 and "refused by the kernel" in err
+
+
+def test_median_limits_rejects_mixed_congestion_control():
+    from ringlet.bench.limits import median_limits
+    with pytest.raises(ValueError, match="different congestion"):
+        median_limits([dict(_fake_limits(2.0, 1.0, 5.0), congestion="reno"),
+                       dict(_fake_limits(2.0, 1.0, 5.0), congestion="bbr")])
+    both = median_limits([dict(_fake_limits(2.0, 1.0, 5.0), congestion="reno")] * 2)
+    assert both["congestion"] == "reno" and both["samples"] == 2
+
+
 def test_limits_rejects_a_volume_below_one_send():
     from ringlet.bench.limits import CHUNK, measure
     with pytest.raises(ValueError, match="volume must be an int >= "):

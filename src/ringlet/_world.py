@@ -24,7 +24,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import _core
 from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, PeerClosedError,
@@ -240,7 +240,8 @@ def _spin_yield_policy(local_world_size: int) -> int:
     return 1 if local_world_size > usable_cpus() else 0
 
 
-def _apply_tuning_env() -> None:
+def _tuning_from_env() -> Dict[str, int]:
+    """The C core's knobs set by ``RINGLET_*`` variables, e.g. {"spin_us": 200}."""
     knobs = {}
     for var, knob in _TUNING_ENV.items():
         if var in os.environ:
@@ -248,6 +249,11 @@ def _apply_tuning_env() -> None:
                 knobs[knob] = int(os.environ[var])
             except ValueError:
                 raise ValueError(f"{var} must be an integer, got {os.environ[var]!r}") from None
+    return knobs
+
+
+def _apply_tuning_env() -> None:
+    knobs = _tuning_from_env()
     if knobs:
         _core.set_tuning(**knobs)
 

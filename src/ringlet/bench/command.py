@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and show each large row's busbw as %% of its ceiling")
     p.add_argument("--duration", type=float, default=1.0,
                    help="limits: seconds per stream measurement (default 1)")
+    p.add_argument("--congestion", default="ringlet", metavar="NAME",
+                   help="limits: TCP congestion control of the measuring connections: "
+                        "'ringlet' (default: what ringlet uses between ranks of one host, "
+                        "Reno unless RINGLET_LOCAL_RENO=0), 'system', or a name such as cubic")
     p.add_argument("--json", metavar="FILE", help="write rows and environment as JSON")
     p.add_argument("--csv", metavar="FILE", help="write rows (with environment columns) as CSV")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time vs size (matplotlib)")
@@ -275,7 +279,8 @@ def _run_launched(args: argparse.Namespace) -> int:
         if args.limits:
             say(f"ringlet bench: measuring limits ({k + 1}/{rounds}) ..." if rounds > 1
                 else "ringlet bench: measuring limits ...")
-            limit_samples.append(measure(max(2, n), args.duration))
+            limit_samples.append(measure(max(2, n), args.duration,
+                                         congestion=args.congestion))
             if live:
                 print(format_limits(limit_samples[0]), flush=True)
                 print(flush=True)
@@ -397,7 +402,7 @@ def _run_in_place(args: argparse.Namespace, source: str) -> int:
 def _run_limits(args: argparse.Namespace) -> int:
     from .limits import format_limits, measure
 
-    res = measure(max(2, args.nranks), args.duration,
+    res = measure(max(2, args.nranks), args.duration, congestion=args.congestion,
                   progress=lambda s: print(f"ringlet bench limits: {s} ...", file=sys.stderr,
                                            flush=True))
     print(format_limits(res))
@@ -427,6 +432,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise _Usage(f"--budget must be >= 0 seconds, got {args.budget}")
         if not args.duration > 0:
             raise _Usage(f"--duration must be > 0 seconds, got {args.duration}")
+        if args.op == "limits" or args.limits:
+            from .limits import resolve_congestion
+
+            try:
+                resolve_congestion(args.congestion)
+            except ValueError as exc:
+                raise _Usage(f"--congestion: {exc}") from None
         if args.plot:
             from .plot import PlotUnavailable, require_matplotlib
 

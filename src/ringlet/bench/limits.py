@@ -1,7 +1,9 @@
 """``ringlet bench limits``: this machine's ceilings, for judging the collectives.
 
 Measured with plain sockets and numpy in separate processes on loopback, with
-the operating system's default socket buffers:
+the operating system's default socket buffers and the congestion control
+ringlet itself uses between ranks of one host (Reno, unless
+``RINGLET_LOCAL_RENO=0``; ``--congestion`` picks another):
 
 * TCP one way: one process streams to another in 4 MiB sends.
 * TCP both ways: two processes each send to and receive from the other at
@@ -49,7 +51,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["measure", "format_limits", "ceilings", "median_limits"]
+__all__ = ["measure", "format_limits", "ceilings", "median_limits", "ringlet_congestion",
+           "resolve_congestion"]
 
 CHUNK = 4 << 20
 _PIPE_TIMEOUT = 60.0
@@ -88,24 +91,71 @@ def _listener() -> socket.socket:
     return ls
 
 
-def _connect(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=_PIPE_TIMEOUT)
+def _prepare(s: socket.socket, congestion: Optional[str]) -> socket.socket:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion:
+        # Set on both ends once connected, as ringlet's engine does; a name the
+        # kernel refuses is an error here (unlike in ringlet, which keeps the
+        # system's): a ceiling must say what it measured.
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
     s.settimeout(_PIPE_TIMEOUT)
     return s
 
 
-def _accept(ls: socket.socket) -> socket.socket:
+def _congestion_of(s: socket.socket) -> str:
+    return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
+def _connect(port: int, congestion: Optional[str]) -> socket.socket:
+    return _prepare(socket.create_connection(("127.0.0.1", port), timeout=_PIPE_TIMEOUT),
+                    congestion)
+
+
+def _accept(ls: socket.socket, congestion: Optional[str]) -> socket.socket:
     ls.settimeout(_PIPE_TIMEOUT)
     s, _ = ls.accept()
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    s.settimeout(_PIPE_TIMEOUT)
-    return s
+    return _prepare(s, congestion)
+
+
+def resolve_congestion(congestion: Optional[str]) -> Optional[str]:
+    """The congestion control ``measure(congestion=...)`` sets: a name, or None
+    for the system's default.  ValueError when the kernel refuses it."""
+    if congestion is not None and (not isinstance(congestion, str) or not congestion):
+        raise ValueError(f"congestion must be a non-empty name or None, got {congestion!r}")
+    name = ringlet_congestion() if congestion == "ringlet" else (
+        None if congestion in (None, "system") else congestion)
+    if name is None:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+        except OSError as exc:
+            try:
+                with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
+                    allowed = f.read().split()
+            except OSError:
+                allowed = []
+            raise ValueError(f"congestion control {name!r} refused by the kernel "
+                             f"({exc.strerror}); allowed here: "
+                             f"{', '.join(allowed) or 'unknown'}") from None
+    return name
+
+
+def ringlet_congestion() -> Optional[str]:
+    """The congestion control ringlet gives connections between ranks of one
+    host: "reno" while its ``local_reno`` knob is on (``RINGLET_LOCAL_RENO``,
+    else ``_core.set_tuning``), else None: the system's default."""
+    from .. import _core
+    from .._world import _tuning_from_env
+
+    on = _tuning_from_env().get("local_reno", _core.get_tuning()["local_reno"])
+    return "reno" if on else None
 
 
 # ---- streams ---------------------------------------------------------------------
 def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
-                 volume: int, conn, span: int = CHUNK) -> None:
+                 volume: int, conn, span: int = CHUNK,
+                 congestion: Optional[str] = None) -> None:
     """Send ``volume`` bytes to one process and/or receive as many from another,
     once per "go" from the parent, until told to stop.  The bytes come from
     and go to buffers of ``span`` bytes, walked and wrapped around.
@@ -123,10 +173,11 @@ def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
         same = sends_to is not None and sends_to == recvs_from
         out = inp = None
         if same:  # the lower index connects, the other accepts
-            inp = out = _connect(ports[sends_to]) if idx < sends_to else _accept(ls)
+            inp = out = (_connect(ports[sends_to], congestion) if idx < sends_to
+                         else _accept(ls, congestion))
         else:
-            out = _connect(ports[sends_to]) if sends_to is not None else None
-            inp = _accept(ls) if recvs_from is not None else None
+            out = _connect(ports[sends_to], congestion) if sends_to is not None else None
+            inp = _accept(ls, congestion) if recvs_from is not None else None
         ls.close()
         # Only the buffers this process uses, every page written before timing.
         # Large ones come from numpy, which asks for transparent huge pages,
@@ -143,6 +194,7 @@ def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
             s_.setblocking(False)
         poller = select.poll()
         conn.send("ready")
+        cc = sorted({_congestion_of(s_) for s_ in (out, inp) if s_ is not None})
         while conn.recv() == "go":
             clock = time.perf_counter
             t_start = clock()
@@ -183,7 +235,7 @@ def _flow_worker(idx: int, sends_to: Optional[int], recvs_from: Optional[int],
                     for fd in ev:
                         poller.unregister(fd)
             conn.send(("ok", {"start": t_start if out is not None else None,
-                              "first": first, "last": last}))
+                              "first": first, "last": last, "congestion": cc}))
         conn.send(("ok", None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"process {idx}: {exc!r}"))
@@ -198,10 +250,18 @@ def _reap(procs) -> None:
             p.join()
 
 
+def _ready(pipes) -> None:
+    """Wait until every worker is ready; a worker that failed while setting up
+    (a refused socket option, say) reports its error instead."""
+    for c in pipes:
+        msg = _recv(c, "readiness")
+        if msg != "ready":
+            raise LimitsError(msg[1] if isinstance(msg, tuple) and len(msg) == 2 else repr(msg))
+
+
 def _go_and_collect(pipes) -> list:
     """Wait until every worker is ready, start them together, return their results."""
-    for c in pipes:
-        _recv(c, "readiness")
+    _ready(pipes)
     for c in pipes:
         c.send("go")
     return _collect(pipes)
@@ -218,10 +278,13 @@ def _collect(pipes) -> list:
 
 
 def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float,
-           volume: int = VOLUME, span: int = CHUNK) -> Tuple[float, float]:
+           volume: int = VOLUME, span: int = CHUNK, congestion: Optional[str] = None,
+           seen: Optional[set] = None) -> Tuple[float, float]:
     """Run the given (src, dst) links at once, each carrying ``volume`` bytes
     from and into buffers of ``span`` bytes, repeatedly for about
-    ``duration`` seconds (at least 3 transfers).
+    ``duration`` seconds (at least 3 transfers), over connections using
+    ``congestion`` control (None: the system's).  The names the sockets
+    reported are added to ``seen``.
 
     Returns two per-link GB/s figures, medians over the transfers:
     ``volume`` / (last byte anywhere - first sender's start), the rate at
@@ -238,7 +301,8 @@ def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float,
         for i in range(nprocs):
             a, b = ctx.Pipe()
             p = ctx.Process(target=_flow_worker,
-                            args=(i, sends.get(i), recvs.get(i), volume, b, span),
+                            args=(i, sends.get(i), recvs.get(i), volume, b, span,
+                                  congestion),
                             daemon=True)
             p.start()
             procs.append(p)
@@ -246,8 +310,7 @@ def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float,
         ports = [_recv(c, "its port") for c in pipes]
         for c in pipes:
             c.send(ports)
-        for c in pipes:
-            _recv(c, "readiness")
+        _ready(pipes)
         together: List[float] = []
         separate: List[float] = []
         stop = time.perf_counter() + duration
@@ -255,6 +318,8 @@ def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float,
             for c in pipes:
                 c.send("go")
             res = _collect(pipes)
+            if seen is not None:
+                seen.update(c for r in res for c in r["congestion"])
             start = min(r["start"] for r in res if r["start"] is not None)
             last = max(r["last"] for r in res if r["last"] is not None)
             together.append(volume / (last - start) / 1e9)
@@ -270,15 +335,17 @@ def _flows(links: List[Tuple[int, int]], nprocs: int, duration: float,
 
 
 # ---- round trip ---------------------------------------------------------------
-def _pingpong_worker(role: int, mode: str, duration: float, conn) -> None:
+def _pingpong_worker(role: int, mode: str, duration: float, conn,
+                     congestion: Optional[str] = None) -> None:
     try:
         if role == 0:
             ls = _listener()
             conn.send(ls.getsockname()[1])
-            s = _accept(ls)
+            s = _accept(ls, congestion)
             ls.close()
         else:
-            s = _connect(conn.recv())
+            s = _connect(conn.recv(), congestion)
+        cc = _congestion_of(s)
         conn.send("ready")
         conn.recv()
         buf = bytearray(8)
@@ -330,28 +397,32 @@ def _pingpong_worker(role: int, mode: str, duration: float, conn) -> None:
                 if buf[0] == 255:
                     break
         s.close()
-        conn.send(("ok", rtts))
+        conn.send(("ok", (rtts, cc)))
     except BaseException as exc:  # noqa: BLE001
         conn.send(("error", f"ping-pong {role}: {exc!r}"))
 
 
-def _pingpong(mode: str, pairs: int, duration: float) -> float:
-    """Median round trip (us) of the first pair while ``pairs`` pairs run at once."""
+def _pingpong(mode: str, pairs: int, duration: float, congestion: Optional[str] = None,
+              seen: Optional[set] = None) -> float:
+    """Median round trip (us) of the first pair while ``pairs`` pairs run at once
+    (``congestion`` and ``seen`` as for ``_flows``)."""
     ctx = _context()
     procs, pipes = [], []
     try:
         for _ in range(pairs):
             for role in (0, 1):
                 a, b = ctx.Pipe()
-                p = ctx.Process(target=_pingpong_worker, args=(role, mode, duration, b),
-                                daemon=True)
+                p = ctx.Process(target=_pingpong_worker,
+                                args=(role, mode, duration, b, congestion), daemon=True)
                 p.start()
                 procs.append(p)
                 pipes.append(a)
         for k in range(pairs):
             pipes[2 * k + 1].send(_recv(pipes[2 * k], "its port"))
         results = _go_and_collect(pipes)
-        rtts = [x for k in range(pairs) for x in results[2 * k]]
+        if seen is not None:
+            seen.update(cc for _, cc in results)
+        rtts = [x for k in range(pairs) for x in results[2 * k][0]]
         # Skip the first tries (connection warm-up, page faults).
         rtts = rtts[min(len(rtts) // 10, 100):] or rtts
         return median(rtts) * 1e6 if rtts else 0.0
@@ -407,7 +478,8 @@ def _memory(duration: float) -> Dict[str, Dict[str, float]]:
 
 # ---- driver --------------------------------------------------------------------
 def measure(nranks: int = 4, duration: float = 1.0,
-            progress=None, volume: int = VOLUME) -> Dict[str, Any]:
+            progress=None, volume: int = VOLUME,
+            congestion: Optional[str] = "ringlet") -> Dict[str, Any]:
     """Measure every ceiling; returns a JSON-ready dict (rates in GB/s, times in us).
 
     Args:
@@ -415,8 +487,14 @@ def measure(nranks: int = 4, duration: float = 1.0,
         duration: seconds per stream measurement (round trips get half).
         progress: optional callable(str) told what is being measured.
         volume: bytes each link carries per timed transfer.
+        congestion: TCP congestion control of the measuring connections:
+            "ringlet" (what ringlet's own same-host connections use, see
+            ``ringlet_congestion``), "system" or None (the kernel's default),
+            or a name such as "cubic".  The name the sockets reported is
+            kept as ``congestion``.
     Raises:
-        ValueError: bad arguments.  LimitsError: a measuring process failed.
+        ValueError: bad arguments.  LimitsError: a measuring process failed
+        (also when the kernel refuses ``congestion``).
     """
     if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 2:
         raise ValueError(f"nranks must be an int >= 2, got {nranks!r}")
@@ -424,20 +502,26 @@ def measure(nranks: int = 4, duration: float = 1.0,
         raise ValueError(f"duration must be > 0 seconds, got {duration!r}")
     if isinstance(volume, bool) or not isinstance(volume, int) or volume < CHUNK:
         raise ValueError(f"volume must be an int >= {CHUNK} bytes, got {volume!r}")
+    cc = resolve_congestion(congestion)
     say = progress or (lambda s: None)
     res: Dict[str, Any] = {"nranks": nranks, "duration_s": duration, "chunk_bytes": CHUNK,
                            "volume_bytes": volume}
+    seen: set = set()
+
+    def flows(links, nprocs, span=CHUNK):
+        return _flows(links, nprocs, duration, volume, span, cc, seen)
+
     # The ceilings are the rates at which every link carries the same bytes
     # (a collective ends with its slowest link); "tcp_separate" keeps each
     # link's own rate, averaged, which reads higher when links share the
     # cores unevenly (docs/benchmarks.md, "The TCP ceiling").
     sep: Dict[str, Any] = {}
     say("TCP one way")
-    res["tcp_one_way"], sep["one_way"] = _flows([(0, 1)], 2, duration, volume)
+    res["tcp_one_way"], sep["one_way"] = flows([(0, 1)], 2)
     say("TCP one way, from and into memory")
-    res["tcp_one_way_dram"], _ = _flows([(0, 1)], 2, duration, volume, span=volume)
+    res["tcp_one_way_dram"], _ = flows([(0, 1)], 2, span=volume)
     say("TCP both ways")
-    res["tcp_both_ways"], sep["both_ways"] = _flows([(0, 1), (1, 0)], 2, duration, volume)
+    res["tcp_both_ways"], sep["both_ways"] = flows([(0, 1), (1, 0)], 2)
     res["tcp_ring"] = {"2": res["tcp_both_ways"]}
     res["tcp_chain"] = {"2": res["tcp_one_way"]}
     sep["ring"] = {"2": sep["both_ways"]}
@@ -445,18 +529,19 @@ def measure(nranks: int = 4, duration: float = 1.0,
     if nranks > 2:
         n = str(nranks)
         say(f"TCP ring of {n}")
-        res["tcp_ring"][n], sep["ring"][n] = _flows(
-            [(i, (i + 1) % nranks) for i in range(nranks)], nranks, duration, volume)
+        res["tcp_ring"][n], sep["ring"][n] = flows(
+            [(i, (i + 1) % nranks) for i in range(nranks)], nranks)
         say(f"TCP chain of {n}")
-        res["tcp_chain"][n], sep["chain"][n] = _flows(
-            [(i, i + 1) for i in range(nranks - 1)], nranks, duration, volume)
+        res["tcp_chain"][n], sep["chain"][n] = flows(
+            [(i, i + 1) for i in range(nranks - 1)], nranks)
     res["tcp_separate"] = sep
     rt: Dict[str, float] = {}
     for mode in ("blocking", "polling"):
         for pairs in (1, 2):
             say(f"round trip, {mode}, {pairs} pair(s)")
-            rt[f"{mode}_{pairs}pair"] = _pingpong(mode, pairs, duration / 2)
+            rt[f"{mode}_{pairs}pair"] = _pingpong(mode, pairs, duration / 2, cc, seen)
     res["rtt_us"] = rt
+    res["congestion"] = ",".join(sorted(seen))
     say("memcpy and float32 add")
     res.update(_memory(duration / 2))
     return res
@@ -468,12 +553,13 @@ def median_limits(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
     The ceilings drift over a long sweep (one 1-second measurement at its
     start has read 2.2 and 3.0 GB/s on the same day), so ``ringlet bench
     --limits`` measures before every round and judges against the median.
-    The settings (``nranks``, ``duration_s``, ``chunk_bytes``) must agree;
+    The settings (``nranks``, ``duration_s``, ``chunk_bytes``,
+    ``volume_bytes``, ``congestion``) must agree;
     ``samples`` records how many measurements went in.
     """
     if not samples:
         raise ValueError("median_limits needs at least one measurement")
-    settings = ("nranks", "duration_s", "chunk_bytes", "volume_bytes")
+    settings = ("nranks", "duration_s", "chunk_bytes", "volume_bytes", "congestion")
     for s in samples[1:]:
         for k in settings:
             if s.get(k) != samples[0].get(k):
@@ -527,7 +613,9 @@ def format_limits(res: Dict[str, Any]) -> str:
     vol = res.get("volume_bytes")
     how = (f"every link carries {vol >> 20} MiB per transfer, median over ~{res['duration_s']:g} s"
            if vol else f"{res['duration_s']:g} s per stream")
-    lines = ["# ringlet bench limits (loopback TCP, OS default socket buffers; "
+    cc = res.get("congestion")
+    lines = [f"# ringlet bench limits (loopback TCP{f' ({cc})' if cc else ''}, "
+             "OS default socket buffers; "
              f"{how}, {res['chunk_bytes'] >> 20} MiB sends"
              + (f"; median of {k} measurements, one before each round)" if k > 1 else ")"),
              f"{'measure':<50} {'value':>10}  unit"]
