@@ -211,11 +211,11 @@ int rl_overlap(const void *a, size_t al, const void *b, size_t bl) {
  * segments the loopback delivers, and each wake-up is work for the sending
  * core, which runs the delivery.  A rank that does nothing but receive a
  * message of at least bulk_recv_bytes from a sender that does nothing but
- * send it takes it in bulk: it sets SO_RCVLOWAT to a frame's worth of what
- * is still missing, so the kernel wakes it once per frame, and blocks
- * instead of spinning.  That costs one frame's copy at the end of the
- * message (it no longer overlaps the transfer), which smaller messages do
- * not earn back.  Collectives opt in per stream (`bulk`: the receiver of a
+ * send it takes it in bulk: it sets SO_RCVLOWAT to what its frame still
+ * misses, at most a segment (segment_bytes), so the kernel wakes it once
+ * per segment's worth, and blocks instead of spinning.  That costs one
+ * segment's copy at the end of the message (it no longer overlaps the
+ * transfer), which smaller messages do not earn back.  Collectives opt in per stream (`bulk`: the receiver of a
  * 2-rank broadcast); a point-to-point receive of that size always does
  * (docs/benchmarks.md, "Knobs").  The kernel still wakes a reader whose
  * receive window is full, and a peer's abort or exit shuts the socket
@@ -232,7 +232,7 @@ static int bulk_receiver(const rl_opdesc *op, const rl_stream *s, int n,
                          const rl_idle_copy *cp) {
     uint64_t total = s->total ? s->total : op->total;
     return rl_tune.bulk_recv_bytes > 0 && n == 1 && s->bulk && !s->is_send && !cp &&
-           s->nseg >= 2 && total >= (uint64_t)rl_tune.bulk_recv_bytes;
+           total >= (uint64_t)rl_tune.bulk_recv_bytes;
 }
 
 /* Before a bulk receiver with `rem` bytes still to come waits: mark up to
@@ -325,9 +325,10 @@ int rl_run_streams_copy(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n, vo
             st = rl_fail(c, op, RL_ERR_INVALID, -1, 0, "internal error: streams stalled");
             goto out;
         }
-        if (bulk) /* the mark: what the current frame still misses */
+        if (bulk) /* the mark: what the current frame still misses, at most a segment */
             bulk_wait(s[0].fd, &s[0].lowat,
-                      s[0].active ? sizeof(rl_hdr) + s[0].len - s[0].off : 0, SIZE_MAX, &w);
+                      s[0].active ? sizeof(rl_hdr) + s[0].len - s[0].off : 0,
+                      (size_t)rl_tune.segment_bytes, &w);
         if ((st = wait_some(c, op, &w, pfd, npoll, blame)) != RL_OK) goto out;
         if (c->poisoned) { st = RL_ERR_POISONED; goto out; }
     }

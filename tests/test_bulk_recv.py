@@ -1,13 +1,14 @@
 """Bulk receive (engine.c, ``bulk_recv_bytes``).
 
-The receiver of a large 2-rank broadcast, and of a large point-to-point
-message, asks the kernel (SO_RCVLOWAT) to wake it once per frame.  These tests lower the threshold so that messages of
-a few MiB take that path, and check that the broadcast, and the collectives
-around it, still deliver numpy's results, also with socket buffers smaller
-than a frame (the kernel caps the mark then); that a frame which can never be
-completed (a desync, a silent or killed peer) is still reported within its
-bounds; and that the mark is taken off after each op, so a later small
-message is not held back.
+The receiver of a large 2-rank broadcast (one frame) and of a large
+point-to-point message (one frame) asks the kernel (SO_RCVLOWAT) to wake it
+once per segment's worth of bytes.  These tests lower the threshold and the
+segment so that messages of a few MiB take that path, and check that the
+broadcast, and the collectives around it, still deliver numpy's results, also
+with socket buffers smaller than a segment (the kernel caps the mark then);
+that a frame which can never be completed (a desync, a silent or killed
+peer) is still reported within its bounds; and that the mark is taken off
+after each op, so a later small message is not held back.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ringlet.testing import WorldError, run_world
 
 from _oracle import close, data, reduce_np
 
-# Messages of 1 MiB and more in frames of 256 KiB take the bulk path.
+# Messages of 1 MiB and more take the bulk path, woken per 256 KiB.
 BULK = dict(bulk_recv_bytes=1 << 20, segment_bytes=256 << 10)
 
 
@@ -81,7 +82,7 @@ def test_collectives_match_numpy_with_bulk_receives_in_processes():
 
 
 @pytest.mark.parametrize("tuning", [BULK, dict(BULK, sockbuf_bytes=32 << 10)],
-                         ids=["autotuned-buffers", "buffers-below-a-frame"])
+                         ids=["autotuned-buffers", "buffers-below-a-segment"])
 def test_collectives_match_numpy_with_bulk_receives_in_threads(tuning):
     saved = _core.get_tuning()
     try:
@@ -134,8 +135,8 @@ def test_small_messages_after_a_large_one_are_not_held_back():
 
 # ---- frames that never complete ---------------------------------------------------
 def _short_frame(rank, P):
-    # rank 1 expects 4 MiB; rank 0 sends 4 KiB: rank 1's wait for its first
-    # 256 KiB frame can never be met by the bytes that arrive
+    # rank 1 expects 4 MiB; rank 0 sends 4 KiB: rank 1's wait for the first
+    # 256 KiB of its frame can never be met by the bytes that arrive
     _core.set_tuning(**BULK)
     x = np.ones((4 << 20) // 4 if rank == 1 else 1024, np.float32)
     t0 = time.monotonic()
