@@ -215,9 +215,10 @@ int rl_overlap(const void *a, size_t al, const void *b, size_t bl) {
  * misses, at most a segment (segment_bytes), so the kernel wakes it once
  * per segment's worth, and blocks instead of spinning.  That costs one
  * segment's copy at the end of the message (it no longer overlaps the
- * transfer), which smaller messages do not earn back.  Collectives opt in per stream (`bulk`: the receiver of a
- * 2-rank broadcast); a point-to-point receive of that size always does
- * (docs/benchmarks.md, "Knobs").  The kernel still wakes a reader whose
+ * transfer), which smaller messages do not earn back.  Collectives opt in
+ * per stream (`bulk`: the receiver of a 2-rank broadcast, one frame); a
+ * point-to-point receive of that size always does (docs/benchmarks.md,
+ * "Knobs").  The kernel still wakes a reader whose
  * receive window is full, and a peer's abort or exit shuts the socket
  * down, which wakes it too. */
 #define RL_LOWAT_MIN ((size_t)64 << 10)
