@@ -218,9 +218,8 @@ int rl_overlap(const void *a, size_t al, const void *b, size_t bl) {
  * transfer), which smaller messages do not earn back.  Collectives opt in
  * per stream (`bulk`: the receiver of a 2-rank broadcast, one frame); a
  * point-to-point receive of that size always does (docs/benchmarks.md,
- * "Knobs").  The kernel still wakes a reader whose
- * receive window is full, and a peer's abort or exit shuts the socket
- * down, which wakes it too. */
+ * "Knobs").  The kernel still wakes a reader whose receive window is full,
+ * and a peer's abort or exit shuts the socket down, which wakes it too. */
 #define RL_LOWAT_MIN ((size_t)64 << 10)
 static void set_lowat(int fd, size_t *have, size_t want) {
     if (*have == want) return;

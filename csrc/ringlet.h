@@ -126,7 +126,7 @@ typedef struct {
     int64_t p2p_unexpected_bytes;  /* cap on buffered unmatched p2p frames  */
     int64_t spin_yield;            /* 1: sched_yield between polls of a spin */
     int64_t bulk_recv_bytes;       /* 2-rank broadcast or p2p recv >= this:  */
-                                   /* woken once per frame, 0 = never       */
+                                   /* woken once per segment, 0 = never     */
     int64_t local_reno;            /* 1: same-host connections use Reno     */
                                    /* congestion control (no pacing)        */
 } rl_tuning;

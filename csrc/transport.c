@@ -139,8 +139,9 @@ static int same_host(const struct sockaddr_storage *a, const struct sockaddr_sto
  * Nothing on the loopback path needs congestion control, and a pacing one
  * (BBR, some distributions' default) holds each packet for a timer: large
  * messages at 2 and 4 ranks measured up to 31% slower under it, 34 of 36
- * cells slower (docs/benchmarks.md, "Knobs").  Reno is built into every kernel and
- * allowed to unprivileged processes; a refusal leaves the system's choice. */
+ * cells slower (docs/benchmarks.md, "Knobs").  Reno is built into every
+ * kernel and allowed to unprivileged processes; a refusal leaves the
+ * system's choice. */
 static void same_host_reno(int fd) {
     struct sockaddr_storage a, b;
     socklen_t al = sizeof a, bl = sizeof b;
