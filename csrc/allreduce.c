@@ -211,7 +211,7 @@ static int ring_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t co
     a.ro.pos = tabs + per + a.nsteps;
     a.ro.off = tabs + per + 2 * a.nsteps;
     int nsend = order_init(&a, &a.so, 1), nrecv = order_init(&a, &a.ro, 0);
-    int st = rl_scratch(c, op, a.seg_elems * a.esz, &a.scratch);
+    int st = rl_scratch(c, op, a.seg_elems * a.esz, buf, &a.scratch);
     if (st == RL_OK) {
         rl_stream s[2];
         memset(s, 0, sizeof s);
@@ -278,7 +278,7 @@ int rl_rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
     int P = c->size, r = c->rank;
     size_t len = count * rl_dtype_size(dt);
     char *tmp;
-    int st = rl_scratch(c, op, len, &tmp);
+    int st = rl_scratch(c, op, len, buf, &tmp);
     if (st != RL_OK) return st;
     int Q = 1;
     while (Q * 2 <= P) Q *= 2;

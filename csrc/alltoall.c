@@ -116,7 +116,7 @@ static int bruck_all_to_all(rl_comm *c, const rl_opdesc *op, char *out, const ch
                             size_t blk) {
     int P = c->size, r = c->rank;
     char *a;
-    int st = rl_scratch(c, op, 2 * (size_t)P * blk, &a);
+    int st = rl_scratch(c, op, 2 * (size_t)P * blk, in, &a);
     if (st != RL_OK) return st;
     char *pack = a + (size_t)P * blk, *unpack = out; /* out is free until the end */
     for (int i = 0; i < P; i++)

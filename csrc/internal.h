@@ -106,7 +106,8 @@ struct rl_comm {
     rl_unexpected **unexpected;
     uint64_t unexpected_bytes;
 
-    /* scratch for algorithms that need a staging area (grown on demand) */
+    /* scratch for algorithms that need a staging area (grown on demand;
+     * page-aligned, scratch_len usable bytes after any in-page offset) */
     char *scratch;
     size_t scratch_len;
 };
@@ -207,7 +208,11 @@ void rl_fill_header(rl_hdr *h, const rl_comm *c, const rl_opdesc *op,
                     uint32_t tag, uint64_t nbytes);
 
 /* ---- helpers for algorithms ---- */
-int rl_scratch(rl_comm *c, const rl_opdesc *op, size_t len, char **out);
+/* A staging area of len bytes for the running operation (contents not kept
+ * between calls).  `near` is the user buffer it will be copied to and from,
+ * or NULL: the area starts half a page away from near's offset within a
+ * page (see transport.c). */
+int rl_scratch(rl_comm *c, const rl_opdesc *op, size_t len, const void *near, char **out);
 /* Building blocks shared between algorithm files (allreduce.c). */
 int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
                 int from, void *rbuf, size_t len, uint32_t tag);

@@ -87,7 +87,7 @@ static int chain_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count
     a.P = P;
     a.is_root = v == 0;
     a.is_tail = v == P - 1;
-    int st = rl_scratch(c, op, a.seg * RL_NSLOT, &a.scratch);
+    int st = rl_scratch(c, op, a.seg * RL_NSLOT, buf, &a.scratch);
     if (st != RL_OK) return st;
     int nseg = rl_nseg(a.len, a.seg);
     rl_stream s[2];
@@ -131,7 +131,7 @@ static int tree_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count,
         if (v + mask < P) {
             if (!tmp) { /* first child: [sum (non-root) | received] */
                 char *scratch;
-                int st = rl_scratch(c, op, (v != 0 ? 2 : 1) * len, &scratch);
+                int st = rl_scratch(c, op, (v != 0 ? 2 : 1) * len, buf, &scratch);
                 if (st != RL_OK) return st;
                 tmp = scratch;
                 if (v != 0) {

@@ -48,7 +48,7 @@ static int bruck_all_gather(rl_comm *c, const rl_opdesc *op, char *out, const ch
                             size_t blk) {
     int P = c->size, r = c->rank;
     char *tmp;
-    int st = rl_scratch(c, op, blk * (size_t)P, &tmp);
+    int st = rl_scratch(c, op, blk * (size_t)P, in, &tmp);
     if (st != RL_OK) return st;
     memcpy(tmp, in, blk);
     uint32_t tag = 0;
@@ -75,7 +75,7 @@ static int rh_reduce_scatter(rl_comm *c, const rl_opdesc *op, char *out, const c
     int P = c->size, r = c->rank, lo = 0;
     size_t blk = count * rl_dtype_size(dt);
     char *acc;
-    int st = rl_scratch(c, op, blk * (size_t)P, &acc); /* P/2 blocks of sums, P/2 received */
+    int st = rl_scratch(c, op, blk * (size_t)P, in, &acc); /* P/2 blocks of sums, P/2 received */
     if (st != RL_OK) return st;
     char *rcv = acc + blk * (size_t)(P / 2);
     const char *cur = in; /* block lo + i of the current range at cur + i * blk */
@@ -194,7 +194,7 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     s[1].nseg = (a.P - 1) * a.S;
     s[1].where = ag_recv_where;
     if (a.P == 2 && blk >= RL_STREAM_OUT_MIN) {
-        if ((st = rl_scratch(c, &op, a.seg, &a.scratch)) != RL_OK) return rl_end_op(c, st);
+        if ((st = rl_scratch(c, &op, a.seg, out, &a.scratch)) != RL_OK) return rl_end_op(c, st);
         s[1].where = ag_slot_where;
         s[1].done = ag_slot_done;
     }
@@ -318,7 +318,7 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     a.op = rop;
     if (a.seg > blk) a.seg = blk; /* one segment per block */
     size_t slots = ((size_t)(a.P > 2 ? 2 : 0) + 1) * a.seg;
-    if ((st = rl_scratch(c, &op, slots, &a.scratch)) != RL_OK) return rl_end_op(c, st);
+    if ((st = rl_scratch(c, &op, slots, in, &a.scratch)) != RL_OK) return rl_end_op(c, st);
     rl_stream s[2];
     memset(s, 0, sizeof s);
     s[0].peer = rl_mod(a.r + 1, a.P);

@@ -5,6 +5,8 @@ from tests/c/ together with files of csrc/ and runs it.
 
 * test_units.c checks SHA-256 / HMAC-SHA256 against published vectors,
   rl_ct_equal and rl_random_bytes.
+* test_scratch.c checks rl_scratch's placement and size (with all of csrc/,
+  under AddressSanitizer where gcc has it).
 * kernel_driver.c runs rl_reduce_kernel / rl_scale_kernel on records written
   by this file; the results are checked against numpy, on both the SIMD path
   this CPU selects and the portable one (RINGLET_SIMD=baseline), and the two
@@ -299,6 +301,29 @@ def test_units_program_urandom_fallback(tmp_path):
                    "-O2", ("-DRL_RANDOM_FORCE_URANDOM",))
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _asan_flags(tmp_path: Path) -> tuple[str, ...]:
+    """-fsanitize=address where this gcc can build and run with it, else none."""
+    probe = tmp_path / "asan_probe.c"
+    probe.write_text("int main(void) { return 0; }\n")
+    flags = ("-fsanitize=address", "-fno-omit-frame-pointer")
+    res = subprocess.run([GCC, *flags, str(probe), "-o", str(tmp_path / "asan_probe")],
+                         capture_output=True, timeout=60)
+    if res.returncode != 0:
+        return ()
+    ran = subprocess.run([str(tmp_path / "asan_probe")], capture_output=True, timeout=60)
+    return flags if ran.returncode == 0 else ()
+
+
+def test_scratch_program(tmp_path):
+    """rl_scratch: half a page from the user buffer, len bytes usable, reuse, NOMEM."""
+    sources = [CTESTS / "test_scratch.c", *sorted(CSRC.glob("*.c"))]
+    exe = _compile(tmp_path / "test_scratch", sources, "-O2",
+                   ("-pthread", *_asan_flags(tmp_path)))
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "checks passed" in res.stdout
 
 
 def test_names_sizes_and_op_validity(driver):
