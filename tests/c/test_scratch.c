@@ -17,16 +17,7 @@
 #include <string.h>
 
 #include "internal.h"
-
-static int checks, failures;
-
-static void check(int ok, const char *what) {
-    checks++;
-    if (!ok) {
-        failures++;
-        fprintf(stderr, "FAIL: %s\n", what);
-    }
-}
+#include "check.h"
 
 int main(void) {
     rl_comm c;
@@ -86,10 +77,5 @@ int main(void) {
 
     free(c.scratch);
     free(user);
-    if (failures) {
-        fprintf(stderr, "%d of %d checks failed\n", failures, checks);
-        return 1;
-    }
-    printf("all %d checks passed\n", checks);
-    return 0;
+    return check_report();
 }

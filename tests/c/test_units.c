@@ -13,16 +13,7 @@
 #include <string.h>
 
 #include "ringlet.h"
-
-static int checks, failures;
-
-static void check(int ok, const char *what) {
-    checks++;
-    if (!ok) {
-        failures++;
-        fprintf(stderr, "FAIL: %s\n", what);
-    }
-}
+#include "check.h"
 
 static void to_hex(const uint8_t *d, size_t n, char *out) {
     for (size_t i = 0; i < n; i++) sprintf(out + 2 * i, "%02x", d[i]);
@@ -250,10 +241,5 @@ int main(void) {
     test_ct_equal();
     test_random_bytes();
     test_copy_stream();
-    if (failures) {
-        fprintf(stderr, "%d of %d checks failed\n", failures, checks);
-        return 1;
-    }
-    printf("all %d checks passed\n", checks);
-    return 0;
+    return check_report();
 }
