@@ -7,6 +7,7 @@ from tests/c/ together with files of csrc/ and runs it.
   rl_ct_equal and rl_random_bytes.
 * test_scratch.c checks rl_scratch's placement and size (with all of csrc/,
   under AddressSanitizer where gcc has it).
+* the C benchmarks of bench/c/ build, and barrier_send runs a short loop.
 * kernel_driver.c runs rl_reduce_kernel / rl_scale_kernel on records written
   by this file; the results are checked against numpy, on both the SIMD path
   this CPU selects and the portable one (RINGLET_SIMD=baseline), and the two
@@ -324,6 +325,22 @@ def test_scratch_program(tmp_path):
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "checks passed" in res.stdout
+
+
+def test_bench_c_programs_build_and_barrier_send_runs(tmp_path):
+    """bench/c/ stays buildable; barrier_send reports three wait modes with sane medians."""
+    bench_c = ROOT / "bench" / "c"
+    _compile(tmp_path / "kernel_bench", [bench_c / "kernel_bench.c", CSRC / "kernels.c"], "-O2")
+    exe = _compile(tmp_path / "barrier_send", [bench_c / "barrier_send.c"], "-O2", ("-Wextra",))
+    res = subprocess.run([str(exe), "400", "56"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if not line.startswith("#")]
+    assert [" ".join(r[:-5]) for r in rows] == ["recv spin", "poll spin", "block in poll"]
+    for r in rows:
+        send, receive, slower, p10, p90 = map(float, r[-5:])
+        assert 0 < send and 0 < receive
+        # The slower side of each iteration bounds either side's, so its median does too.
+        assert slower >= max(send, receive) and p10 <= slower <= p90
 
 
 def test_names_sizes_and_op_validity(driver):
