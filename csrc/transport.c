@@ -84,7 +84,11 @@ int64_t rl_now_ns(void) {
 }
 
 int64_t rl_deadline_ns(int64_t timeout_ms) {
+    /* Capped at about a year (Python's MAX_TIMEOUT) so ms -> ns cannot overflow
+     * int64: a huge timeout means "no practical deadline", never "expired". */
+    const int64_t max_ms = 366LL * 24 * 3600 * 1000;
     if (timeout_ms <= 0) timeout_ms = 1;
+    if (timeout_ms > max_ms) timeout_ms = max_ms;
     return rl_now_ns() + timeout_ms * 1000000LL;
 }
 

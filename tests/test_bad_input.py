@@ -55,6 +55,15 @@ def _cases(rank, P):
     expect(ValueError, ["tag"], lambda: ringlet.send(f, 1 - rank, tag=-3))
     expect(ValueError, ["tag"], lambda: ringlet.recv(f, 1 - rank, tag=2**32))
     expect(ValueError, ["timeout"], lambda: ringlet.all_reduce(f, timeout=0))
+    expect(ValueError, ["timeout", "nan"], lambda: ringlet.all_reduce(f, timeout=float("nan")))
+    expect(ValueError, ["timeout", "-1"], lambda: ringlet.barrier(timeout=-1))
+    expect(TypeError, ["timeout", "str"], lambda: ringlet.broadcast(f, timeout="5"))
+    # A root whose output overlaps its input anywhere but its own block would
+    # send overwritten data (it copies its own block first): refused.
+    for start in (4 * (1 - rank), 2, 4 * rank + 1):  # a peer's block, straddling, shifted own
+        buf = np.arange(9, dtype=np.float32)
+        expect(ValueError, ["scatter", "overlaps", f"block {rank}"],
+               lambda: ringlet.scatter(buf[start:start + 4], buf[:8], src=rank))
     # asynchronous calls refuse bad arrays at the call site, not in Work.wait()
     expect(ValueError, ["C-contiguous"],
            lambda: ringlet.all_reduce(np.zeros((4, 4), np.float32)[:, 0], async_op=True))
@@ -164,3 +173,62 @@ def test_world_of_one_without_configuration(monkeypatch):
     finally:
         ringlet.shutdown()
     assert not ringlet.is_initialized()
+
+
+def _huge_timeouts(rank, P):
+    """Huge timeouts (inf too) mean "no practical deadline": ops complete, nothing is poisoned."""
+    from ringlet._dtypes import dtype_code
+    from ringlet._world import _require
+
+    g = _require(None)
+    x = np.ones(4, np.float32)
+    for t in (1e10, 1e16, float("inf"), 2**70):
+        ringlet.all_reduce(x, timeout=t)
+        ringlet.barrier(timeout=t)
+        ringlet.all_to_all_v(np.zeros(2, np.float32), [1, 1], np.ones(2, np.float32), [1, 1],
+                             timeout=t)
+        w = ringlet.broadcast(x, src=0, async_op=True, timeout=t)
+        assert w.wait(timeout=t)
+        peer = 1 - rank
+        (ringlet.send if rank == 0 else ringlet.recv)(x, peer, timeout=t)
+    # The C deadline itself is clamped: a timeout of 2**62 ms does not wrap around.
+    g._coll.all_reduce(x, dtype_code(x.dtype), 0, 2**62)
+    saved = g.timeout
+    g.timeout = float("inf")  # the group default too
+    ringlet.all_reduce(x)
+    g.timeout = saved
+    return x.tolist()
+
+
+def test_huge_timeouts_mean_no_deadline():
+    from ringlet._timeout import MAX_TIMEOUT, millis, seconds
+
+    assert seconds(float("inf")) == MAX_TIMEOUT == ringlet.MAX_TIMEOUT
+    assert seconds(1e300) == MAX_TIMEOUT and seconds(2.5) == 2.5
+    assert millis(1e16) == int(MAX_TIMEOUT * 1000) and millis(1e-9) == 1
+    assert seconds(0, zero=True) == 0.0
+    for bad in (float("nan"), -1.0, 0):
+        with pytest.raises(ValueError, match="timeout"):
+            seconds(bad)
+    with pytest.raises(ValueError, match="my_timeout"):
+        seconds(float("-inf"), "my_timeout", zero=True)
+    res = run_world(_huge_timeouts, 2, mode="thread", timeout=60)
+    assert res == [[2.0 ** 6] * 4] * 2, res
+
+
+def test_huge_timeouts_elsewhere():
+    # Work.wait, the store client and RPC accept them too (capped, no OverflowError).
+    from ringlet.store import Store, StoreServer
+    from ringlet.work import completed_work
+
+    assert completed_work("x").wait(float("inf"))
+    with pytest.raises(ValueError, match="timeout"):
+        completed_work("x").wait(float("nan"))
+    srv = StoreServer("127.0.0.1", 0, secret=b"k" * 32)
+    try:
+        cli = Store("127.0.0.1", srv.port, secret=b"k" * 32, timeout=float("inf"))
+        cli.set("a", b"1")
+        assert cli.get("a", timeout=1e16) == b"1"
+        cli.close()
+    finally:
+        srv.close()

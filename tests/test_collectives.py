@@ -412,6 +412,23 @@ def _aliased(rank, P, n):
     ringlet.scatter(piece, want.copy() if rank == 0 else None, src=0)
     if not np.array_equal(piece, blocks[rank]):
         bad.append("scatter")
+    # gather at the root from a peer's slot, and from an unaligned view
+    # straddling two slots: the input is consumed before any block lands.
+    for start in (n, n // 2 + 1):
+        root_out = np.zeros(n * P + n) if rank == 0 else None
+        if rank == 0:
+            root_out[start:start + n] = blocks[0]
+        ringlet.gather(root_out[:n * P] if rank == 0 else None,
+                       root_out[start:start + n] if rank == 0 else blocks[rank], dst=0)
+        if rank == 0 and not np.array_equal(root_out[:n * P], want):
+            bad.append(f"gather from offset {start}")
+    # scatter in place at the root: its output is its own block of the input.
+    src = P - 1
+    full = want.copy() if rank == src else None
+    piece = full[src * n:(src + 1) * n] if rank == src else np.zeros(n)
+    ringlet.scatter(piece, full, src=src)
+    if not np.array_equal(piece, blocks[rank]) or (rank == src and not np.array_equal(full, want)):
+        bad.append("scatter in place")
     return bad
 
 

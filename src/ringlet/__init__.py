@@ -23,6 +23,7 @@ import numpy as np
 
 from . import errors
 from ._dtypes import ReduceOp
+from ._timeout import MAX_TIMEOUT
 from ._world import (get_bind_address, get_rank, get_world_size, init, is_initialized,
                      job_key, new_group, shutdown)
 from ._world import _require
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_rank", "get_world_size",
-    "new_group", "job_key", "get_bind_address", "ReduceOp", "ProcessGroup", "Work",
+    "new_group", "job_key", "get_bind_address", "ReduceOp", "ProcessGroup", "Work", "MAX_TIMEOUT",
     "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
     "all_to_all_v", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier",
     "broadcast_object", "all_gather_object", "errors",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from . import _core
+from ._timeout import millis as _millis
 from ._dtypes import ReduceOp, check_op, dtype_code
 from .errors import GroupPoisonedError, RingletError
 from .work import SerialExecutor, Work
@@ -39,6 +40,11 @@ _array = _core.check_array
 _acode = _core.array_code
 # _overlap(a, b): whether two checked (C-contiguous) arrays share a byte.
 _overlap = _core.overlap
+
+
+def _addr(x: np.ndarray) -> int:
+    return x.__array_interface__["data"][0]
+
 
 # Unbound binding methods, called as fn(comm, ...): the synchronous path
 # then builds no closure per call.
@@ -113,11 +119,8 @@ class ProcessGroup:
         self._timeout = value
 
     def _ms(self, timeout: Optional[float]) -> int:
-        if timeout is None:
-            return self._default_ms
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return max(1, int(timeout * 1000))
+        # Checked and capped in one place (ringlet._timeout): huge means "no deadline".
+        return self._default_ms if timeout is None else _millis(timeout)
 
     def _raise_poisoned(self) -> None:
         raise GroupPoisonedError(
@@ -361,6 +364,12 @@ class ProcessGroup:
             if i.size != o.size * self.size:
                 raise ValueError(f"scatter: input has {i.size} elements but needs group size "
                                  f"{self.size} x output size {o.size} = {o.size * self.size}")
+            # The root copies its own block before sending the others, so an
+            # output overlapping any other block would corrupt what is sent.
+            if _overlap(o, i) and _addr(o) != _addr(i) + src * o.nbytes:
+                raise ValueError(f"scatter: the root's output overlaps its input other than "
+                                 f"as input block {src} (the in-place form); it would send "
+                                 f"overwritten data")
         ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("scatter", async_op, _C.scatter, o, i, code, src, ms)
 

@@ -53,6 +53,7 @@ import time
 from typing import Deque, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from . import _auth
+from ._timeout import seconds
 from .errors import AuthenticationError, RendezvousError
 
 __all__ = ["StoreServer", "Store", "MAX_KEY_BYTES", "MAX_VALUE_BYTES"]
@@ -625,8 +626,7 @@ class Store:
             raise ValueError(f"port must be an int in [1, 65535], got {port!r}")
         if not isinstance(secret, (bytes, bytearray)) or not secret:
             raise TypeError("secret must be non-empty bytes")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = seconds(timeout)
         self.host = host
         self.port = port
         self._secret = bytes(secret)
@@ -762,10 +762,7 @@ class Store:
     def _wait_arg(self, timeout: Optional[float]) -> float:
         if timeout is None:
             return self._timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-            raise ValueError(f"timeout must be a non-negative number of seconds or None, "
-                             f"got {timeout!r}")
-        return float(timeout)
+        return seconds(timeout, zero=True)
 
     def set(self, key: str, value: Union[bytes, bytearray, memoryview]) -> None:
         """Store ``value`` under ``key`` (replacing any value) and wake its waiters.

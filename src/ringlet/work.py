@@ -13,6 +13,7 @@ import collections
 import threading
 from typing import Any, Callable, Optional
 
+from ._timeout import seconds
 from .errors import CollectiveTimeout
 
 __all__ = ["Work"]
@@ -61,13 +62,17 @@ class Work:
 
         Args:
             timeout: seconds to wait (None: until the operation's own deadline,
-                which every operation has).
+                which every operation has; 0 polls; huge values and inf are
+                capped at ``ringlet.MAX_TIMEOUT``).
         Returns:
             True.
         Raises:
+            ValueError: ``timeout`` is negative or NaN.
             CollectiveTimeout: ``timeout`` passed first (the operation goes on).
             RingletError: whatever the operation failed with.
         """
+        if timeout is not None:
+            timeout = seconds(timeout, zero=True)
         if not self._event.wait(timeout):
             raise CollectiveTimeout(f"Work.wait: {self._op} not finished after {timeout}s "
                                     f"(the operation continues in the background)",

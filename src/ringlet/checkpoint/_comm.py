@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from .._timeout import seconds
 from .errors import CheckpointError
 
 
@@ -27,9 +28,8 @@ class Comm:
         self.local = False
         import ringlet
 
-        if timeout is not None and (isinstance(timeout, bool) or
-                                    not isinstance(timeout, (int, float)) or not timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if timeout is not None:
+            self.timeout = seconds(timeout)
         if group is None and not ringlet.is_initialized():
             self.local = True
             self.rank, self.size = 0, 1

@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from .._timeout import seconds
 from ._comm import Comm
 from ._state import flatten
 from .format import DEFAULT_CHUNK_BYTES
@@ -176,8 +177,8 @@ class AsyncCheckpointer:
             CheckpointError, OSError, RingletError, ...: the save failed (each
                 error is raised once).
         """
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+        if timeout is not None:
+            timeout = seconds(timeout, zero=True)
         if not self._join(timeout):
             raise TimeoutError(f"the background checkpoint save is still running after "
                                f"{timeout}s")

@@ -31,6 +31,7 @@ import numpy as np
 
 import ringlet
 
+from .._timeout import seconds
 from .layers import BatchNorm1d, _float_input, _grad_like
 from .module import Module
 
@@ -73,8 +74,8 @@ class SyncBatchNorm(BatchNorm1d):
                  dtype: Any = np.float32) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, dtype=dtype)
         self.group = _check_group(group, "SyncBatchNorm")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"SyncBatchNorm: timeout must be positive, got {timeout!r}")
+        if timeout is not None:
+            timeout = seconds(timeout, "SyncBatchNorm: timeout")
         self.timeout = timeout
 
     def extra_repr(self) -> str:

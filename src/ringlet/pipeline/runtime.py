@@ -70,6 +70,7 @@ import numpy as np
 import ringlet
 from ringlet.errors import RingletError
 
+from .._timeout import seconds
 from .schedules import (MAX_MICROBATCHES, Action, ActionKind, Plan, plan_1f1b, plan_gpipe,
                         plan_interleaved_1f1b, simulate)
 from .stage import PipelineStage
@@ -335,8 +336,8 @@ class PipelineSchedule:
                  prefetch: int = 2) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if timeout is not None:
+            timeout = seconds(timeout)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not isinstance(plan, Plan):

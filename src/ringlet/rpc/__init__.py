@@ -28,10 +28,10 @@ Example::
 from __future__ import annotations
 
 import atexit
-import math
 import os
 from typing import Any, Dict, List, Optional
 
+from .._timeout import seconds
 from . import registry
 from .agent import K_CALL, Agent, WorkerInfo, _check_args, _tls, current_agent
 from .future import Future, RemoteError
@@ -112,9 +112,7 @@ def init_rpc(
         raise ValueError(f"init_rpc: num_worker_threads must be an int in 1..1024, got {num_worker_threads!r}")
     if not isinstance(allow_pickle, bool):
         raise TypeError(f"init_rpc: allow_pickle must be a bool, got {type(allow_pickle).__name__}")
-    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) \
-            or not math.isfinite(rpc_timeout) or rpc_timeout <= 0:
-        raise ValueError(f"init_rpc: rpc_timeout must be a finite number of seconds > 0, got {rpc_timeout!r}")
+    rpc_timeout = seconds(rpc_timeout, "init_rpc: rpc_timeout")
     if limits is None:
         limits = Limits()
     elif not isinstance(limits, Limits):

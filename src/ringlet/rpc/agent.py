@@ -27,7 +27,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 import queue
 import socket
 import threading
@@ -38,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ringlet.errors import CollectiveTimeout, PeerClosedError, ProtocolError, RingletError
 
+from .._timeout import seconds
 from . import registry
 from . import serialization as ser
 from .future import Future, RemoteError
@@ -296,14 +296,13 @@ class Agent:
         """``timeout`` validated, or the default ``rpc_timeout`` for None.
 
         Raises:
-            ValueError: not a finite number > 0.
+            TypeError: not a number.
+            ValueError: not > 0 (NaN included); inf and huge values are capped
+                at ``ringlet.MAX_TIMEOUT``.
         """
         if timeout is None:
             return self.rpc_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                or not math.isfinite(timeout) or timeout <= 0:
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-        return float(timeout)
+        return seconds(timeout)
 
     def _label(self, rank: int) -> str:
         return f"worker {self.workers[rank].name!r} (rank {rank})"

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
+from ringlet._timeout import seconds
 from ringlet.errors import CollectiveTimeout, RingletError
 
 __all__ = ["Future", "RemoteError"]
@@ -76,8 +77,7 @@ class Future:
 
     def _wait(self, timeout: Optional[float]) -> None:
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-                raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+            timeout = seconds(timeout, zero=True)
         if self._event.is_set():
             return
         t0 = time.monotonic()
