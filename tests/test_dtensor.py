@@ -133,6 +133,48 @@ def test_redistribute_with_empty_pieces():
     assert all(run_world(_empty_pieces, 3))
 
 
+def _reported_hang(rank, n):
+    # Issue 29: Shard(0) <-> Shard(1) of a (3, 2) array on 4 ranks.  Rank 3
+    # holds an empty piece before and after; it skipped the all_to_all_v the
+    # others were in, and they waited until CollectiveTimeout.
+    mesh = DeviceMesh((4,), ("x",))
+    g = np.arange(6.0).reshape(3, 2)
+    for a, b in ((0, 1), (1, 0)):
+        y = distribute(g, mesh, [Shard(a)]).redistribute([Shard(b)], timeout=30)
+        check_layout(y, g)
+    return True
+
+
+def test_redistribute_shard_to_shard_with_empty_pieces_before_and_after():
+    assert all(run_world(_reported_hang, 4, timeout=60))
+
+
+SMALL_SHAPES = [(3, 2), (2, 3), (1, 1), (1, 5), (5, 1), (0, 3), (3, 0), (2, 2)]
+
+
+def _small_sweep(rank, n, mesh_shape):
+    # Every shape smaller than the world along some dim, every placement pair:
+    # pieces are empty on some ranks before, after, or both.
+    mesh = DeviceMesh(mesh_shape, tuple("ab"[:len(mesh_shape)]))
+    ps = [Shard(0), Shard(1), Replicate()]
+    count = 0
+    for shape in SMALL_SHAPES:
+        g = np.arange(float(np.prod(shape))).reshape(shape) + 1
+        for src in itertools.product(ps, repeat=len(mesh_shape)):
+            x = distribute(g, mesh, src)
+            for dst in itertools.product(ps, repeat=len(mesh_shape)):
+                check_layout(x.redistribute(dst, timeout=30), g)
+                count += 1
+    return count
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_redistribute_small_shapes_on_four_ranks(mesh_shape):
+    k = 3 ** len(mesh_shape)
+    assert run_world(_small_sweep, 4, args=(mesh_shape,), timeout=120) == \
+        [len(SMALL_SHAPES) * k * k] * 4
+
+
 def _other_ops(rank, n):
     mesh = DeviceMesh((2, 2), ("a", "b"))
     g = GLOBAL

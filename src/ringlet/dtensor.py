@@ -237,7 +237,10 @@ def all_to_all_axes(group: Any, order: Sequence[int], x: np.ndarray, src_axis: i
         out_counts[order[c]] = int(np.prod(shapes[c], dtype=np.int64))
     inp = np.concatenate(send) if n else np.zeros(0, x.dtype)
     out = np.empty(sum(out_counts), x.dtype)
-    if inp.size or out.size:
+    # Skip only when the whole line moves nothing, which every rank computes
+    # alike; a rank whose own piece is empty must still join the others.
+    rest = int(np.prod([s for a, s in enumerate(x.shape) if a != src_axis], dtype=np.int64))
+    if sum(src_sizes) * rest:
         group.all_to_all_v(out, out_counts, inp, in_counts, timeout=timeout)
     g_off = _offsets(out_counts)  # offsets in group-rank order
     pieces = [out[g_off[order[c]]: g_off[order[c]] + out_counts[order[c]]].reshape(shapes[c])
