@@ -554,6 +554,104 @@ def test_corrupted_manifest_and_missing_checkpoint(tmp_path):
         load(_tmpl(), str(tmp_path / "nothing"))
 
 
+def _step_ckpt(path):
+    save({"a": np.arange(8, dtype=np.float32), "step": 10, "lr": 0.5, "name": "run"}, path,
+         chunk_bytes=64)
+    return os.path.join(path, "manifest.json")
+
+
+def _tmpl_step():
+    return {"a": np.zeros(8, np.float32), "step": 0, "lr": 0.0, "name": ""}
+
+
+def _expect_manifest_error(path, mpath):
+    for fn in (verify, lambda p: load(_tmpl_step(), p)):
+        try:
+            fn(path)
+        except CheckpointError as exc:
+            assert exc.file == mpath and mpath in str(exc), exc
+        else:
+            raise AssertionError("damaged manifest accepted")
+
+
+def test_edited_manifest_value_is_refused_by_load_and_verify(tmp_path):
+    # Issue 29: editing the saved step in manifest.json loaded silently.
+    path = str(tmp_path / "ck")
+    mpath = _step_ckpt(path)
+    assert load(_tmpl_step(), path).state_dict["step"] == 10
+    m = json.load(open(mpath))
+    assert "manifest_sha256" in m and m["version"] == 2
+    m["values"]["step"] = 11 if m["values"]["step"] == 10 else m["values"]["step"]
+    text = json.dumps(m, sort_keys=True, indent=1).encode() + b"\n"
+    assert text != open(mpath, "rb").read()
+    open(mpath, "wb").write(text)
+    _expect_manifest_error(path, mpath)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        verify(path)
+
+
+def test_every_flipped_manifest_byte_is_a_checkpoint_error(tmp_path):
+    # Every byte, flipped by a mask cycling over low bit, case/space bit, high
+    # bit and all bits: never KeyError/ValueError/TypeError, never silent.
+    path = str(tmp_path / "ck")
+    mpath = _step_ckpt(path)
+    good = open(mpath, "rb").read()
+    for i in range(len(good)):
+        for x in ((0x01, 0x20, 0x80, 0xFF)[i % 4], (0x02, 0x10, 0x40, 0x08)[i % 4]):
+            bad = bytearray(good)
+            bad[i] ^= x
+            open(mpath, "wb").write(bytes(bad))
+            try:
+                verify(path)
+            except CheckpointError as exc:
+                assert exc.file == mpath, (i, x, exc)
+            else:
+                raise AssertionError(f"byte {i} ^ {x:#x} accepted: {bytes(bad[i - 20:i + 20])!r}")
+    open(mpath, "wb").write(good)
+    assert load(_tmpl_step(), path).state_dict["step"] == 10
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_random_manifest_damage_is_a_checkpoint_error(tmp_path_factory, data):
+    path = str(tmp_path_factory.mktemp("ck") / "ck")
+    mpath = _step_ckpt(path)
+    good = open(mpath, "rb").read()
+    kind = data.draw(st.sampled_from(["flip", "truncate", "insert", "delete"]))
+    i = data.draw(st.integers(0, len(good) - 1))
+    if kind == "flip":
+        n = data.draw(st.integers(1, 8))
+        bad = bytearray(good)
+        for j, v in enumerate(data.draw(st.lists(st.integers(1, 255), min_size=n, max_size=n))):
+            bad[min(i + j, len(bad) - 1)] ^= v
+        bad = bytes(bad)
+    elif kind == "truncate":
+        bad = good[:i]
+    elif kind == "insert":
+        bad = good[:i] + data.draw(st.binary(min_size=1, max_size=4)) + good[i:]
+    else:
+        bad = good[:i] + good[i + 1:]
+    if bad == good:
+        return
+    open(mpath, "wb").write(bad)
+    _expect_manifest_error(path, mpath)
+
+
+def test_version_1_manifest_loads_with_a_warning(tmp_path):
+    # Checkpoints written before the manifest checksum still load; the warning
+    # says their manifest is unprotected.
+    path = str(tmp_path / "ck")
+    mpath = _step_ckpt(path)
+    m = json.load(open(mpath))
+    del m["manifest_sha256"]
+    m["version"] = 1
+    open(mpath, "wb").write(json.dumps(m, sort_keys=True, indent=1).encode() + b"\n")
+    with pytest.warns(RuntimeWarning, match="version 1.*no checksum"):
+        assert load(_tmpl_step(), path).state_dict["step"] == 10
+    with pytest.warns(RuntimeWarning, match="no checksum"):
+        verify(path)
+
+
 def test_manifest_that_leaves_a_hole_is_caught(tmp_path):
     path = str(tmp_path / "ck")
     run_world(lambda r, P: save({"w": np.arange(100.0)}, path, split_bytes=64), 2)
@@ -561,7 +659,8 @@ def test_manifest_that_leaves_a_hole_is_caught(tmp_path):
     m = json.load(open(mpath))
     assert len(m["tensors"]["w"]["pieces"]) == 2
     del m["tensors"]["w"]["pieces"][1]
-    json.dump(m, open(mpath, "w"))
+    with open(mpath, "wb") as fh:  # resealed: a writer's bug, not damage
+        fh.write(ckfmt.manifest_bytes(m))
     with pytest.raises(CheckpointError, match="does not cover tensor 'w'"):
         load({"w": np.zeros(100)}, path)
 

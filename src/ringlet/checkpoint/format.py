@@ -26,6 +26,10 @@ Checksums, all SHA-256, computed in one pass while writing:
   this covers every byte of the file, and it costs no second pass over the
   data (a plain file SHA-256 would double the hashing work of a save).
   ``verify()`` recomputes it, and on a mismatch names the damaged tensor.
+* for the manifest, ``manifest_sha256`` inside it = SHA-256 of the manifest's
+  canonical JSON without that field.  A manifest must be exactly the
+  canonical JSON of what it parses to, so every byte is covered: damage
+  anywhere (a value, a key, the layout) is a ``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import hashlib
 import json
 import os
 import struct
+import warnings
 from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
@@ -41,8 +46,9 @@ import numpy as np
 from .errors import CheckpointError
 
 FORMAT = "ringlet-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest carries manifest_sha256; 1 (without) still loads, with a warning
 MANIFEST = "manifest.json"
+MANIFEST_SHA = "manifest_sha256"
 DEFAULT_CHUNK_BYTES = 4 << 20
 WRITE_BLOCK = 16 << 20  # write() and hash() granularity when chunks are larger
 
@@ -159,8 +165,19 @@ def pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
 
 
 # ---- manifest -----------------------------------------------------------------------
+def _canonical(m: Dict[str, Any]) -> bytes:
+    return json.dumps(m, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+
+
+def manifest_bytes(manifest: Dict[str, Any]) -> bytes:
+    """The manifest's file contents: canonical JSON sealed with ``manifest_sha256``."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_SHA}
+    body[MANIFEST_SHA] = hashlib.sha256(_canonical(body)).hexdigest()
+    return _canonical(body)
+
+
 def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
-    data = json.dumps(manifest, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+    data = manifest_bytes(manifest)
     path = os.path.join(directory, MANIFEST)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -181,14 +198,21 @@ def read_manifest(directory: str) -> Dict[str, Any]:
             from None
     try:
         m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: {exc}",
                               file=path) from exc
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not a ringlet checkpoint manifest", file=path)
-    if m.get("version") != VERSION:
-        raise CheckpointError(f"{path!r} has format version {m.get('version')!r}; this ringlet "
-                              f"reads version {VERSION}", file=path)
+    version = m.get("version")
+    if version not in (1, VERSION) or type(version) is not int:
+        raise CheckpointError(f"{path!r} has format version {version!r}; this ringlet "
+                              f"reads versions 1 and {VERSION}", file=path)
+    if version == 1 and MANIFEST_SHA not in m:
+        warnings.warn(f"checkpoint manifest {path!r} has format version 1, which carries no "
+                      f"checksum: damage to it cannot be detected; saving again upgrades it",
+                      RuntimeWarning, stacklevel=3)
+    else:
+        _check_seal(m, raw, path)
     for field, kind in (("tensors", dict), ("values", dict), ("files", dict),
                         ("chunk_bytes", int), ("world_size", int)):
         if not isinstance(m.get(field), kind):
@@ -198,6 +222,23 @@ def read_manifest(directory: str) -> Dict[str, Any]:
         raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: bad chunk_bytes "
                               f"{m['chunk_bytes']}", file=path)
     return m
+
+
+def _check_seal(m: Dict[str, Any], raw: bytes, path: str) -> None:
+    """CheckpointError unless ``raw`` is exactly the sealed canonical form of ``m``."""
+    digest = m.pop(MANIFEST_SHA, None)
+    if not isinstance(digest, str):
+        raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: its checksum "
+                              f"{MANIFEST_SHA!r} is missing or malformed", file=path)
+    try:
+        canonical = _canonical(m)
+    except ValueError as exc:  # NaN/inf where the writer never puts them
+        raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: {exc}",
+                              file=path) from exc
+    if hashlib.sha256(canonical).hexdigest() != digest or \
+            raw != _canonical(dict(m, **{MANIFEST_SHA: digest})):
+        raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: checksum mismatch "
+                              f"(it was edited or damaged after the save)", file=path)
 
 
 def is_checkpoint_dir(path: str) -> bool:

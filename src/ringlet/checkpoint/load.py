@@ -365,7 +365,8 @@ def _verify_file(fpath: str, meta: dict, pieces: List[Tuple[str, dict]], chunk: 
 def verify(path: Any) -> Dict[str, Any]:
     """Check a whole checkpoint against its manifest; local (no collectives).
 
-    Reads every shard file completely and checks: its size; every chunk
+    Reads the manifest (its own checksum, ``manifest_sha256``) and every
+    shard file completely and checks: its size; every chunk
     checksum of every piece (a mismatch names the tensor and byte range);
     that its safetensors header places every piece where the manifest says;
     and the file checksum (``sha256_tree``), which also covers the header.
@@ -376,7 +377,8 @@ def verify(path: Any) -> Dict[str, Any]:
         The parsed manifest.
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        CheckpointError: a file is missing, has the wrong size, or fails a
+        CheckpointError: the manifest fails its checksum (``file`` names it); a
+            file is missing, has the wrong size, or fails a
             checksum, or its header disagrees with the manifest (``file`` and,
             where one is concerned, ``key`` name it).
 
