@@ -161,5 +161,9 @@ def view(region: Region, storage: np.ndarray, box: Box) -> np.ndarray:
     if first < 0 or end > storage.size:  # guards as_strided against escaping the buffer
         raise AssertionError(f"box {box} lies outside {region} (storage of {storage.size})")
     isz = storage.itemsize
-    return as_strided(storage[first:], shape=box[1],
-                      strides=tuple(s * isz for s in c_strides(region.ext)))
+    # Strided over same-size raw bytes, then viewed back: as_strided goes through
+    # the array interface, whose type string some ml_dtypes types (float8_e5m2:
+    # '<f1') do not survive.
+    raw = storage[first:].view(np.dtype((np.void, isz)))
+    return as_strided(raw, shape=box[1],
+                      strides=tuple(s * isz for s in c_strides(region.ext))).view(storage.dtype)
