@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1011,6 +1012,22 @@ def test_async_bad_state_raises_at_once_and_fails_peers(tmp_path):
 
     assert run_world(body, 2) == ["CheckpointError [1]", "TypeError at save_async"]
     assert not os.path.exists(tmp_path / "ck")
+
+
+def test_async_unsupported_dtype_raises_at_once(tmp_path):
+    # An object-dtype array used to be accepted and fail only at wait().
+    for bad in (np.array([None, 1], dtype=object), np.zeros(2, np.complex64)):
+        ck = AsyncCheckpointer()
+        for state in ({"w": np.ones(3), "x": bad},
+                      {"x": ShardedTensor(bad, ShardSpec.flat((4,), 0, 2))}):
+            with pytest.raises(TypeError, match=f"'x' has dtype {bad.dtype}"):
+                ck.save_async(state, str(tmp_path / "ck"))
+            ck.wait()  # already reported: nothing more to raise
+        assert not os.path.exists(tmp_path / "ck")
+        ck.save_async({"w": np.ones(3)}, str(tmp_path / "ck"))  # still usable
+        ck.wait()
+        assert load({"w": np.zeros(3)}, str(tmp_path / "ck")).state_dict["w"].tolist() == [1.0] * 3
+        shutil.rmtree(tmp_path / "ck")
 
 
 # ---- geometry (property-based) ----------------------------------------------------------------

@@ -26,7 +26,7 @@ import numpy as np
 from .._timeout import seconds
 from ._comm import Comm
 from ._state import flatten
-from .format import DEFAULT_CHUNK_BYTES
+from .format import DEFAULT_CHUNK_BYTES, dtype_name
 from .save import DEFAULT_SPLIT_BYTES, SaveJob, _check_path, _check_sizes
 from .shard import ShardedTensor
 
@@ -79,7 +79,12 @@ class AsyncCheckpointer:
 
     # ---- snapshot -------------------------------------------------------------
     def _copy(self, key: str, arr: np.ndarray) -> np.ndarray:
-        """A private copy of ``arr``, reusing last save's buffer when it fits."""
+        """A private copy of ``arr``, reusing last save's buffer when it fits.
+
+        Refuses a dtype checkpoints cannot store (TypeError naming ``key``)
+        here, so ``save_async`` raises at once as ``save`` would.
+        """
+        dtype_name(arr.dtype, key)
         buf = self._staging.get(key)
         if buf is None or buf.shape != arr.shape or buf.dtype != arr.dtype:
             buf = np.empty(arr.shape, dtype=arr.dtype)
