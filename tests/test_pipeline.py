@@ -74,6 +74,8 @@ def test_interleaved_needs_multiple_of_ranks():
     with pytest.raises(ValueError, match=r"multiple of the number of pipeline ranks \(4\); "
                                          r"got 6 \(try 8\)"):
         plan_interleaved_1f1b(4, 2, 6)
+    with pytest.raises(ValueError, match=r"got 65535 \(try 65534\)"):  # 65541 is over the limit
+        plan_interleaved_1f1b(7, 2, 65535)
 
 
 def test_bubble_fraction_formula_and_arguments():
@@ -449,7 +451,8 @@ def _config_errors(rank, p):
     with pytest.raises(ValueError, match=r"4 stages but the group has 2 ranks"):
         ScheduleGPipe(mine, 4)
     both = [mine, PipelineStage(chunks[rank + p], rank + p, 2 * p)]
-    with pytest.raises(ValueError, match=r"multiple of the pipeline group size 2, got 3"):
+    with pytest.raises(ValueError, match=r"multiple of the pipeline group size 2, got 3 "
+                                         r"\(try 4\)"):
         ScheduleInterleaved1F1B(both, 3)
     with pytest.raises(ValueError, match=r"must hold stages \[\d, \d\]"):
         ScheduleInterleaved1F1B([mine], 4)

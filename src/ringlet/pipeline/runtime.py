@@ -72,7 +72,7 @@ from ringlet.errors import RingletError
 
 from .._timeout import seconds
 from .schedules import (MAX_MICROBATCHES, Action, ActionKind, Plan, plan_1f1b, plan_gpipe,
-                        plan_interleaved_1f1b, simulate)
+                        multiple_hint, plan_interleaved_1f1b, simulate)
 from .stage import PipelineStage
 
 __all__ = ["PipelineError", "StepStats", "ScheduleGPipe", "Schedule1F1B",
@@ -916,7 +916,7 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         m = _check_microbatches(n_microbatches)
         if m % p:
             raise ValueError(f"ScheduleInterleaved1F1B needs n_microbatches to be a multiple of "
-                             f"the pipeline group size {p}, got {m}")
+                             f"the pipeline group size {p}, got {m} ({multiple_hint(m, p)})")
         super().__init__(sorted(stages, key=lambda s: s.stage_index), m,
                          plan_interleaved_1f1b(p, v, m), loss_fn=loss_fn, timeout=timeout,
                          prefetch=prefetch)

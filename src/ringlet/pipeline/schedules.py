@@ -261,6 +261,12 @@ def plan_1f1b(num_ranks: int, n_microbatches: int) -> Plan:
     return _with_comms("1f1b", p, p, m, compute)
 
 
+def multiple_hint(m: int, p: int) -> str:
+    """'try N': the next multiple of p, or the one below it when above the limit."""
+    up, down = m + (-m) % p, m - m % p
+    return f"try {up}" if up <= MAX_MICROBATCHES or not down else f"try {down}"
+
+
 def plan_interleaved_1f1b(num_ranks: int, virtual_stages: int, n_microbatches: int) -> Plan:
     """Interleaved 1F1B (Megatron-LM): v model chunks per rank, looping placement.
 
@@ -293,7 +299,7 @@ def plan_interleaved_1f1b(num_ranks: int, virtual_stages: int, n_microbatches: i
     m = _check_count(n_microbatches, "n_microbatches")
     if m % p:
         raise ValueError(f"interleaved 1F1B needs n_microbatches to be a multiple of the number "
-                         f"of pipeline ranks ({p}); got {m} (try {m + (-m) % p})")
+                         f"of pipeline ranks ({p}); got {m} ({multiple_hint(m, p)})")
     _check_limits(p * v, m)
     total = m * v
     compute = []
