@@ -17,7 +17,8 @@ import ringlet
 from ringlet import rpc
 from ringlet.errors import AuthenticationError, CollectiveTimeout, PeerClosedError, RingletError
 from ringlet.rpc import serialization as ser
-from ringlet.rpc.agent import _MAX_HANDSHAKES, AUTH_PURPOSE, K_CALL, K_CLOSE, current_agent
+from ringlet.rpc.agent import (_MAX_HANDSHAKES, AUTH_PURPOSE, K_CALL, K_CLOSE, K_RESULT,
+                               current_agent)
 from ringlet.testing import run_world
 
 
@@ -367,6 +368,48 @@ def _drain(rank, n):
 
 def test_graceful_shutdown_drains_outstanding_calls():
     assert run_world(_drain, 2, timeout=60)[0] == (True, "finished")
+
+
+def _outsider(rank, n):
+    # Issue 29: a client holding the job key but not a worker makes calls;
+    # its answered calls were never counted as sent, so graceful shutdown
+    # waited for a balance that never came.
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        info = rpc.get_worker_info("w1")
+        replies = []
+        for claim in (b"0", b"1"):
+            s = _raw_connect(info, ringlet.job_key("rpc"), claim=claim)
+            enc = ser.encode([rpc.registry.name_of(whoami), ("outsider",), {}])
+            s.sendall(b"".join(bytes(b) for b in ser.encode_frame(K_CALL, 7, enc)))
+            head = b""
+            while len(head) < 32:
+                head += s.recv(32 - len(head))
+            hdr = ser.parse_header(head)
+            body = b""
+            while len(body) < hdr.payload_len:
+                body += s.recv(hdr.payload_len - len(body))
+            replies.append((hdr.kind, hdr.req_id, ser.loads(head + body)))
+            s.close()
+        # A real call still running when shutdown starts must still be waited for.
+        fut = rpc.rpc_async(1, wait_for, args=("never-set-outsider", 0.5, "finished"))
+        out = replies, fut
+    t0 = time.monotonic()
+    rpc.shutdown(graceful=True, timeout=15)
+    took = time.monotonic() - t0
+    if out is None:
+        return took
+    replies, fut = out
+    return replies, fut.done(), fut.result(timeout=0), took
+
+
+def test_graceful_shutdown_completes_after_calls_from_a_non_worker():
+    res = run_world(_outsider, 2, timeout=60)
+    replies, done, value, took = res[0]
+    assert replies == [(K_RESULT, 7, [1, "outsider"])] * 2
+    assert done and value == "finished"
+    assert took < 10 and res[1] < 10, res  # well inside the 15 s drain timeout
 
 
 # ---- failures ---------------------------------------------------------------------------

@@ -204,6 +204,9 @@ class Agent:
         self._completing = 0
         self._n_sent = 0
         self._n_handled = 0
+        # Per peer rank, for shutdown's termination detection (see drain).
+        self._sent_to = [0] * world_size
+        self._handled_from = [0] * world_size
         self._ids = itertools.count(1)
         self._rref_seq = itertools.count(1)
 
@@ -433,6 +436,7 @@ class Agent:
             self._pending[rid] = _Pending(fut, conn, desc, dst, timeout)
             conn.pending_ids.add(rid)
             self._n_sent += 1
+            self._sent_to[dst] += 1
         with self._tcond:
             heapq.heappush(self._heap, (deadline, rid))
             if self._heap[0][1] == rid:
@@ -442,6 +446,7 @@ class Agent:
         except (RingletError, Stopped, OSError) as e:
             with self._plock:
                 self._n_sent -= 1  # the callee never got the whole frame
+                self._sent_to[dst] -= 1
             self._release_transferred(transferred)
             if isinstance(e, RingletError):
                 err: BaseException = type(e)(f"{desc}: {e}", rank=self.rank, peer=dst, op="rpc")
@@ -896,6 +901,8 @@ class Agent:
         finally:
             with self._plock:
                 self._n_handled += 1
+                if 0 <= peer < self.world_size:
+                    self._handled_from[peer] += 1
                 self._pcond.notify_all()
 
     # ---- RRef requests (caller side) -----------------------------------------------
@@ -944,11 +951,15 @@ class Agent:
     def drain(self, timeout: float) -> None:
         """Wait until no worker has an RPC in flight (a collective over the RPC group).
 
-        Termination detection by counting: every worker reports (requests
-        sent, requests answered, calls still pending locally).  The job is
-        quiet when, in two consecutive rounds, the global sums are equal,
-        unchanged and nothing is pending; a request still being served shows
-        up as sent-but-not-answered.
+        Termination detection by counting: every worker reports, per peer
+        rank, the requests it sent to it and the requests from it it
+        answered, and its calls still pending locally.  The job is quiet when,
+        in two consecutive rounds, nothing is pending, every pair has
+        answered at least what was sent, and no count changed; a request still
+        being served shows up as sent-but-not-answered.  "At least", not
+        "equal": an authenticated client that is not a worker (a tool holding
+        the job key) has its calls answered but never counted as sent, and
+        must not keep shutdown waiting.
 
         Raises:
             CollectiveTimeout: not quiet within ``timeout`` seconds.
@@ -956,7 +967,7 @@ class Agent:
         import ringlet
 
         deadline = time.monotonic() + timeout
-        prev: Optional[Tuple[int, int]] = None
+        prev: Optional[tuple] = None
         while True:
             with self._pcond:
                 while self._pending or self._completing:
@@ -966,16 +977,19 @@ class Agent:
                         raise CollectiveTimeout(f"rpc shutdown on worker {self.name!r}: calls still pending after "
                                                 f"{timeout:.3g} s: {descs}", rank=self.rank, op="rpc.shutdown")
                     self._pcond.wait(min(left, POLL_INTERVAL))
-                mine = [self._n_sent, self._n_handled, len(self._pending) + self._completing]
+                mine = [list(self._sent_to), list(self._handled_from),
+                        len(self._pending) + self._completing]
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CollectiveTimeout(f"rpc shutdown on worker {self.name!r}: other workers still busy after "
                                         f"{timeout:.3g} s", rank=self.rank, op="rpc.shutdown")
             stats = ringlet.all_gather_object(mine, group=self.group, timeout=left)
-            sent = sum(int(s[0]) for s in stats)
-            handled = sum(int(s[1]) for s in stats)
+            n = len(stats)
+            sent = tuple(tuple(int(x) for x in s[0]) for s in stats)  # sent[src][dst]
+            handled = tuple(tuple(int(x) for x in s[1]) for s in stats)  # handled[dst][src]
             busy = sum(int(s[2]) for s in stats)
-            quiet = sent == handled and busy == 0
+            quiet = busy == 0 and all(handled[d][s] >= sent[s][d]
+                                      for s in range(n) for d in range(n))
             if quiet and prev == (sent, handled):
                 return
             prev = (sent, handled) if quiet else None
