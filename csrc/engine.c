@@ -92,6 +92,14 @@ int rl_check_header(rl_comm *c, const rl_opdesc *op, int peer,
         char a[256], b[256];
         describe(a, sizeof a, want);
         describe(b, sizeof b, got);
+        if (got->seq < want->seq && got->seq == c->rooted_seq &&
+            got->opcode == c->rooted_op && got->root != c->rooted_root)
+            return rl_fail(c, op, RL_ERR_DESYNC, peer, 0,
+                           "desync: ranks passed different roots to %s seq=%llu: root %d on "
+                           "this rank, root %d on the peer; its stray frame arrived while this "
+                           "rank expects %s (the peer sent %s)",
+                           rl_opcode_name(c->rooted_op), (unsigned long long)got->seq,
+                           c->rooted_root, got->root, a, b);
         return rl_fail(c, op, RL_ERR_DESYNC, peer, 0,
                        "desync: this rank expects %s but the peer sent %s", a, b);
     }

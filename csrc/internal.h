@@ -95,6 +95,9 @@ struct rl_comm {
     int *fds;   /* comm rank -> socket, -1 until connected */
     pthread_mutex_t *peer_locks; /* serialises connection set-up per peer */
     uint64_t seq;
+    /* The last rooted collective (see rl_note_rooted). */
+    uint64_t rooted_seq;
+    int rooted_op, rooted_root;
 
     pthread_mutex_t err_lock;
     volatile int poisoned;
@@ -222,6 +225,16 @@ int rl_rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
                      rl_dtype dt, rl_redop rop);
 /* Split count elements into `parts` near-equal blocks: block i has
  * count/parts elements, plus one for i < count%parts. */
+/* Remember a rooted collective's seq, opcode and root.  Ranks that disagree
+ * on the root of a broadcast or scatter can all return (each root only
+ * sends); the frame left behind reaches the next collective, and its header
+ * check then names both roots instead of only the peer's. */
+static inline void rl_note_rooted(rl_comm *c, const rl_opdesc *op) {
+    c->rooted_seq = op->seq;
+    c->rooted_op = op->opcode;
+    c->rooted_root = op->root;
+}
+
 static inline size_t rl_block_count(size_t count, int parts, int i) {
     size_t q = count / (size_t)parts, r = count % (size_t)parts;
     return q + ((size_t)i < r ? 1 : 0);

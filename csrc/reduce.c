@@ -157,6 +157,7 @@ int rl_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop,
     rl_opdesc op;
     size_t len = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, RL_OP_REDUCE, dt, rop, root, len, timeout_ms);
+    if (st == RL_OK) rl_note_rooted(c, &op);
     if (st != RL_OK) return st;
     if (c->size == 1 || count == 0) return RL_OK;
     if ((int64_t)len <= rl_tune.reduce_small_bytes)

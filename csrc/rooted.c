@@ -36,6 +36,7 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
     size_t blk = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, opcode, dt, 0, root, blk, timeout_ms);
     if (st != RL_OK) return st;
+    rl_note_rooted(c, &op);
     int gather = opcode == RL_OP_GATHER;
     rl_idle_copy cp = {NULL, NULL, 0, 0};
     if (c->rank == root) {

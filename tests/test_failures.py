@@ -112,6 +112,30 @@ def test_desync_reaches_every_rank_of_a_larger_group():
     assert all(r[0] == "desync" and r[2] < 10 for r in res), res
 
 
+def _two_roots(rank, P, op, n):
+    # Each rank names itself the root: each only sends, so the op returns on
+    # both; the stray frame must fail the next collective, naming both roots.
+    if op == "broadcast":
+        ringlet.broadcast(np.full(n, rank + 1.0, np.float32), src=rank, timeout=30)
+    else:
+        ringlet.scatter(np.zeros(n, np.float32), np.ones(n * P, np.float32), src=rank, timeout=30)
+    try:
+        ringlet.all_reduce(np.ones(4, np.float32), timeout=30)
+    except DesyncError as exc:
+        return str(exc)
+    return "silent"
+
+
+@pytest.mark.parametrize("op,n", [("broadcast", 4), ("broadcast", 20_000), ("scatter", 4)])
+def test_two_roots_are_named_by_the_next_collective(op, n):
+    # 20_000 floats: the chain broadcast (above the small-message tree's 64 KiB).
+    res = run_world(_two_roots, 2, mode="thread", timeout=60, args=(op, n))
+    for rank, msg in enumerate(res):
+        assert f"ranks passed different roots to {op} seq=1: root {rank} on this rank, " \
+               f"root {1 - rank} on the peer" in msg, msg
+        assert "all_reduce(seq=2" in msg, msg
+
+
 # ---- timeouts and a stopped peer -----------------------------------------------
 def _stop_one(rank, P):
     ringlet.all_reduce(np.ones(4, np.float32))  # connections up, everyone alive
