@@ -87,6 +87,7 @@ def _cases(rank, P):
         expect(TypeError, ["output", t, "non-native"],
                lambda: ringlet.all_gather(np.zeros(8, t), sw))
     expect(ValueError, ["not in the parent"], lambda: ringlet.new_group([0, 7]))
+    expect(ValueError, ["timeout", "nan"], lambda: ringlet.new_group([0, 1], timeout=float("nan")))
     expect(ValueError, ["duplicate"], lambda: ringlet.new_group([0, 0]))
     # nothing was sent: the group still works, and a numpy integer is a valid rank
     x = np.ones(4, np.float32)

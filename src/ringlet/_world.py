@@ -27,6 +27,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import _core
+from ._timeout import seconds
 from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, PeerClosedError,
                      ProtocolError, RendezvousError, RingletError)
 from .group import ProcessGroup
@@ -299,8 +300,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
         ringlet.all_reduce(grads)
     """
     global _default
-    if not timeout or timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    timeout = seconds(timeout)
     if _current() is not None:
         raise RuntimeError("ringlet is already initialised in this process; call "
                            "ringlet.shutdown() first")
@@ -500,9 +500,9 @@ def new_group(ranks: Sequence[int], *, timeout: Optional[float] = None,
     if missing:
         raise ValueError(f"new_group: ranks {missing} are not in the parent group {parent.ranks}")
     rl.sort()
+    t = world.timeout if timeout is None else seconds(timeout)
     key = f"ringlet/group/{parent.comm_id}/{parent._ngroups}"
     parent._ngroups += 1
-    t = world.timeout if timeout is None else timeout
     if world.size == 1:
         comm_id = 2 * (parent._ngroups + 1)
     elif parent.rank == 0:
