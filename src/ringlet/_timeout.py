@@ -24,9 +24,11 @@ def seconds(timeout: Any, what: str = "timeout", *, zero: bool = False) -> float
         TypeError: not a real number (bool refused too).
         ValueError: NaN, negative, or zero where ``zero`` is False.
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"{what} must be a number of seconds, got {type(timeout).__name__}")
-    t = float(timeout)
+    t = timeout
+    if type(t) is not float:  # floats skip the (slower) ABC check: per-op call path
+        if isinstance(t, bool) or not isinstance(t, numbers.Real):
+            raise TypeError(f"{what} must be a number of seconds, got {type(t).__name__}")
+        t = float(t)
     if not (t >= 0 if zero else t > 0):  # NaN fails both
         raise ValueError(f"{what} must be a {'non-negative' if zero else 'positive'} number "
                          f"of seconds, got {timeout!r}")
@@ -35,4 +37,7 @@ def seconds(timeout: Any, what: str = "timeout", *, zero: bool = False) -> float
 
 def millis(timeout: Any, what: str = "timeout") -> int:
     """``seconds(timeout)`` in whole milliseconds, at least 1 (the C binding's unit)."""
+    tp = type(timeout)
+    if (tp is float or tp is int) and 0 < timeout < MAX_TIMEOUT:  # the per-op call path
+        return max(1, int(timeout * 1000))
     return max(1, int(seconds(timeout, what) * 1000))
