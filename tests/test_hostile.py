@@ -15,18 +15,20 @@ import itertools
 import json
 import logging
 import os
-import resource
+import selectors
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
 
 import ringlet
-from ringlet import _world
-from ringlet.store import Store, StoreServer
+from ringlet import _core, _world
+from ringlet.errors import AuthenticationError
+from ringlet.store import Store
 from ringlet.testing import run_world
 
 _SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -245,3 +247,104 @@ def test_store_out_of_descriptors_neither_spins_nor_floods_the_log():
     assert int(lines["rejected"]) >= 500, lines
     assert any("descriptors" in ln for ln in logs), logs[:5]  # EMFILE was hit and handled
     assert len(logs) <= 40, (len(logs), logs[:5])
+
+
+# ---- the connector: retry a dropped handshake, fail fast on a refusal ---------------------
+class _DroppingRelay:
+    """A TCP relay in front of a rank's listener that closes the first ``drops``
+    connections without a word (as an evicting listener does) and relays the
+    rest byte for byte."""
+
+    def __init__(self, target_port, drops):
+        self.target = target_port
+        self.drops = drops
+        self.accepted = 0
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        pairs = {}
+        sel = selectors.DefaultSelector()
+        sel.register(self.lsock, selectors.EVENT_READ, None)
+        while not self.stop:
+            for key, _ in sel.select(0.1):
+                if key.data is None:
+                    c, _ = self.lsock.accept()
+                    self.accepted += 1
+                    if self.accepted <= self.drops:
+                        c.close()
+                        continue
+                    u = socket.create_connection(("127.0.0.1", self.target))
+                    pairs[c], pairs[u] = u, c
+                    sel.register(c, selectors.EVENT_READ, c)
+                    sel.register(u, selectors.EVENT_READ, u)
+                    continue
+                s = key.data
+                try:
+                    data = s.recv(65536)
+                except OSError:
+                    data = b""
+                if data:
+                    pairs[s].sendall(data)
+                else:
+                    for x in (s, pairs.pop(s)):
+                        pairs.pop(x, None)
+                        sel.unregister(x)
+                        x.close()
+        sel.close()
+        self.lsock.close()
+
+
+def _through_dropping_relay(rank, P):
+    w = _world._current()
+    ports = ringlet.all_gather_object(w.ctx.port)
+    relay = None
+    if rank == 0:  # rank 0 reaches rank 1 through the relay from now on
+        relay = _DroppingRelay(ports[1], drops=3)
+        w.ctx.set_peer(1, "127.0.0.1", relay.port)
+    g = ringlet.new_group([0, 1], timeout=60)
+    x = np.full(5, rank + 1.0)
+    g.all_reduce(x, timeout=60)
+    out = bool(np.array_equal(x, np.full(5, 3.0)))
+    if relay is not None:
+        relay.stop = True
+        relay.thread.join(10)
+        return out, relay.accepted
+    return out, None
+
+
+def test_connector_retries_handshakes_the_acceptor_dropped():
+    res = run_world(_through_dropping_relay, 2, mode="thread", timeout=90)
+    assert res[0][0] and res[1][0], res
+    assert res[0][1] == 4, res  # three attempts dropped, the fourth relayed and used
+
+
+def _hello_for_another_job(rank, P):
+    w = _world._current()
+    ports = ringlet.all_gather_object(w.ctx.port)
+    out = None
+    if rank == 0:
+        # right secret, wrong job id: the listener reads the whole HELLO and
+        # refuses it explicitly, so the connector fails at once, not at its deadline
+        rogue = _core.Context(0, 2, "127.0.0.1", w.secret, os.urandom(16))
+        rogue.set_peer(1, "127.0.0.1", ports[1])
+        comm = _core.Comm(rogue, 7, 0, [0, 1])
+        t0 = time.monotonic()
+        try:
+            comm.connect(1, 30000)
+            out = ("connected", 0.0)
+        except AuthenticationError as exc:
+            out = (str(exc), time.monotonic() - t0)
+        comm.close()
+        rogue.close()
+    ringlet.barrier()
+    return out
+
+
+def test_hello_for_another_job_is_refused_without_retrying():
+    msg, took = run_world(_hello_for_another_job, 2, mode="thread", timeout=90)[0]
+    assert "refused our HELLO" in msg, msg
+    assert took < 15, took  # well before the 30 s deadline a retry loop would run to
