@@ -115,36 +115,6 @@ def _decode_keys(blob: bytes) -> Optional[List[bytes]]:
 _HELLO, _PROOF, _READY = 0, 1, 2
 
 
-class _LogBudget:
-    """At most ``burst`` warnings per ``period`` seconds; the rest are counted.
-
-    The count of suppressed lines is added to the next warning let through, so
-    a flood of hostile connections costs a few log lines, not one per socket.
-    """
-
-    def __init__(self, burst: int = 10, period: float = 10.0) -> None:
-        self.burst = burst
-        self.period = period
-        self.window_end = 0.0
-        self.used = 0
-        self.suppressed = 0
-
-    def warn(self, msg: str, *args) -> None:
-        now = time.monotonic()
-        if now >= self.window_end:
-            self.window_end = now + self.period
-            self.used = 0
-        if self.used >= self.burst:
-            self.suppressed += 1
-            return
-        self.used += 1
-        if self.suppressed:
-            msg += " (%d similar warnings suppressed)"
-            args += (self.suppressed,)
-            self.suppressed = 0
-        _log.warning(msg, *args)
-
-
 class _Conn:
     """One client connection as the selector loop sees it."""
 
@@ -246,7 +216,7 @@ class StoreServer:
         self._pending: Dict[_Conn, None] = {}
         self._max_handshakes = max_handshakes
         self._accept_paused_until: Optional[float] = None
-        self._warn = _LogBudget()
+        self._warn = _auth.LogBudget(_log)
         self._runnable: Deque[_Conn] = collections.deque()
         self._close_lock = threading.Lock()
         self._closed = False
