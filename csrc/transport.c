@@ -437,7 +437,8 @@ static int hs_evict_oldest(rl_ctx *ctx, hs_state *hs, int npend) {
 }
 
 /* A table slot for a new connection: the end, a hole left by a handshake
- * finished this turn, or an evicted entry's.  -1 when none can be had. */
+ * finished this turn, or an evicted entry's (hs_has_room() says one
+ * exists). */
 static int hs_free_slot(rl_ctx *ctx, hs_state *hs, int npend) {
     if (npend < MAX_PENDING) return npend;
     for (int i = 0; i < npend; i++)
@@ -445,9 +446,12 @@ static int hs_free_slot(rl_ctx *ctx, hs_state *hs, int npend) {
     return hs_evict_oldest(ctx, hs, npend);
 }
 
-static int hs_any_evictable(const hs_state *hs, int npend) {
+/* Whether a new connection can get a slot: free space, a hole, or an
+ * evictable entry. */
+static int hs_has_room(const hs_state *hs, int npend) {
+    if (npend < MAX_PENDING) return 1;
     for (int i = 0; i < npend; i++)
-        if (hs[i].fd >= 0 && hs[i].state == 0) return 1;
+        if (hs[i].fd < 0 || hs[i].state == 0) return 1;
     return 0;
 }
 
@@ -457,8 +461,7 @@ static int hs_any_evictable(const hs_state *hs, int npend) {
  * the kernel keeps reporting).  Returns the new table length. */
 static int accept_batch(rl_ctx *ctx, hs_state *hs, int npend, int64_t *pause_until) {
     for (int k = 0; k < ACCEPT_BATCH; k++) {
-        int slot = hs_free_slot(ctx, hs, npend);
-        if (slot < 0) break;
+        if (!hs_has_room(hs, npend)) break;
         int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) {
             if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
@@ -470,6 +473,8 @@ static int accept_batch(rl_ctx *ctx, hs_state *hs, int npend, int64_t *pause_unt
             }
             break; /* EAGAIN: the backlog is empty */
         }
+        /* Evict only now that someone is really waiting for the slot. */
+        int slot = hs_free_slot(ctx, hs, npend);
         tune_socket(fd);
         same_host_reno(fd);
         memset(&hs[slot], 0, sizeof hs[slot]);
@@ -499,8 +504,7 @@ static void *listener_main(void *arg) {
             if (hs[i].fd >= 0) hs[w++] = hs[i];
         }
         npend = w;
-        int can_accept = now >= pause_until &&
-                         (npend < MAX_PENDING || hs_any_evictable(hs, npend));
+        int can_accept = now >= pause_until && hs_has_room(hs, npend);
         pfd[0].fd = ctx->wake_pipe[0];
         pfd[0].events = POLLIN;
         pfd[1].fd = can_accept ? ctx->listen_fd : -1;
