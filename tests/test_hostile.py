@@ -371,3 +371,51 @@ def test_hello_for_another_job_is_refused_without_retrying():
     msg, took = run_world(_hello_for_another_job, 2, mode="thread", timeout=90)[0]
     assert "refused our HELLO" in msg, msg
     assert took < 15, took  # well before the 30 s deadline a retry loop would run to
+
+
+# ---- a rank's listener when descriptors run out ------------------------------------------
+_LISTENER_MAIN = textwrap.dedent(r"""
+    import os, resource, sys
+    from ringlet import _core
+    secret, job = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2])
+    ctx = _core.Context(1, 2, "127.0.0.1", secret, job)
+    # Far fewer descriptors than the listener's 256 pending handshakes, so
+    # accept() itself fails with EMFILE while the flood lasts.
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    print(ctx.port, flush=True)
+    sys.stdin.read()
+    print("rejected", ctx.rejected(), flush=True)
+""")
+
+
+def test_rank_listener_out_of_descriptors_evicts_and_admits_a_genuine_rank():
+    secret, job = os.urandom(32), os.urandom(16)
+    env = dict(os.environ, PYTHONPATH=_SRC)
+    listener = subprocess.Popen([sys.executable, "-c", _LISTENER_MAIN, secret.hex(), job.hex()],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(listener.stdout.readline())
+        specs = [[port, "idle", 400, _RANK_PREFIX], [port, "slow", 20, _RANK_PREFIX]]
+        attacker, ready = _start_attacker(specs, budget=800)
+        try:
+            ok = []
+            for comm_id in (2, 4, 6):  # each a fresh connection and handshake
+                ctx = _core.Context(0, 2, "127.0.0.1", secret, job)
+                ctx.set_peer(1, "127.0.0.1", port)
+                comm = _core.Comm(ctx, comm_id, 0, [0, 1])
+                comm.connect(1, 30000)  # raises on failure
+                ok.append(comm_id)
+                comm.close()
+                ctx.close()
+        finally:
+            stats = _stop_attacker(attacker)
+        out, _ = listener.communicate("", timeout=60)
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+    rejected = int(out.split()[-1])
+    assert ok == [2, 4, 6]
+    assert ready[str(port)]["opened"] >= 420, ready
+    assert stats[str(port)]["dropped"] >= 300, stats  # evicted to free descriptors
+    assert rejected >= 300, rejected
