@@ -362,6 +362,8 @@ class StoreServer:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionAbortedError:
+                continue  # the client gave up while queued
             except OSError as exc:
                 if exc.errno in _NO_FDS and self._evict_oldest(f"out of descriptors ({exc})"):
                     continue  # freed a descriptor: take the waiting client now
