@@ -166,6 +166,7 @@ def _job_under_attack(rank, P, n_idle, n_slow):
         out["ready"] = ready
     ringlet.barrier()  # the flood is on from here
     checks = []
+    t0 = time.monotonic()
     # Fresh groups: every pair, every triple and the whole world, each with its
     # own new connections, checked against numpy.
     for size in (2, 3, P):
@@ -182,6 +183,7 @@ def _job_under_attack(rank, P, n_idle, n_slow):
         total = st.add("hostile/count", rank + 1)
         checks.append(st.get(f"hostile/{(rank + 1) % P}", timeout=60) == str((rank + 1) % P).encode())
     checks.append(total <= P * (P + 1) // 2)
+    out["busy_s"] = time.monotonic() - t0  # for docs/security.md; not asserted
     # Rank 0 never accepts a connection from the job (the lower rank of a pair
     # connects), so nothing orders its listener's work before this point:
     # wait, boundedly, for it to have gone through the whole first wave.
