@@ -18,8 +18,12 @@
  * both ranks, so a recorded handshake cannot be replayed and a connection
  * cannot be moved to another comm or rank.  The listener parses nothing but
  * the fixed HELLO before the proof, drops anything malformed, and handles
- * many pending handshakes at once with a per-connection deadline, so a
- * stalled or hostile client cannot block the job.
+ * many pending handshakes at once with a per-connection deadline.  When its
+ * table is full (or descriptors run out) it evicts the oldest connection that
+ * has not yet sent a valid HELLO, never one that has, and the connector
+ * retries a handshake the acceptor dropped before answering, so idle or slow
+ * unauthenticated connections cannot delay or break the job
+ * (docs/security.md, "Data connections between ranks").
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -41,6 +45,11 @@
 #define HELLO_LEN 68
 #define REPLY_LEN 64
 #define MAX_PENDING 256
+#define ACCEPT_BATCH 64
+/* Acceptor -> connector before closing: the HELLO was read whole and is not
+ * for this rank (other job, rank or version).  Sent in place of the reply so
+ * the connector fails at once instead of retrying as after an eviction. */
+#define HELLO_REFUSED 3u
 
 /* ------------------------------------------------------------------ */
 /* tuning, time, interrupt hook                                        */
@@ -311,7 +320,7 @@ static void proof(const rl_ctx *ctx, const char *label, const uint8_t *hello,
 
 typedef struct {
     int fd;
-    int state; /* 0: reading HELLO, 1: reading proof */
+    int state; /* 0: reading HELLO (evictable), 1: valid HELLO, reading proof */
     size_t got;
     uint8_t hello[HELLO_LEN];
     uint8_t nonce_b[32];
@@ -357,7 +366,7 @@ static void hs_step(rl_ctx *ctx, hs_state *h) {
             !rl_ct_equal(h->hello + 8, ctx->job_id, 16) ||
             dst_rank != (uint32_t)ctx->rank || src >= (uint32_t)ctx->size ||
             src == (uint32_t)ctx->rank) {
-            hs_reject(ctx, h, 0);
+            hs_reject(ctx, h, HELLO_REFUSED);
             return;
         }
         uint8_t reply[REPLY_LEN];
@@ -417,11 +426,78 @@ static void hs_step(rl_ctx *ctx, hs_state *h) {
     h->fd = -1;
 }
 
+/* Close the oldest pending connection that has not sent a valid HELLO, to
+ * make room (a table slot or a descriptor) for a newer one.  Only someone who
+ * knows the job id can send a valid HELLO, so an off-path flood can fill the
+ * table with nothing but evictable entries.  Returns its index or -1. */
+static int hs_evict_oldest(rl_ctx *ctx, hs_state *hs, int npend) {
+    int victim = -1;
+    for (int i = 0; i < npend; i++)
+        if (hs[i].fd >= 0 && hs[i].state == 0 &&
+            (victim < 0 || hs[i].deadline < hs[victim].deadline))
+            victim = i;
+    if (victim >= 0) hs_reject(ctx, &hs[victim], 0); /* counted in rejected */
+    return victim;
+}
+
+/* A table slot for a new connection: the end, a hole left by a handshake
+ * finished this turn, or an evicted entry's (hs_has_room() says one
+ * exists). */
+static int hs_free_slot(rl_ctx *ctx, hs_state *hs, int npend) {
+    if (npend < MAX_PENDING) return npend;
+    for (int i = 0; i < npend; i++)
+        if (hs[i].fd < 0) return i;
+    return hs_evict_oldest(ctx, hs, npend);
+}
+
+/* Whether a new connection can get a slot: free space, a hole, or an
+ * evictable entry. */
+static int hs_has_room(const hs_state *hs, int npend) {
+    if (npend < MAX_PENDING) return 1;
+    for (int i = 0; i < npend; i++)
+        if (hs[i].fd < 0 || hs[i].state == 0) return 1;
+    return 0;
+}
+
+/* Accept up to ACCEPT_BATCH connections.  A full table or EMFILE/ENFILE
+ * evicts the oldest unvalidated entry; when nothing is evictable the listen
+ * socket is left unpolled for a short while (no busy loop on a connection
+ * the kernel keeps reporting).  Returns the new table length. */
+static int accept_batch(rl_ctx *ctx, hs_state *hs, int npend, int64_t *pause_until) {
+    for (int k = 0; k < ACCEPT_BATCH; k++) {
+        if (!hs_has_room(hs, npend)) break;
+        int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                /* Out of descriptors: free one by eviction and try again,
+                 * or stop polling the listen socket until the next tick. */
+                if (hs_evict_oldest(ctx, hs, npend) >= 0) continue;
+                *pause_until = rl_now_ns() + 100000000LL;
+            }
+            break; /* EAGAIN: the backlog is empty */
+        }
+        /* Evict only now that someone is really waiting for the slot. */
+        int slot = hs_free_slot(ctx, hs, npend);
+        tune_socket(fd);
+        same_host_reno(fd);
+        memset(&hs[slot], 0, sizeof hs[slot]);
+        hs[slot].fd = fd;
+        hs[slot].deadline = rl_now_ns() + rl_tune.handshake_ms * 1000000LL;
+        if (slot == npend) npend++;
+        /* A rank sends its HELLO right after connecting: read it now, so
+         * the connection is validated (and safe from eviction) at once. */
+        hs_step(ctx, &hs[slot]);
+    }
+    return npend;
+}
+
 static void *listener_main(void *arg) {
     rl_ctx *ctx = arg;
     hs_state *hs = calloc(MAX_PENDING, sizeof *hs);
     struct pollfd *pfd = calloc(MAX_PENDING + 2, sizeof *pfd);
     int npend = 0;
+    int64_t pause_until = 0;
     if (!hs || !pfd) { free(hs); free(pfd); return NULL; }
     for (;;) {
         int64_t now = rl_now_ns();
@@ -432,10 +508,12 @@ static void *listener_main(void *arg) {
             if (hs[i].fd >= 0) hs[w++] = hs[i];
         }
         npend = w;
+        int can_accept = now >= pause_until && hs_has_room(hs, npend);
         pfd[0].fd = ctx->wake_pipe[0];
         pfd[0].events = POLLIN;
-        pfd[1].fd = npend < MAX_PENDING ? ctx->listen_fd : -1;
+        pfd[1].fd = can_accept ? ctx->listen_fd : -1;
         pfd[1].events = POLLIN;
+        pfd[1].revents = 0;
         for (int i = 0; i < npend; i++) {
             pfd[2 + i].fd = hs[i].fd;
             pfd[2 + i].events = POLLIN;
@@ -445,19 +523,8 @@ static void *listener_main(void *arg) {
         if (r < 0 && errno != EINTR) break;
         if (pfd[0].revents) break; /* woken by rl_ctx_destroy */
         for (int i = 0; i < npend; i++)
-            if (pfd[2 + i].revents) hs_step(ctx, &hs[i]);
-        if (pfd[1].revents & POLLIN) {
-            for (int k = 0; k < 16 && npend < MAX_PENDING; k++) {
-                int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-                if (fd < 0) break;
-                tune_socket(fd);
-                same_host_reno(fd);
-                memset(&hs[npend], 0, sizeof hs[npend]);
-                hs[npend].fd = fd;
-                hs[npend].deadline = rl_now_ns() + rl_tune.handshake_ms * 1000000LL;
-                npend++;
-            }
-        }
+            if (pfd[2 + i].revents && hs[i].fd >= 0) hs_step(ctx, &hs[i]);
+        if (pfd[1].revents & POLLIN) npend = accept_batch(ctx, hs, npend, &pause_until);
     }
     for (int i = 0; i < npend; i++)
         if (hs[i].fd >= 0) close(hs[i].fd);
@@ -639,15 +706,18 @@ void rl_comm_destroy(rl_comm *c) {
     free(c);
 }
 
-/* Blocking (poll-driven, deadline-bounded) exchange of handshake bytes. */
-static int hs_io(int fd, void *buf, size_t len, int sending, int64_t deadline) {
-    size_t done = 0;
-    while (done < len) {
-        ssize_t n = sending ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
-                            : recv(fd, (char *)buf + done, len - done, 0);
-        if (n > 0) { done += (size_t)n; continue; }
+/* Blocking (poll-driven, deadline-bounded) exchange of handshake bytes.
+ * EOF and reset both come back as RL_ERR_PEER_CLOSED; *done says how many
+ * bytes moved before (the connector reads a short refusal that way). */
+static int hs_io(int fd, void *buf, size_t len, int sending, int64_t deadline, size_t *done) {
+    *done = 0;
+    while (*done < len) {
+        ssize_t n = sending ? send(fd, (char *)buf + *done, len - *done, MSG_NOSIGNAL)
+                            : recv(fd, (char *)buf + *done, len - *done, 0);
+        if (n > 0) { *done += (size_t)n; continue; }
         if (n == 0) return RL_ERR_PEER_CLOSED;
         if (errno == EINTR) continue;
+        if (errno == ECONNRESET || errno == EPIPE) return RL_ERR_PEER_CLOSED;
         if (errno != EAGAIN && errno != EWOULDBLOCK) return RL_ERR_SYSTEM;
         if (rl_now_ns() >= deadline) return RL_ERR_TIMEOUT;
         struct pollfd p = {fd, (short)(sending ? POLLOUT : POLLIN), 0};
@@ -657,23 +727,33 @@ static int hs_io(int fd, void *buf, size_t len, int sending, int64_t deadline) {
     return RL_OK;
 }
 
-static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
+static int hs_fail(rl_comm *c, const rl_opdesc *op, int peer, int fd, int st, const char *stage) {
+    int e = errno;
+    close(fd);
+    if (st == RL_ERR_PEER_CLOSED)
+        return rl_fail(c, op, RL_ERR_AUTH, peer, 0,
+                       "peer closed the connection during the handshake, %s (secret mismatch?)", stage);
+    if (st == RL_ERR_TIMEOUT)
+        return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0, "handshake timed out %s", stage);
+    if (st == RL_ERR_INTERRUPTED)
+        return rl_fail(c, op, RL_ERR_INTERRUPTED, peer, 0, "interrupted during handshake");
+    return rl_fail(c, op, st, peer, e, "handshake failed %s: %s", stage, strerror(e));
+}
+
+/* One connection attempt and handshake, bounded by `deadline`.  Sets
+ * *dropped (and records no error) when the acceptor closed or reset the
+ * connection before answering our HELLO: it evicts unvalidated connections
+ * when flooded, and ours may have been taken for one; the caller retries. */
+static int connect_once(rl_comm *c, const rl_opdesc *op, int peer,
+                        const struct sockaddr_storage *ss, socklen_t sl, int64_t deadline,
+                        int *fd_out, int *dropped) {
     rl_ctx *ctx = c->ctx;
     int wr = c->world[peer];
-    rl_endpoint *ep = &ctx->peers[wr];
-    if (!ep->port)
-        return rl_fail(c, op, RL_ERR_INVALID, peer, 0, "no endpoint known for world rank %d", wr);
-    struct sockaddr_storage ss;
-    socklen_t sl;
-    if (resolve(ep->host, ep->port, &ss, &sl) != 0)
-        return rl_fail(c, op, RL_ERR_INVALID, peer, 0, "bad endpoint address %s", ep->host);
-    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    *dropped = 0;
+    int fd = socket(ss->ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return rl_fail(c, op, RL_ERR_SYSTEM, peer, errno, "socket: %s", strerror(errno));
     tune_socket(fd);
-    int64_t hs_deadline = rl_now_ns() + rl_tune.handshake_ms * 1000000LL;
-    int64_t deadline = op->deadline_ns < hs_deadline ? op->deadline_ns : hs_deadline;
-    int st = RL_OK;
-    if (connect(fd, (struct sockaddr *)&ss, sl) != 0) {
+    if (connect(fd, (const struct sockaddr *)ss, sl) != 0) {
         if (errno != EINPROGRESS) {
             int e = errno;
             close(fd);
@@ -701,6 +781,8 @@ static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) 
     }
     same_host_reno(fd); /* connected by now */
     uint8_t hello[HELLO_LEN], reply[REPLY_LEN], mac[32], status[4];
+    size_t got;
+    int st;
     put32(hello, RL_HANDSHAKE_MAGIC);
     put16(hello + 4, RL_PROTOCOL_VERSION);
     put16(hello + 6, 1);
@@ -709,8 +791,20 @@ static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) 
     put32(hello + 28, (uint32_t)ctx->rank);
     put32(hello + 32, (uint32_t)wr);
     if (rl_random_bytes(hello + 36, 32) != 0) { close(fd); return rl_fail(c, op, RL_ERR_SYSTEM, peer, errno, "getrandom failed"); }
-    if ((st = hs_io(fd, hello, HELLO_LEN, 1, deadline)) != RL_OK) goto hs_fail;
-    if ((st = hs_io(fd, reply, REPLY_LEN, 0, deadline)) != RL_OK) goto hs_fail;
+    st = hs_io(fd, hello, HELLO_LEN, 1, deadline, &got);
+    if (st == RL_OK) st = hs_io(fd, reply, REPLY_LEN, 0, deadline, &got);
+    if (st == RL_ERR_PEER_CLOSED && got == 4 && get32(reply) == HELLO_REFUSED) {
+        close(fd);
+        return rl_fail(c, op, RL_ERR_AUTH, peer, 0,
+                       "peer refused our HELLO: it is not world rank %d of this job (stale "
+                       "endpoint, another job, or another ringlet version)", wr);
+    }
+    if (st == RL_ERR_PEER_CLOSED) {
+        close(fd);
+        *dropped = 1;
+        return st;
+    }
+    if (st != RL_OK) return hs_fail(c, op, peer, fd, st, "waiting for the peer's reply");
     proof(ctx, "ringlet/acc", hello, reply, mac);
     if (!rl_ct_equal(mac, reply + 32, 32)) {
         close(fd);
@@ -718,8 +812,10 @@ static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) 
                        "peer failed to prove the job secret (different secret or not a ringlet rank of this job)");
     }
     proof(ctx, "ringlet/con", hello, reply, mac);
-    if ((st = hs_io(fd, mac, 32, 1, deadline)) != RL_OK) goto hs_fail;
-    if ((st = hs_io(fd, status, 4, 0, deadline)) != RL_OK) goto hs_fail;
+    if ((st = hs_io(fd, mac, 32, 1, deadline, &got)) != RL_OK)
+        return hs_fail(c, op, peer, fd, st, "sending our proof");
+    if ((st = hs_io(fd, status, 4, 0, deadline, &got)) != RL_OK)
+        return hs_fail(c, op, peer, fd, st, "waiting for the verdict on our proof");
     if (get32(status) != 0) {
         close(fd);
         return rl_fail(c, op, RL_ERR_AUTH, peer, 0, "%s",
@@ -728,16 +824,39 @@ static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) 
     }
     *fd_out = fd;
     return RL_OK;
-hs_fail:
-    close(fd);
-    if (st == RL_ERR_PEER_CLOSED)
-        return rl_fail(c, op, RL_ERR_AUTH, peer, 0,
-                       "peer closed the connection during the handshake (job id, rank or secret mismatch)");
-    if (st == RL_ERR_TIMEOUT)
-        return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0, "handshake timed out");
-    if (st == RL_ERR_INTERRUPTED)
-        return rl_fail(c, op, RL_ERR_INTERRUPTED, peer, 0, "interrupted during handshake");
-    return rl_fail(c, op, st, peer, errno, "handshake failed: %s", strerror(errno));
+}
+
+/* Open and authenticate the connection to `peer`.  Each attempt gets
+ * handshake_ms; attempts the acceptor dropped unanswered are retried, with a
+ * short growing pause, until the operation's own deadline. */
+static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
+    rl_ctx *ctx = c->ctx;
+    int wr = c->world[peer];
+    rl_endpoint *ep = &ctx->peers[wr];
+    if (!ep->port)
+        return rl_fail(c, op, RL_ERR_INVALID, peer, 0, "no endpoint known for world rank %d", wr);
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (resolve(ep->host, ep->port, &ss, &sl) != 0)
+        return rl_fail(c, op, RL_ERR_INVALID, peer, 0, "bad endpoint address %s", ep->host);
+    for (int attempt = 1;; attempt++) {
+        int64_t hs_deadline = rl_now_ns() + rl_tune.handshake_ms * 1000000LL;
+        int64_t deadline = op->deadline_ns < hs_deadline ? op->deadline_ns : hs_deadline;
+        int dropped;
+        int st = connect_once(c, op, peer, &ss, sl, deadline, fd_out, &dropped);
+        if (!dropped) return st;
+        if (rl_now_ns() >= op->deadline_ns)
+            return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0,
+                           "handshake did not complete: the peer closed %d connection attempts "
+                           "before answering (its listener flooded by unauthenticated "
+                           "connections, or the peer is exiting)", attempt);
+        int pause_ms = attempt < 6 ? 1 << (attempt - 1) : 50;
+        int left = ms_left(op->deadline_ns);
+        (void)poll(NULL, 0, pause_ms < left ? pause_ms : left);
+        if (rl_call_interrupt_hook())
+            return rl_fail(c, op, RL_ERR_INTERRUPTED, peer, 0, "interrupted while connecting");
+        if (c->poisoned) return RL_ERR_POISONED;
+    }
 }
 
 /* Wait for the higher-ranked side of a pair: the peer connects to us. */

@@ -540,8 +540,15 @@ def pending_handshakes():
     return rpc.debug_info()["pending_handshakes"]
 
 
+@rpc.register
+def call_w1(tag):
+    """Run on w2: its first call to w1, so it opens a fresh connection there."""
+    before = rpc.debug_info()["connections_out"]
+    return before, rpc.rpc_sync("w1", whoami, args=(tag,))
+
+
 def _crowd(rank, n):
-    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    rpc.init_rpc(f"w{rank}", rpc_timeout=30)
     out = None
     if rank == 0:
         info = rpc.get_worker_info("w1")
@@ -550,20 +557,27 @@ def _crowd(rank, n):
         poll_until(lambda: rpc.rpc_sync("w1", pending_handshakes) == _MAX_HANDSHAKES, 10, "handshakes pending")
         extra = socket.create_connection((info.host, info.port), timeout=5)
         t0 = time.monotonic()
-        got = _read_until_eof(extra)  # closed at once, not after the 10 s handshake timeout
+        # the oldest idle one makes room, at once rather than after the 10 s handshake timeout
+        got = _read_until_eof(idle[0])
         took = time.monotonic() - t0
-        for s in idle:
+        # a genuine caller still gets in while the crowd stays (more idle ones arrive meanwhile)
+        more = [socket.create_connection((info.host, info.port), timeout=5) for _ in range(_MAX_HANDSHAKES)]
+        via_w2 = rpc.rpc_sync("w2", call_w1, args=("crowded",))
+        pending = rpc.rpc_sync("w1", pending_handshakes)
+        for s in idle + more + [extra]:
             s.close()
-        extra.close()
         poll_until(lambda: rpc.rpc_sync("w1", pending_handshakes) == 0, 10, "handshakes given up")
-        out = (got, took, rpc.rpc_sync("w1", whoami, args=("after",)))
+        out = (got, took, via_w2, pending, rpc.rpc_sync("w1", whoami, args=("after",)))
     rpc.shutdown()
     return out
 
 
-def test_pending_handshakes_are_capped():
-    got, took, after = run_world(_crowd, 2, timeout=60)[0]
-    assert got == b"" and took < 5.0 and after == [1, "after"]
+def test_pending_handshakes_are_capped_and_evicted_oldest_first():
+    got, took, via_w2, pending, after = run_world(_crowd, 3, timeout=90)[0]
+    assert got == b"" and took < 5.0
+    assert list(via_w2) == [0, [1, "crowded"]]  # w2 had no connection to w1 before: a fresh one got in
+    assert pending <= _MAX_HANDSHAKES
+    assert after == [1, "after"]
 
 
 # ---- RRef -------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import socket
 import struct
@@ -45,7 +46,7 @@ from typing import Callable, Optional, Tuple, Union
 
 from .errors import AuthenticationError
 
-__all__ = ["client_handshake", "server_handshake", "HandshakeAborted"]
+__all__ = ["client_handshake", "server_handshake", "HandshakeAborted", "LogBudget"]
 
 MAGIC = b"RLH1"
 VERSION = 1
@@ -168,6 +169,38 @@ def run_check_claim(check_claim: Optional[Callable[[bytes], object]],
 
 def status_frame(status: int) -> bytes:
     return _STATUS.pack(status)
+
+
+class LogBudget:
+    """At most ``burst`` warnings per ``period`` seconds to ``logger``; the rest are counted.
+
+    For servers that refuse unauthenticated connections: a flood of them then
+    costs a few log lines, not one per socket.  The number suppressed is
+    added to the next warning let through.
+    """
+
+    def __init__(self, logger: logging.Logger, burst: int = 10, period: float = 10.0) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.period = period
+        self.window_end = 0.0
+        self.used = 0
+        self.suppressed = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now >= self.window_end:
+            self.window_end = now + self.period
+            self.used = 0
+        if self.used >= self.burst:
+            self.suppressed += 1
+            return
+        self.used += 1
+        if self.suppressed:
+            msg += " (%d similar warnings suppressed)"
+            args += (self.suppressed,)
+            self.suppressed = 0
+        self.logger.warning(msg, *args)
 
 
 # ---- blocking I/O ---------------------------------------------------------------------

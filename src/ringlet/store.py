@@ -11,6 +11,12 @@ same loop as a small state machine over non-blocking sockets (the protocol
 steps are shared with the blocking handshake in ``_auth``), so a client that
 connects and then stalls costs one idle socket, never a blocked thread, and is
 dropped at its handshake deadline (``handshake_timeout``, 5 s by default).
+At most ``max_handshakes`` connections may be unauthenticated at once: a new
+one evicts the oldest (preferring those that have not sent a well-formed
+hello), and so does running out of descriptors, so a flood of idle or slow
+connections can neither block nor delay genuine clients (which retry a
+handshake the server dropped).  Warnings about refused connections are
+rate-limited (docs/security.md, "The rendezvous store").
 Blocking ``get``/``wait`` requests are parked in the loop and answered when
 the keys are set, or with TIMEOUT at their deadline.
 
@@ -77,6 +83,10 @@ _MAX_TIMEOUT_MS = 10 ** 10
 _MAX_REQUEST = _REQ.size + MAX_KEY_BYTES + MAX_VALUE_BYTES
 _RECV_CHUNK = 1 << 20
 _HS_IN_CAP = _auth.HELLO_LEN + _auth.PROOF_LEN  # a client sends nothing else before READY
+_MAX_HANDSHAKES = 512  # unauthenticated connections held at once (oldest evicted beyond)
+_ACCEPT_BATCH = 64  # accepts per loop turn, so a flood cannot starve served clients
+_ACCEPT_PAUSE = 0.1  # s the listener rests when out of descriptors with nothing to evict
+_NO_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def _fmt_addr(host: str, port: int) -> str:
@@ -158,10 +168,12 @@ class StoreServer:
         secret: the job secret clients must prove (non-empty bytes).
         job_id: identifier handed to every client (16 random bytes if None).
         handshake_timeout: seconds a new connection gets to authenticate.
+        max_handshakes: unauthenticated connections held at once; beyond it
+            the oldest is dropped to make room (genuine clients retry).
     Attributes:
         host, port: where it listens.  job_id: bytes.
-        rejected: connections refused so far (failed or stalled handshakes,
-            garbage, malformed or oversized requests).
+        rejected: connections refused so far (failed, stalled or evicted
+            handshakes, garbage, malformed or oversized requests).
     Raises:
         OSError: the address cannot be bound (e.g. the port is taken).
         TypeError, ValueError: bad arguments.
@@ -174,7 +186,8 @@ class StoreServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
-                 job_id: Optional[bytes] = None, handshake_timeout: float = 5.0) -> None:
+                 job_id: Optional[bytes] = None, handshake_timeout: float = 5.0,
+                 max_handshakes: int = _MAX_HANDSHAKES) -> None:
         if not isinstance(host, str) or not host:
             raise TypeError(f"host must be a non-empty str, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -187,6 +200,9 @@ class StoreServer:
             raise ValueError("job_id must be 1..64 bytes")
         if not handshake_timeout or handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be positive, got {handshake_timeout!r}")
+        if isinstance(max_handshakes, bool) or not isinstance(max_handshakes, int) \
+                or max_handshakes < 1:
+            raise ValueError(f"max_handshakes must be a positive int, got {max_handshakes!r}")
         self._secret = bytes(secret)
         self.job_id = bytes(job_id)
         self.rejected = 0
@@ -197,6 +213,11 @@ class StoreServer:
         self._seq = itertools.count()
         self._compact_at = 1024
         self._conns: Set[_Conn] = set()
+        # Unauthenticated connections in accept order (oldest first), for eviction.
+        self._pending: Dict[_Conn, None] = {}
+        self._max_handshakes = max_handshakes
+        self._accept_paused_until: Optional[float] = None
+        self._warn = _auth.LogBudget(_log)
         self._runnable: Deque[_Conn] = collections.deque()
         self._close_lock = threading.Lock()
         self._closed = False
@@ -270,6 +291,9 @@ class StoreServer:
             timeout = None
             if self._timers:
                 timeout = max(0.0, self._timers[0][0] - time.monotonic())
+            if self._accept_paused_until is not None:
+                left = max(0.0, self._accept_paused_until - time.monotonic())
+                timeout = left if timeout is None else min(timeout, left)
             try:
                 events = self._sel.select(timeout)
             except InterruptedError:
@@ -284,6 +308,10 @@ class StoreServer:
                         pass
                 elif key.data.open:
                     self._guarded(key.data, lambda c, m=mask: self._on_event(c, m))
+            if (self._accept_paused_until is not None
+                    and time.monotonic() >= self._accept_paused_until):
+                self._accept_paused_until = None
+                self._sel.register(self._listener, selectors.EVENT_READ, "listener")
             try:
                 self._expire(time.monotonic())
             except Exception:  # noqa: BLE001 - a bug here must not end the store
@@ -312,26 +340,54 @@ class StoreServer:
 
     def _reject(self, conn: _Conn, why: str) -> None:
         self.rejected += 1
-        _log.warning("store: dropped connection from %s: %s", conn.addr, why)
+        self._warn.warn("store: dropped connection from %s: %s", conn.addr, why)
         self._close_conn(conn)
 
+    def _evict_oldest(self, why: str) -> bool:
+        """Drop the oldest unauthenticated connection, preferring one still
+        without a well-formed hello; False when there is none."""
+        victim = next((c for c in self._pending if c.state == _HELLO), None)
+        if victim is None:
+            victim = next(iter(self._pending), None)
+        if victim is None:
+            return False
+        self.rejected += 1
+        self._warn.warn("store: %s; dropped the oldest unauthenticated connection (from %s)",
+                        why, victim.addr)
+        self._close_conn(victim)
+        return True
+
     def _accept(self) -> None:
-        while True:
+        for _ in range(_ACCEPT_BATCH):
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionAbortedError:
+                continue  # the client gave up while queued
             except OSError as exc:
-                # e.g. EMFILE: try again on the next loop turn rather than spin.
-                _log.warning("store: accept failed: %s", exc)
+                if exc.errno in _NO_FDS and self._evict_oldest(f"out of descriptors ({exc})"):
+                    continue  # freed a descriptor: take the waiting client now
+                if exc.errno in _NO_FDS:
+                    # Nothing to evict: stop polling the listener briefly
+                    # instead of spinning on a backlog the kernel keeps reporting.
+                    self._sel.unregister(self._listener)
+                    self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE
+                self._warn.warn("store: accept failed: %s", exc)
                 return
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if len(self._pending) >= self._max_handshakes:
+                self._evict_oldest(f"{len(self._pending)} handshakes pending")
             conn = _Conn(sock, addr, time.monotonic() + self._hs_timeout)
             self._conns.add(conn)
+            self._pending[conn] = None
             self._sel.register(sock, selectors.EVENT_READ, conn)
             heapq.heappush(self._timers, (conn.deadline, next(self._seq), conn))
+            # A client sends its hello right after connecting: answer it now,
+            # so it leaves the evictable HELLO state at once.
+            self._guarded(conn, self._on_readable)
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -383,13 +439,14 @@ class StoreServer:
                 if not _auth.verify_client_proof(self._secret, _PURPOSE, conn.claim,
                                                  conn.nonce_c, conn.nonce_s, proof):
                     self.rejected += 1
-                    _log.warning("store: connection from %s failed authentication", conn.addr)
+                    self._warn.warn("store: connection from %s failed authentication", conn.addr)
                     self._queue(conn, _auth.status_frame(_auth.STATUS_BAD_MAC))
                     conn.closing = True
                     if not conn.out:
                         self._close_conn(conn)
                     return
                 conn.state = _READY
+                self._pending.pop(conn, None)
                 self._queue(conn, _auth.status_frame(_auth.STATUS_OK))
             else:
                 if len(buf) < _REQ.size:
@@ -556,6 +613,7 @@ class StoreServer:
         if not conn.open:
             return
         conn.open = False
+        self._pending.pop(conn, None)
         if conn.parked is not None:
             self._unpark(conn.parked)
         self._conns.discard(conn)

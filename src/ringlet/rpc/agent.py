@@ -35,6 +35,7 @@ import traceback
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from ringlet._auth import LogBudget
 from ringlet.errors import CollectiveTimeout, PeerClosedError, ProtocolError, RingletError
 
 from .._timeout import seconds
@@ -218,7 +219,10 @@ class Agent:
         self._in: Set[Connection] = set()
         self._connect_locks: Dict[int, threading.Lock] = {}
         self.rejected_connections = 0
-        self._handshaking = 0
+        # Sockets still in their handshake, oldest first (guarded by _clock):
+        # the oldest is evicted to make room, so idle ones cannot lock callers out.
+        self._handshaking: Dict[socket.socket, bool] = {}
+        self._warn = LogBudget(_log)
         self.rejected_frames = 0
 
         self.owned = OwnedTable()
@@ -534,31 +538,44 @@ class Agent:
             lock.release()
 
     def _connect(self, dst: int, deadline: float) -> Connection:
-        from ringlet._auth import client_handshake
+        from ringlet._auth import HandshakeAborted, client_handshake
 
         w = self.workers[dst]
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise CollectiveTimeout(f"no time left to connect to {self._label(dst)}", rank=self.rank, peer=dst)
-        try:
-            sock = socket.create_connection((w.host, w.port), timeout=remaining)
-        except socket.timeout:
-            raise CollectiveTimeout(f"connecting to {self._label(dst)} at {w.host}:{w.port} timed out",
-                                    rank=self.rank, peer=dst, op="rpc") from None
-        except OSError as e:
-            raise PeerClosedError(f"cannot connect to {self._label(dst)} at {w.host}:{w.port}: {e}",
-                                  rank=self.rank, peer=dst, op="rpc") from None
-        try:
-            client_handshake(sock, self._key, AUTH_PURPOSE, deadline=min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT),
-                             claim=str(self.rank).encode())
-            configure_socket(sock)
-        except OSError as e:
-            sock.close()
-            raise PeerClosedError(f"handshake with {self._label(dst)} failed: {e}", rank=self.rank, peer=dst,
-                                  op="rpc") from None
-        except BaseException:
-            sock.close()
-            raise
+        pause = 0.001
+        for attempt in itertools.count(1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeout(f"no time left to connect to {self._label(dst)}"
+                                        + (f" (it cut {attempt - 1} handshakes short: flooded by "
+                                           f"unauthenticated connections?)" if attempt > 1 else ""),
+                                        rank=self.rank, peer=dst, op="rpc")
+            try:
+                sock = socket.create_connection((w.host, w.port), timeout=remaining)
+            except socket.timeout:
+                raise CollectiveTimeout(f"connecting to {self._label(dst)} at {w.host}:{w.port} timed out",
+                                        rank=self.rank, peer=dst, op="rpc") from None
+            except OSError as e:
+                raise PeerClosedError(f"cannot connect to {self._label(dst)} at {w.host}:{w.port}: {e}",
+                                      rank=self.rank, peer=dst, op="rpc") from None
+            try:
+                client_handshake(sock, self._key, AUTH_PURPOSE,
+                                 deadline=min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT),
+                                 claim=str(self.rank).encode())
+                configure_socket(sock)
+                break
+            except HandshakeAborted:
+                # The server cut the handshake before any verdict: it evicts its
+                # oldest pending handshake when crowded.  Try a fresh connection.
+                sock.close()
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, 0.05)
+            except OSError as e:
+                sock.close()
+                raise PeerClosedError(f"handshake with {self._label(dst)} failed: {e}", rank=self.rank, peer=dst,
+                                      op="rpc") from None
+            except BaseException:
+                sock.close()
+                raise
         conn = Connection(sock, peer_rank=dst, peer_name=w.name, stop=self.stop, frame_timeout=self.rpc_timeout)
         with self._clock:
             if self.closed:
@@ -628,24 +645,48 @@ class Agent:
             except OSError as e:
                 if self.stop.is_set():
                     return
-                _log.warning("rpc: accept failed on worker %r: %s", self.name, e)
-                self.stop.wait(0.05)  # e.g. out of file descriptors: do not spin
+                if self._evict_oldest():
+                    continue  # e.g. out of descriptors: one was just freed
+                self._warn.warn("rpc: accept failed on worker %r: %s", self.name, e)
+                self.stop.wait(0.05)  # nothing to free: do not spin
                 continue
+            # Unauthenticated clients cost a thread each for up to
+            # HANDSHAKE_TIMEOUT; at the cap the oldest makes room.
+            if len(self._handshaking) >= _MAX_HANDSHAKES:
+                self._evict_oldest()
             with self._clock:
-                # Unauthenticated clients cost a thread each for up to
-                # HANDSHAKE_TIMEOUT; cap how many can be pending at once.
-                crowded = self._handshaking >= _MAX_HANDSHAKES
-                if crowded:
-                    self.rejected_connections += 1
-                else:
-                    self._handshaking += 1
-            if crowded:
-                _log.warning("rpc: worker %r refused a connection from %s: %d handshakes already pending",
-                             self.name, addr, _MAX_HANDSHAKES)
-                sock.close()
-                continue
+                self._handshaking[sock] = True
             threading.Thread(target=self._serve, args=(sock, addr), name=f"rpc{self.rank}-serve",
                              daemon=True).start()
+
+    def _evict_oldest(self) -> bool:
+        """Cut the oldest pending handshake (its thread then fails it); False if none."""
+        with self._clock:
+            victim = next(iter(self._handshaking), None)
+            if victim is None:
+                return False
+            del self._handshaking[victim]
+        try:
+            victim.shutdown(socket.SHUT_RDWR)  # wakes its handshake thread at once
+        except OSError:
+            pass
+        return True
+
+    def _admit(self, sock: socket.socket, claim: bytes) -> bool:
+        """check_claim of a handshake whose proof verified: leave the evictable set.
+
+        An eviction that got here first wins: the socket is shut before any
+        status is sent, so the client sees a cut handshake and retries.
+        """
+        with self._clock:
+            admitted = self._handshaking.pop(sock, False)
+        if not admitted:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return False
+        return self._check_claim(claim)
 
     def _check_claim(self, claim: bytes) -> bool:
         try:
@@ -660,20 +701,19 @@ class Agent:
         _tls.agent = self
         try:
             claim = server_handshake(sock, self._key, AUTH_PURPOSE, deadline=time.monotonic() + HANDSHAKE_TIMEOUT,
-                                     check_claim=self._check_claim)
+                                     check_claim=lambda c: self._admit(sock, c))
             peer = int(bytes(claim).decode("ascii"))
             configure_socket(sock)
         except (RingletError, OSError, ValueError) as e:
             with self._clock:
-                self._handshaking -= 1
+                self._handshaking.pop(sock, None)
                 self.rejected_connections += 1
-            _log.warning("rpc: worker %r rejected a connection from %s: %s", self.name, addr, e)
+            self._warn.warn("rpc: worker %r rejected a connection from %s: %s", self.name, addr, e)
             sock.close()
             return
         conn = Connection(sock, peer_rank=peer, peer_name=self.workers[peer].name, stop=self.stop,
                           frame_timeout=self.rpc_timeout)
         with self._clock:
-            self._handshaking -= 1
             if self.closed:
                 conn.close()
                 return
@@ -940,7 +980,7 @@ class Agent:
         with self._clock:
             n_out, n_in = len(self._out), len(self._in)
             rej_c, rej_f = self.rejected_connections, self.rejected_frames
-            handshaking = self._handshaking
+            handshaking = len(self._handshaking)
         return {"name": self.name, "rank": self.rank, "world_size": self.world_size, "host": self.host,
                 "port": self.port, "pending_calls": pending, "calls_sent": sent, "calls_handled": handled,
                 "owned_rrefs": len(self.owned), "connections_out": n_out, "connections_in": n_in,

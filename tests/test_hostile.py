@@ -1,0 +1,423 @@
+"""Hostile connections never delay or break the job (docs/security.md).
+
+A separate attacker process (real sockets, its descriptor limit raised to the
+hard limit) holds thousands of idle connections and some slow ones (one byte
+per send, never a complete hello) to every rank's listener and to the store,
+and reopens each one the server drops, while the job keeps creating new groups
+(fresh connections on fresh peer pairs) and new store clients.  Everything is
+synchronised on explicit signals (the attacker's "ready" line, barriers);
+the only time bounds are generous upper ones derived from the op deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+
+import ringlet
+from ringlet import _core, _world
+from ringlet.errors import AuthenticationError
+from ringlet.store import Store
+from ringlet.testing import run_world
+
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+# The attacker.  argv: JSON list of [port, kind, count, prefix_hex] and a
+# reopen budget per target.  Kinds: "idle" connects and says nothing; "slow"
+# sends `prefix` one byte per send (never the whole hello).  A connection the
+# server closes is counted and reopened (the pressure lasts the whole test)
+# until the budget is used.  Prints "ready <json>" once every first
+# connection is established or refused, then serves until stdin closes and
+# prints "stats <json>".
+_ATTACKER = textwrap.dedent(r"""
+    import json, resource, selectors, socket, sys, threading, time
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    specs = json.loads(sys.argv[1])
+    budget = int(sys.argv[2])
+    sel = selectors.DefaultSelector()
+    stats = {str(p): {"opened": 0, "dropped": 0} for p, _, _, _ in specs}
+    stop = threading.Event()
+    first_left = [0]
+
+    def open_one(port, kind, prefix, first):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.connect_ex(("127.0.0.1", port))
+        stats[str(port)]["opened"] += 1
+        sel.register(s, selectors.EVENT_WRITE, [port, kind, prefix, 0, first, False])
+
+    def settle(st):
+        if st[4] and not st[5]:
+            st[5] = True
+            first_left[0] -= 1
+
+    for port, kind, count, prefix in specs:
+        for _ in range(count):
+            open_one(port, kind, bytes.fromhex(prefix), True)
+            first_left[0] += 1
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    said_ready = False
+    ready_by = time.monotonic() + 30.0
+    while not stop.is_set():
+        if not said_ready and (first_left[0] <= 0 or time.monotonic() > ready_by):
+            print("ready", json.dumps(stats), flush=True)
+            said_ready = True
+        for key, mask in sel.select(0.05):
+            s, st = key.fileobj, key.data
+            port, kind, prefix, sent = st[0], st[1], st[2], st[3]
+            if mask & selectors.EVENT_READ:
+                try:
+                    data = s.recv(4096)
+                except OSError:
+                    data = b""
+                if data:
+                    continue  # e.g. a refusal status: the close follows
+                sel.unregister(s)
+                s.close()
+                settle(st)
+                stats[str(port)]["dropped"] += 1
+                if stats[str(port)]["opened"] < budget:
+                    open_one(port, kind, prefix, False)
+                continue
+            settle(st)  # connected (or failed: the read side reports that)
+            if kind == "slow" and sent < len(prefix):
+                try:
+                    s.send(prefix[sent:sent + 1])
+                    st[3] = sent + 1
+                except OSError:
+                    sel.modify(s, selectors.EVENT_READ, st)
+                continue
+            sel.modify(s, selectors.EVENT_READ, st)
+    # Count the closes already delivered but not yet seen (no reopening now).
+    while True:
+        events = sel.select(0.2)
+        if not events:
+            break
+        for key, mask in events:
+            s, st = key.fileobj, key.data
+            try:
+                data = s.recv(4096) if mask & selectors.EVENT_READ else b"x"
+            except OSError:
+                data = b""
+            if not data:
+                sel.unregister(s)
+                s.close()
+                stats[str(st[0])]["dropped"] += 1
+            elif not mask & selectors.EVENT_READ:
+                sel.modify(s, selectors.EVENT_READ, st)
+    print("stats", json.dumps(stats), flush=True)
+""")
+
+
+def _start_attacker(specs, budget):
+    env = dict(os.environ, PYTHONPATH=_SRC)
+    proc = subprocess.Popen([sys.executable, "-c", _ATTACKER, json.dumps(specs), str(budget)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.startswith("ready "), line
+    return proc, json.loads(line.split(" ", 1)[1])
+
+
+def _stop_attacker(proc):
+    out, _ = proc.communicate(timeout=60)
+    line = [ln for ln in out.splitlines() if ln.startswith("stats ")][-1]
+    return json.loads(line.split(" ", 1)[1])
+
+
+# A hello prefix that is well-formed as far as it goes (magic, version, kind)
+# but never completed: the listener must wait for the rest or evict it.
+_RANK_PREFIX = (b"RLTH" + (1).to_bytes(2, "little") + (1).to_bytes(2, "little")
+                + b"\x00" * 59).hex()  # 67 of 68 bytes
+_STORE_PREFIX = (b"RLH1" + b"\x00\x01" + b"\x00" * 97).hex()  # 103 of 104 bytes
+
+
+class _Counter(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.n = 0
+
+    def emit(self, record):
+        self.n += 1
+
+
+def _job_under_attack(rank, P, n_idle, n_slow):
+    w = _world._current()
+    ports = ringlet.all_gather_object(w.ctx.port)
+    out = {}
+    if rank == 0:
+        specs = []
+        for port in ports + [w.store.port]:
+            prefix = _STORE_PREFIX if port == w.store.port else _RANK_PREFIX
+            specs += [[port, "idle", n_idle, prefix], [port, "slow", n_slow, prefix]]
+        proc, ready = _start_attacker(specs, budget=4 * (n_idle + n_slow))
+        out["ready"] = ready
+    ringlet.barrier()  # the flood is on from here
+    checks = []
+    t0 = time.monotonic()
+    # Fresh groups: every pair, every triple and the whole world, each with its
+    # own new connections, checked against numpy.
+    for size in (2, 3, P):
+        for members in itertools.combinations(range(P), size):
+            g = ringlet.new_group(list(members), timeout=60)
+            if rank in members:
+                x = np.arange(7, dtype=np.float64) * (rank + 1)
+                g.all_reduce(x, timeout=60)
+                want = np.arange(7, dtype=np.float64) * sum(m + 1 for m in members)
+                checks.append(bool(np.array_equal(x, want)))
+    # A new authenticated store client still gets in and is served.
+    with Store("127.0.0.1", w.store.port, secret=w.secret, timeout=60) as st:
+        st.set(f"hostile/{rank}", str(rank).encode())
+        total = st.add("hostile/count", rank + 1)
+        checks.append(st.get(f"hostile/{(rank + 1) % P}", timeout=60) == str((rank + 1) % P).encode())
+    checks.append(total <= P * (P + 1) // 2)
+    out["busy_s"] = time.monotonic() - t0  # for docs/security.md; not asserted
+    # Rank 0 never accepts a connection from the job (the lower rank of a pair
+    # connects), so nothing orders its listener's work before this point:
+    # wait, boundedly, for it to have gone through the whole first wave.
+    deadline = time.monotonic() + 60
+    while w.ctx.rejected() < n_idle + n_slow - 256 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ringlet.barrier()
+    out["rejected"] = w.ctx.rejected()
+    if rank == 0:
+        out["stats"] = _stop_attacker(proc)
+        out["ports"] = ports
+        out["store_port"] = w.store.port
+    out["ok"] = all(checks) and len(checks) > 0
+    return out
+
+
+def test_flood_of_idle_and_slow_connections_cannot_break_new_groups():
+    P, n_idle, n_slow = 4, 1200, 60
+    counter = _Counter()
+    logger = logging.getLogger("ringlet.store")
+    logger.addHandler(counter)
+    try:
+        res = run_world(_job_under_attack, P, mode="thread", timeout=120,
+                        args=(n_idle, n_slow))
+    finally:
+        logger.removeHandler(counter)
+    assert all(r["ok"] for r in res), res
+    ready, stats = res[0]["ready"], res[0]["stats"]
+    for port in res[0]["ports"] + [res[0]["store_port"]]:
+        # the flood really reached every listener, and the server dropped
+        # unauthenticated connections to make room (more than its table holds)
+        assert ready[str(port)]["opened"] >= n_idle + n_slow, (port, ready)
+        assert stats[str(port)]["dropped"] >= n_idle + n_slow - 512, (port, stats)
+    for r in res:
+        assert r["rejected"] >= n_idle + n_slow - 256, r["rejected"]
+    # thousands of dropped connections cost the log a few lines, not one each
+    assert counter.n <= 40, counter.n
+
+
+# ---- the store when descriptors run out ---------------------------------------------------
+_STORE_MAIN = textwrap.dedent(r"""
+    import logging, os, resource, sys
+    from ringlet.store import StoreServer
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="LOG %(message)s")
+    secret = bytes.fromhex(sys.argv[1])
+    # Far fewer descriptors than the flood needs, and a handshake cap above
+    # that, so accept() itself fails with EMFILE.
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    with StoreServer("127.0.0.1", 0, secret=secret, max_handshakes=10000) as server:
+        print(server.port, flush=True)
+        sys.stdin.read()
+        print("rejected", server.rejected, flush=True)
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        print("cpu", ru.ru_utime + ru.ru_stime, flush=True)
+""")
+
+
+def test_store_out_of_descriptors_neither_spins_nor_floods_the_log():
+    secret = os.urandom(32)
+    env = dict(os.environ, PYTHONPATH=_SRC)
+    server = subprocess.Popen([sys.executable, "-c", _STORE_MAIN, secret.hex()],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(server.stdout.readline())
+        specs = [[port, "idle", 600, _STORE_PREFIX], [port, "slow", 20, _STORE_PREFIX]]
+        attacker, ready = _start_attacker(specs, budget=1200)
+        try:
+            # genuine clients get in and are served while the flood holds on
+            for i in range(3):
+                with Store("127.0.0.1", port, secret=secret, timeout=30) as st:
+                    st.set(f"k{i}", b"v%d" % i)
+                    assert st.get(f"k{i}", timeout=30) == b"v%d" % i
+                    assert st.add("n", 1) == i + 1
+        finally:
+            stats = _stop_attacker(attacker)
+        out, err = server.communicate("", timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    lines = dict(ln.split(" ", 1) for ln in out.splitlines()[-2:])
+    logs = [ln for ln in err.splitlines() if ln.startswith("LOG ")]
+    assert ready[str(port)]["opened"] >= 620, ready
+    assert stats[str(port)]["dropped"] >= 500, stats  # evicted to free descriptors
+    assert int(lines["rejected"]) >= 500, lines
+    assert any("descriptors" in ln for ln in logs), logs[:5]  # EMFILE was hit and handled
+    assert len(logs) <= 40, (len(logs), logs[:5])
+
+
+# ---- the connector: retry a dropped handshake, fail fast on a refusal ---------------------
+class _DroppingRelay:
+    """A TCP relay in front of a rank's listener that closes the first ``drops``
+    connections without a word (as an evicting listener does) and relays the
+    rest byte for byte."""
+
+    def __init__(self, target_port, drops):
+        self.target = target_port
+        self.drops = drops
+        self.accepted = 0
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        pairs = {}
+        sel = selectors.DefaultSelector()
+        sel.register(self.lsock, selectors.EVENT_READ, None)
+        while not self.stop:
+            for key, _ in sel.select(0.1):
+                if key.data is None:
+                    c, _ = self.lsock.accept()
+                    self.accepted += 1
+                    if self.accepted <= self.drops:
+                        c.close()
+                        continue
+                    u = socket.create_connection(("127.0.0.1", self.target))
+                    pairs[c], pairs[u] = u, c
+                    sel.register(c, selectors.EVENT_READ, c)
+                    sel.register(u, selectors.EVENT_READ, u)
+                    continue
+                s = key.data
+                try:
+                    data = s.recv(65536)
+                except OSError:
+                    data = b""
+                if data:
+                    pairs[s].sendall(data)
+                else:
+                    for x in (s, pairs.pop(s)):
+                        pairs.pop(x, None)
+                        sel.unregister(x)
+                        x.close()
+        sel.close()
+        self.lsock.close()
+
+
+def _through_dropping_relay(rank, P):
+    w = _world._current()
+    ports = ringlet.all_gather_object(w.ctx.port)
+    relay = None
+    if rank == 0:  # rank 0 reaches rank 1 through the relay from now on
+        relay = _DroppingRelay(ports[1], drops=3)
+        w.ctx.set_peer(1, "127.0.0.1", relay.port)
+    g = ringlet.new_group([0, 1], timeout=60)
+    x = np.full(5, rank + 1.0)
+    g.all_reduce(x, timeout=60)
+    out = bool(np.array_equal(x, np.full(5, 3.0)))
+    if relay is not None:
+        relay.stop = True
+        relay.thread.join(10)
+        return out, relay.accepted
+    return out, None
+
+
+def test_connector_retries_handshakes_the_acceptor_dropped():
+    res = run_world(_through_dropping_relay, 2, mode="thread", timeout=90)
+    assert res[0][0] and res[1][0], res
+    assert res[0][1] == 4, res  # three attempts dropped, the fourth relayed and used
+
+
+def _hello_for_another_job(rank, P):
+    w = _world._current()
+    ports = ringlet.all_gather_object(w.ctx.port)
+    out = None
+    if rank == 0:
+        # right secret, wrong job id: the listener reads the whole HELLO and
+        # refuses it explicitly, so the connector fails at once, not at its deadline
+        rogue = _core.Context(0, 2, "127.0.0.1", w.secret, os.urandom(16))
+        rogue.set_peer(1, "127.0.0.1", ports[1])
+        comm = _core.Comm(rogue, 7, 0, [0, 1])
+        t0 = time.monotonic()
+        try:
+            comm.connect(1, 30000)
+            out = ("connected", 0.0)
+        except AuthenticationError as exc:
+            out = (str(exc), time.monotonic() - t0)
+        comm.close()
+        rogue.close()
+    ringlet.barrier()
+    return out
+
+
+def test_hello_for_another_job_is_refused_without_retrying():
+    msg, took = run_world(_hello_for_another_job, 2, mode="thread", timeout=90)[0]
+    assert "refused our HELLO" in msg, msg
+    assert took < 15, took  # well before the 30 s deadline a retry loop would run to
+
+
+# ---- a rank's listener when descriptors run out ------------------------------------------
+_LISTENER_MAIN = textwrap.dedent(r"""
+    import os, resource, sys
+    from ringlet import _core
+    secret, job = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2])
+    ctx = _core.Context(1, 2, "127.0.0.1", secret, job)
+    # Far fewer descriptors than the listener's 256 pending handshakes, so
+    # accept() itself fails with EMFILE while the flood lasts.
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    print(ctx.port, flush=True)
+    sys.stdin.read()
+    print("rejected", ctx.rejected(), flush=True)
+""")
+
+
+def test_rank_listener_out_of_descriptors_evicts_and_admits_a_genuine_rank():
+    secret, job = os.urandom(32), os.urandom(16)
+    env = dict(os.environ, PYTHONPATH=_SRC)
+    listener = subprocess.Popen([sys.executable, "-c", _LISTENER_MAIN, secret.hex(), job.hex()],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(listener.stdout.readline())
+        specs = [[port, "idle", 400, _RANK_PREFIX], [port, "slow", 20, _RANK_PREFIX]]
+        attacker, ready = _start_attacker(specs, budget=800)
+        try:
+            ok = []
+            for comm_id in (2, 4, 6):  # each a fresh connection and handshake
+                ctx = _core.Context(0, 2, "127.0.0.1", secret, job)
+                ctx.set_peer(1, "127.0.0.1", port)
+                comm = _core.Comm(ctx, comm_id, 0, [0, 1])
+                comm.connect(1, 30000)  # raises on failure
+                ok.append(comm_id)
+                comm.close()
+                ctx.close()
+        finally:
+            stats = _stop_attacker(attacker)
+        out, _ = listener.communicate("", timeout=60)
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+    rejected = int(out.split()[-1])
+    assert ok == [2, 4, 6]
+    assert ready[str(port)]["opened"] >= 420, ready
+    assert stats[str(port)]["dropped"] >= 300, stats  # evicted to free descriptors
+    assert rejected >= 300, rejected
