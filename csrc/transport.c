@@ -235,8 +235,10 @@ int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
     op->redop = redop;
     op->root = root;
     op->total = total;
+    /* One clock read serves the deadline and the record's start; the
+     * record's end time costs the one this saves (docs/debugging.md). */
     op->start_ns = rl_now_ns();
-    op->deadline_ns = rl_deadline_ns(timeout_ms);
+    op->deadline_ns = op->start_ns + (timeout_ms > 0 ? timeout_ms : 1) * 1000000LL;
     if (opcode != RL_OP_P2P) op->seq = ++c->seq;
     rl_trace_begin(c, op);
     return RL_OK;
