@@ -298,3 +298,44 @@ def test_trace_command_rejects_empty_and_foreign_dirs(tmp_path, capsys):
     (tmp_path / "rank0.json").write_text('{"hello": 1}')
     assert cli_main(["trace", str(tmp_path)]) == 2
     assert "rank0.json: not a ringlet flight record" in capsys.readouterr().err
+
+
+# ---- concurrent p2p threads share one ring -------------------------------------------
+def _p2p_both_ways(rank, P, n):
+    peer = 1 - rank
+    outs = [np.full(2, i, np.int64) for i in range(n)]
+    ins = [np.empty(2, np.int64) for _ in range(n)]
+    works = []
+    for i in range(n):  # a sender and a receiver thread run at once on the p2p comm
+        works.append(ringlet.isend(outs[i], dst=peer, tag=i))
+        works.append(ringlet.irecv(ins[i], src=peer, tag=i))
+    for w in works:
+        w.wait(timeout=60)
+    assert all((ins[i] == i).all() for i in range(n))
+    w = ringlet._world._current()
+    total, cap, ents = w.group._p2pc.trace()
+    return total, sorted(e["id"] for e in ents), sorted((e["recv"], e["tag"]) for e in ents), \
+        {e["state"] for e in ents}
+
+
+def test_concurrent_p2p_threads_record_every_op_once():
+    n = 40
+    for total, ids, kinds, states in run_world(_p2p_both_ways, 2, timeout=60, args=(n,)):
+        assert total == 2 * n and ids == list(range(2 * n)) and states == {"completed"}
+        assert kinds == sorted([(False, i) for i in range(n)] + [(True, i) for i in range(n)])
+
+
+# ---- the C benchmark stays buildable ---------------------------------------------------
+def test_flight_cost_bench_builds_and_runs(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "flight_cost"
+    srcs = [str(p) for p in sorted((root / "csrc").glob("*.c"))]
+    subprocess.run(["cc", "-O0", "-std=gnu11", "-pthread", "-Wall", "-Werror",
+                    f"-I{root / 'csrc'}", str(root / "bench" / "c" / "flight_cost.c"), *srcs,
+                    "-lm", "-o", str(exe)], check=True, timeout=300)
+    out = subprocess.run([str(exe), "3", "2000"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert "rounds 3 x 2000 calls" in out
+    off = float(out.split("recorder off (trace_entries=0):    median ")[1].split()[0])
+    on = float(out.split("recorder on  (trace_entries=2000): median ")[1].split()[0])
+    assert off > 0 and on > 0
