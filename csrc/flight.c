@@ -88,7 +88,6 @@ void rl_trace_p2p(const rl_opdesc *op, int peer, uint32_t tag, int recv) {
     if (!e || __atomic_load_n(&e->id, __ATOMIC_RELAXED) != op->trace_id) return;
     e->peer = peer;
     e->tag = tag;
-    e->seq = op->seq;
     e->flags = recv ? RL_TRACE_RECV : 0;
 }
 

@@ -25,9 +25,9 @@ int rl_send(rl_comm *c, const void *buf, size_t count, rl_dtype dt, int dst,
     size_t len = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, RL_OP_P2P, dt, 0, -1, len, timeout_ms);
     if (st != RL_OK) return st;
+    rl_trace_p2p(&op, dst, tag, 0);
     pthread_mutex_lock(&c->send_locks[dst]);
     op.seq = c->p2p_send_seq[dst]++;
-    rl_trace_p2p(&op, dst, tag, 0);
     rl_hdr h;
     rl_fill_header(&h, c, &op, tag, len);
     st = rl_send_frame(c, &op, dst, &h, buf, len);
