@@ -333,11 +333,15 @@ int rl_all_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop
     if (st != RL_OK) return st;
     if (c->size == 1 || count == 0) {
         /* A world of one: the sum of one buffer is itself (AVG divides by 1). */
-        return RL_OK;
+        op.algo = "local";
+        return rl_end_op(c, &op, RL_OK);
     }
-    if ((int64_t)bytes <= rl_tune.allreduce_small_bytes || count < (size_t)c->size)
+    if ((int64_t)bytes <= rl_tune.allreduce_small_bytes || count < (size_t)c->size) {
+        op.algo = "recursive_doubling";
         st = rl_rd_all_reduce(c, &op, buf, count, dt, rop);
-    else
+    } else {
+        op.algo = "ring";
         st = ring_all_reduce(c, &op, buf, count, dt, rop);
-    return rl_end_op(c, st);
+    }
+    return rl_end_op(c, &op, st);
 }

@@ -65,6 +65,7 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
     int st = rl_begin_op(c, &op, RL_OP_ALL_TO_ALL, dt, 0, -1, 0, timeout_ms);
     if (st != RL_OK) return st;
     int P = c->size, r = c->rank;
+    op.algo = P == 1 ? "local" : "pairwise";
     size_t in_span = 0, out_span = 0;
     for (int p = 0; p < P; p++) {
         if ((in_displs[p] + in_counts[p]) * esz > in_span) in_span = (in_displs[p] + in_counts[p]) * esz;
@@ -102,7 +103,7 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
         x.recv = &s[1];
         st = rl_run_streams_copy(c, &op, s, 2, &x, step == 1 ? &cp : NULL);
     }
-    return rl_end_op(c, st);
+    return rl_end_op(c, &op, st);
 }
 
 /* Bruck's algorithm for P equal blocks of blk bytes: ceil(log2 P) exchanges
@@ -148,7 +149,8 @@ int rl_all_to_all(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
         rl_opdesc op;
         int st = rl_begin_op(c, &op, RL_OP_ALL_TO_ALL, dt, 0, -1, blk, timeout_ms);
         if (st != RL_OK) return st;
-        return rl_end_op(c, bruck_all_to_all(c, &op, out, in, blk));
+        op.algo = "bruck";
+        return rl_end_op(c, &op, bruck_all_to_all(c, &op, out, in, blk));
     }
     size_t *t = malloc(sizeof(size_t) * 2 * (size_t)P);
     if (!t) return RL_ERR_NOMEM;

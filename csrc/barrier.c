@@ -51,9 +51,13 @@ int rl_barrier(rl_comm *c, int64_t timeout_ms) {
     int st = rl_begin_op(c, &op, RL_OP_BARRIER, 0, 0, -1, 0, timeout_ms);
     if (st != RL_OK) return st;
     int P = c->size, r = c->rank;
-    if (P > 2 && P <= RL_BARRIER_FLAT_MAX) return rl_end_op(c, flat_barrier(c, &op));
+    if (P > 2 && P <= RL_BARRIER_FLAT_MAX) {
+        op.algo = "flat";
+        return rl_end_op(c, &op, flat_barrier(c, &op));
+    }
+    op.algo = "dissemination";
     uint32_t tag = 0;
     for (int d = 1; d < P && st == RL_OK; d <<= 1, tag++)
         st = rl_exchange(c, &op, rl_mod(r + d, P), NULL, rl_mod(r - d, P), NULL, 0, tag);
-    return rl_end_op(c, st);
+    return rl_end_op(c, &op, st);
 }

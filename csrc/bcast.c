@@ -138,10 +138,16 @@ int rl_broadcast(rl_comm *c, void *buf, size_t count, rl_dtype dt, int root,
     int st = rl_begin_op(c, &op, RL_OP_BROADCAST, dt, 0, root, len, timeout_ms);
     if (st != RL_OK) return st;
     rl_note_rooted(c, &op);
-    if (c->size == 1 || count == 0) return RL_OK;
-    if ((int64_t)len <= rl_tune.bcast_small_bytes)
+    if (c->size == 1 || count == 0) {
+        op.algo = "local";
+        return rl_end_op(c, &op, RL_OK);
+    }
+    if ((int64_t)len <= rl_tune.bcast_small_bytes) {
+        op.algo = "binomial_tree";
         st = tree_bcast(c, &op, buf, len, root);
-    else
+    } else {
+        op.algo = "chain";
         st = chain_bcast(c, &op, buf, len, root);
-    return rl_end_op(c, st);
+    }
+    return rl_end_op(c, &op, st);
 }

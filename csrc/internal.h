@@ -113,6 +113,13 @@ struct rl_comm {
      * page-aligned, scratch_len usable bytes after any in-page offset) */
     char *scratch;
     size_t scratch_len;
+
+    /* flight recorder (flight.c): a ring of trace_mask + 1 entries (a power
+     * of two), of which the newest trace_keep are reported; trace_head
+     * counts every op ever recorded. */
+    rl_trace_entry *trace;
+    uint64_t trace_mask, trace_keep;
+    uint64_t trace_head;
 };
 
 /* What the running operation is; used to build and check headers and to
@@ -126,6 +133,9 @@ typedef struct {
     uint64_t total;
     int64_t deadline_ns; /* CLOCK_MONOTONIC */
     int64_t start_ns;
+    const char *algo;        /* set by the algorithm chosen, for the record */
+    rl_trace_entry *trace;   /* this op's flight-recorder entry, or NULL    */
+    uint64_t trace_id;
 } rl_opdesc;
 
 /* A stream is an ordered sequence of frames to or from one peer.  An
@@ -173,8 +183,9 @@ int rl_fail(rl_comm *c, const rl_opdesc *op, int status, int peer,
     __attribute__((format(printf, 6, 7)));
 int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
                 int root, uint64_t total, int64_t timeout_ms);
-/* Abort peers and poison after a failed op. Returns status unchanged. */
-int rl_end_op(rl_comm *c, int status);
+/* Close op's flight-recorder entry; abort peers and poison after a failed
+ * op.  Every op that rl_begin_op started ends here.  Returns status. */
+int rl_end_op(rl_comm *c, const rl_opdesc *op, int status);
 const char *rl_peer_host(const rl_comm *c, int peer, int *port);
 
 /* ---- connections (transport.c) ---- */
@@ -250,6 +261,21 @@ static inline int rl_nseg(size_t bytes, size_t seg) {
     return (int)((bytes + seg - 1) / seg);
 }
 static inline int rl_mod(int a, int n) { int m = a % n; return m < 0 ? m + n : m; }
+
+/* ---- flight recorder and log (flight.c) ---- */
+/* Allocate / free the comm's ring (size from rl_tune.trace_entries). */
+int rl_trace_init(rl_comm *c);
+void rl_trace_free(rl_comm *c);
+/* Open an entry for op (from rl_begin_op) / close it (from rl_end_op). */
+void rl_trace_begin(rl_comm *c, rl_opdesc *op);
+void rl_trace_end(rl_comm *c, const rl_opdesc *op, int status);
+/* Record the peer, tag and direction of a p2p op in its entry. */
+void rl_trace_p2p(const rl_opdesc *op, int peer, uint32_t tag, int recv);
+extern int rl_log_level;
+void rl_log(int level, const rl_comm *c, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+#define RL_LOG_INFO 1
+#define RL_LOG_DETAIL 2
 
 extern rl_tuning rl_tune;
 int rl_call_interrupt_hook(void);

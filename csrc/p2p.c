@@ -25,13 +25,14 @@ int rl_send(rl_comm *c, const void *buf, size_t count, rl_dtype dt, int dst,
     size_t len = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, RL_OP_P2P, dt, 0, -1, len, timeout_ms);
     if (st != RL_OK) return st;
+    rl_trace_p2p(&op, dst, tag, 0);
     pthread_mutex_lock(&c->send_locks[dst]);
     op.seq = c->p2p_send_seq[dst]++;
     rl_hdr h;
     rl_fill_header(&h, c, &op, tag, len);
     st = rl_send_frame(c, &op, dst, &h, buf, len);
     pthread_mutex_unlock(&c->send_locks[dst]);
-    return rl_end_op(c, st);
+    return rl_end_op(c, &op, st);
 }
 
 static int take_unexpected(rl_comm *c, const rl_opdesc *op, int src, uint32_t tag,
@@ -126,8 +127,9 @@ int rl_recv(rl_comm *c, void *buf, size_t count, rl_dtype dt, int src, uint32_t 
     size_t len = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, RL_OP_P2P, dt, 0, -1, len, timeout_ms);
     if (st != RL_OK) return st;
+    rl_trace_p2p(&op, src, tag, 1);
     pthread_mutex_lock(&c->recv_locks[src]);
     st = recv_locked(c, &op, src, buf, len, dt, tag);
     pthread_mutex_unlock(&c->recv_locks[src]);
-    return rl_end_op(c, st);
+    return rl_end_op(c, &op, st);
 }

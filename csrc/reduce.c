@@ -159,10 +159,16 @@ int rl_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop,
     int st = rl_begin_op(c, &op, RL_OP_REDUCE, dt, rop, root, len, timeout_ms);
     if (st == RL_OK) rl_note_rooted(c, &op);
     if (st != RL_OK) return st;
-    if (c->size == 1 || count == 0) return RL_OK;
-    if ((int64_t)len <= rl_tune.reduce_small_bytes)
+    if (c->size == 1 || count == 0) {
+        op.algo = "local";
+        return rl_end_op(c, &op, RL_OK);
+    }
+    if ((int64_t)len <= rl_tune.reduce_small_bytes) {
+        op.algo = "binomial_tree";
         st = tree_reduce(c, &op, buf, count, dt, rop, root);
-    else
+    } else {
+        op.algo = "chain";
         st = chain_reduce(c, &op, buf, count, dt, rop, root);
-    return rl_end_op(c, st);
+    }
+    return rl_end_op(c, &op, st);
 }

@@ -159,8 +159,11 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     if (st != RL_OK) return st;
     /* Bruck saves steps from 3 ranks on; at 2 ranks both are one exchange,
      * and the ring's needs no staging copies (docs/algorithms.md). */
-    if (c->size > 2 && count && (int64_t)(blk * (size_t)c->size) <= rl_tune.allreduce_small_bytes)
-        return rl_end_op(c, bruck_all_gather(c, &op, out, in, blk));
+    if (c->size > 2 && count && (int64_t)(blk * (size_t)c->size) <= rl_tune.allreduce_small_bytes) {
+        op.algo = "bruck";
+        return rl_end_op(c, &op, bruck_all_gather(c, &op, out, in, blk));
+    }
+    op.algo = c->size == 1 || count == 0 ? "local" : "ring";
     char *mine = (char *)out + (size_t)c->rank * blk;
     rl_idle_copy cp = {mine, in, 0, 0};
     if (mine != (const char *)in) {
@@ -173,7 +176,7 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
             cp.len = blk;
         }
     }
-    if (c->size == 1 || count == 0) return RL_OK;
+    if (c->size == 1 || count == 0) return rl_end_op(c, &op, RL_OK);
     ring_sg a;
     memset(&a, 0, sizeof a);
     a.out = out;
@@ -194,13 +197,13 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     s[1].nseg = (a.P - 1) * a.S;
     s[1].where = ag_recv_where;
     if (a.P == 2 && blk >= RL_STREAM_OUT_MIN) {
-        if ((st = rl_scratch(c, &op, a.seg, out, &a.scratch)) != RL_OK) return rl_end_op(c, st);
+        if ((st = rl_scratch(c, &op, a.seg, out, &a.scratch)) != RL_OK) return rl_end_op(c, &op, st);
         s[1].where = ag_slot_where;
         s[1].done = ag_slot_done;
     }
     a.recv = &s[1];
     st = rl_run_streams_copy(c, &op, s, 2, &a, &cp);
-    return rl_end_op(c, st);
+    return rl_end_op(c, &op, st);
 }
 
 /* ---- reduce_scatter ---- */
@@ -292,19 +295,22 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     size_t blk = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, RL_OP_REDUCE_SCATTER, dt, rop, -1, blk, timeout_ms);
     if (st != RL_OK) return st;
-    if (c->size == 1) {
+    if (c->size == 1 || count == 0) {
         if (out != in) memmove(out, in, blk);
-        return RL_OK;
+        op.algo = "local";
+        return rl_end_op(c, &op, RL_OK);
     }
-    if (count == 0) return RL_OK;
     /* Recursive halving saves steps only for a power of two P >= 4 (2 ranks:
      * one exchange either way).  At 4 ranks it beat the ring up to 1 MiB in
      * all (342 against 364 us) and lost from 2 MiB (1014 against 956), so it
      * runs up to 16 x the all-reduce switch point (docs/algorithms.md). */
     int P = c->size;
     if (P >= 4 && (P & (P - 1)) == 0 &&
-        (int64_t)(blk * (size_t)P) <= 16 * rl_tune.allreduce_small_bytes)
-        return rl_end_op(c, rh_reduce_scatter(c, &op, out, in, count, dt, rop));
+        (int64_t)(blk * (size_t)P) <= 16 * rl_tune.allreduce_small_bytes) {
+        op.algo = "recursive_halving";
+        return rl_end_op(c, &op, rh_reduce_scatter(c, &op, out, in, count, dt, rop));
+    }
+    op.algo = "ring";
     ring_sg a;
     memset(&a, 0, sizeof a);
     a.out = out;
@@ -318,7 +324,7 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     a.op = rop;
     if (a.seg > blk) a.seg = blk; /* one segment per block */
     size_t slots = ((size_t)(a.P > 2 ? 2 : 0) + 1) * a.seg;
-    if ((st = rl_scratch(c, &op, slots, in, &a.scratch)) != RL_OK) return rl_end_op(c, st);
+    if ((st = rl_scratch(c, &op, slots, in, &a.scratch)) != RL_OK) return rl_end_op(c, &op, st);
     rl_stream s[2];
     memset(s, 0, sizeof s);
     s[0].peer = rl_mod(a.r + 1, a.P);
@@ -334,5 +340,5 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     a.recv = &s[1];
     a.send = &s[0];
     st = rl_run_streams(c, &op, s, 2, &a);
-    return rl_end_op(c, st);
+    return rl_end_op(c, &op, st);
 }

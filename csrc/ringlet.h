@@ -129,6 +129,8 @@ typedef struct {
                                    /* woken once per segment, 0 = never     */
     int64_t local_reno;            /* 1: same-host connections use Reno     */
                                    /* congestion control (no pacing)        */
+    int64_t trace_entries;         /* flight recorder: ops kept per comm,   */
+                                   /* read when a comm is created; 0 = off  */
 } rl_tuning;
 
 void rl_tuning_defaults(rl_tuning *t);
@@ -225,6 +227,47 @@ int rl_send(rl_comm *c, const void *buf, size_t count, rl_dtype dt, int dst,
             uint32_t tag, int64_t timeout_ms);
 int rl_recv(rl_comm *c, void *buf, size_t count, rl_dtype dt, int src,
             uint32_t tag, int64_t timeout_ms);
+
+/* ---- flight recorder (flight.c) ------------------------------------- */
+/* Every comm keeps its last rl_tuning.trace_entries operations: written by
+ * the calling thread at the start and end of each op (no lock), read by
+ * rl_comm_trace from any thread, also while an op is blocked. */
+typedef enum {
+    RL_TRACE_STARTED = 1,   /* entered, not finished (blocked, or running) */
+    RL_TRACE_COMPLETED = 2,
+    RL_TRACE_FAILED = 3     /* `status` says why                           */
+} rl_trace_state;
+#define RL_TRACE_RECV 1u    /* flags: a p2p receive (else a send)          */
+
+typedef struct {
+    uint64_t id;       /* 0, 1, 2, ...: position in the comm's history     */
+    uint64_t seq;      /* the op's sequence number (p2p: 0)                */
+    uint64_t bytes;    /* the op's byte count as in its frame headers      */
+    int64_t start_ns;  /* CLOCK_MONOTONIC                                  */
+    int64_t end_ns;    /* 0 while started                                  */
+    int32_t peer;      /* root of rooted ops, peer of p2p, else -1         */
+    uint32_t tag;      /* p2p tag                                          */
+    uint8_t opcode, dtype, redop, flags;
+    uint8_t state;     /* rl_trace_state                                   */
+    uint8_t status;    /* rl_status of a failed op                         */
+    uint8_t pad_[2];
+    const char *algo;  /* the algorithm that ran (static string), or NULL  */
+} rl_trace_entry;
+
+/* Copy the comm's recorded ops, oldest first, into out (at most max);
+ * returns how many.  *total (optional) receives the number of ops ever
+ * recorded, so total - returned were dropped by the ring.  An entry that a
+ * thread is overwriting at that moment is left out.  Takes no lock: safe
+ * from an interrupt hook while this comm is blocked. */
+size_t rl_comm_trace(const rl_comm *c, rl_trace_entry *out, size_t max,
+                     uint64_t *total);
+/* How many ops the comm keeps (its trace_entries when it was created). */
+size_t rl_comm_trace_capacity(const rl_comm *c);
+
+/* ---- diagnostics log (flight.c) ------------------------------------- */
+/* 0: silent, 1: INFO (connections), 2: DETAIL (also every op's end with
+ * its algorithm).  Lines go to stderr, prefixed "ringlet[rank R] LEVEL:". */
+void rl_set_log_level(int level);
 
 #ifdef __cplusplus
 }

@@ -52,7 +52,8 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
                 cp.len = blk;
         }
     }
-    if (c->size == 1 || count == 0) return RL_OK;
+    op.algo = c->size == 1 || count == 0 ? "local" : "direct";
+    if (c->size == 1 || count == 0) return rl_end_op(c, &op, RL_OK);
     if (c->rank != root) {
         rooted a = {one, blk};
         rl_stream s;
@@ -61,10 +62,10 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
         s.is_send = gather;
         s.nseg = 1;
         s.where = one_where;
-        return rl_end_op(c, rl_run_streams(c, &op, &s, 1, &a));
+        return rl_end_op(c, &op, rl_run_streams(c, &op, &s, 1, &a));
     }
     rl_stream *s = calloc((size_t)c->size - 1, sizeof *s);
-    if (!s) return rl_end_op(c, rl_fail(c, &op, RL_ERR_NOMEM, -1, 0, "out of memory"));
+    if (!s) return rl_end_op(c, &op, rl_fail(c, &op, RL_ERR_NOMEM, -1, 0, "out of memory"));
     rooted a = {many, blk};
     int n = 0;
     for (int p = 0; p < c->size; p++) {
@@ -77,7 +78,7 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
     }
     st = rl_run_streams_copy(c, &op, s, n, &a, &cp);
     free(s);
-    return rl_end_op(c, st);
+    return rl_end_op(c, &op, st);
 }
 
 int rl_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype dt,

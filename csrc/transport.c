@@ -70,6 +70,7 @@
         .spin_yield = 1,                                                       \
         .bulk_recv_bytes = 16 << 20, /* docs/benchmarks.md, "Knobs" */        \
         .local_reno = 1,             /* same_host_reno() */                   \
+        .trace_entries = 2000,       /* flight.c */                           \
     }
 rl_tuning rl_tune = RL_TUNING_DEFAULTS;
 static const rl_tuning rl_tune_default_copy = RL_TUNING_DEFAULTS;
@@ -247,13 +248,17 @@ int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
     op->redop = redop;
     op->root = root;
     op->total = total;
+    /* One clock read serves the deadline and the record's start; the
+     * record's end time costs the one this saves (docs/debugging.md). */
     op->start_ns = rl_now_ns();
-    op->deadline_ns = rl_deadline_ns(timeout_ms);
+    op->deadline_ns = op->start_ns + (timeout_ms > 0 ? timeout_ms : 1) * 1000000LL;
     if (opcode != RL_OP_P2P) op->seq = ++c->seq;
+    rl_trace_begin(c, op);
     return RL_OK;
 }
 
-int rl_end_op(rl_comm *c, int status) {
+int rl_end_op(rl_comm *c, const rl_opdesc *op, int status) {
+    rl_trace_end(c, op, status);
     if (status != RL_OK && status != RL_ERR_POISONED && status != RL_ERR_INVALID)
         rl_comm_abort(c, status, NULL);
     return status;
@@ -682,6 +687,12 @@ int rl_comm_create(rl_comm **out, rl_ctx *ctx, uint32_t comm_id, int rank,
         pthread_mutex_init(&c->recv_locks[i], NULL);
     }
     pthread_mutex_init(&c->err_lock, NULL);
+    if (rl_trace_init(c) != RL_OK) {
+        rl_comm_destroy(c);
+        err->status = RL_ERR_NOMEM;
+        snprintf(err->msg, sizeof err->msg, "out of memory for the flight recorder");
+        return RL_ERR_NOMEM;
+    }
     *out = c;
     return RL_OK;
 }
@@ -703,6 +714,7 @@ void rl_comm_destroy(rl_comm *c) {
     free(c->world); free(c->fds); free(c->peer_locks); free(c->send_locks);
     free(c->recv_locks); free(c->p2p_send_seq); free(c->p2p_recv_seq);
     free(c->unexpected); free(c->scratch);
+    rl_trace_free(c);
     free(c);
 }
 
@@ -909,6 +921,10 @@ int rl_peer_fd(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
         if (st == RL_OK) {
             set_nonblock(fd);
             __atomic_store_n(&c->fds[peer], fd, __ATOMIC_RELEASE);
+            int port;
+            const char *host = rl_peer_host(c, peer, &port);
+            rl_log(RL_LOG_INFO, c, "connected to peer %d (world rank %d, %s:%d): transport tcp, %s",
+                   peer, c->world[peer], host, port, c->rank < peer ? "dialled" : "accepted");
         }
     }
     pthread_mutex_unlock(&c->peer_locks[peer]);

@@ -32,6 +32,7 @@ cdef extern from "ringlet.h" nogil:
         int64_t spin_yield
         int64_t bulk_recv_bytes
         int64_t local_reno
+        int64_t trace_entries
 
     size_t rl_dtype_size(rl_dtype dt)
     const char *rl_dtype_name(rl_dtype dt)
@@ -46,6 +47,24 @@ cdef extern from "ringlet.h" nogil:
     void rl_get_tuning(rl_tuning *t)
     ctypedef int (*rl_interrupt_fn)() noexcept nogil
     void rl_set_interrupt_hook(rl_interrupt_fn fn)
+
+    ctypedef enum rl_trace_state:
+        RL_TRACE_STARTED, RL_TRACE_COMPLETED, RL_TRACE_FAILED
+    enum: RL_TRACE_RECV
+    ctypedef struct rl_trace_entry:
+        uint64_t id
+        uint64_t seq
+        uint64_t bytes
+        int64_t start_ns
+        int64_t end_ns
+        int peer
+        uint32_t tag
+        uint8_t opcode, dtype, redop, flags
+        uint8_t state
+        uint8_t status
+        const char *algo
+    void rl_set_log_level(int level)
+    const char *rl_opcode_name(int opcode)
 
     ctypedef struct rl_ctx:
         pass
@@ -67,6 +86,8 @@ cdef extern from "ringlet.h" nogil:
     const rl_error *rl_comm_error(const rl_comm *c)
     uint64_t rl_comm_seq(const rl_comm *c)
     int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms)
+    size_t rl_comm_trace(const rl_comm *c, rl_trace_entry *out, size_t max, uint64_t *total)
+    size_t rl_comm_trace_capacity(const rl_comm *c)
 
     int rl_all_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop op, int64_t timeout_ms)
     int rl_broadcast(rl_comm *c, void *buf, size_t count, rl_dtype dt, int root, int64_t timeout_ms)

@@ -176,7 +176,7 @@ def build_info():
 _TUNING_FIELDS = ("segment_bytes", "allreduce_small_bytes", "bcast_small_bytes",
                   "reduce_small_bytes", "spin_us", "sockbuf_bytes", "max_frame_bytes",
                   "handshake_ms", "p2p_unexpected_bytes", "spin_yield", "bulk_recv_bytes",
-                  "local_reno")
+                  "local_reno", "trace_entries")
 
 
 def get_tuning():
@@ -187,7 +187,8 @@ def get_tuning():
             "spin_us": t.spin_us, "sockbuf_bytes": t.sockbuf_bytes,
             "max_frame_bytes": t.max_frame_bytes, "handshake_ms": t.handshake_ms,
             "p2p_unexpected_bytes": t.p2p_unexpected_bytes, "spin_yield": t.spin_yield,
-            "bulk_recv_bytes": t.bulk_recv_bytes, "local_reno": t.local_reno}
+            "bulk_recv_bytes": t.bulk_recv_bytes, "local_reno": t.local_reno,
+            "trace_entries": t.trace_entries}
 
 
 def set_tuning(**kw):
@@ -211,7 +212,18 @@ def set_tuning(**kw):
     if "spin_yield" in kw: t.spin_yield = kw["spin_yield"]
     if "bulk_recv_bytes" in kw: t.bulk_recv_bytes = kw["bulk_recv_bytes"]
     if "local_reno" in kw: t.local_reno = kw["local_reno"]
+    if "trace_entries" in kw: t.trace_entries = kw["trace_entries"]
     rl_set_tuning(&t)
+
+
+def set_log_level(int level):
+    """The C core's diagnostics log: 0 off, 1 INFO (connections), 2 DETAIL (every op)."""
+    rl_set_log_level(level)
+
+
+_TRACE_STATE = {RL_TRACE_STARTED: "started", RL_TRACE_COMPLETED: "completed",
+                RL_TRACE_FAILED: "failed"}
+_STATUS_NAME = {v: k for k, v in STATUS.items()}
 
 
 def reduce_kernel(cnp.ndarray dst, cnp.ndarray a, cnp.ndarray b, int dt, int op):
@@ -372,6 +384,43 @@ cdef class Comm:
     @property
     def seq(self):
         return rl_comm_seq(self._h())
+
+    def trace(self):
+        """The flight record: ``(recorded, capacity, entries)``.
+
+        ``recorded`` counts every op this comm ever started, ``capacity`` how
+        many it keeps; ``entries`` are dicts, oldest first, with id, seq, op,
+        dtype, bytes, peer, tag, recv, algorithm, state ("started",
+        "completed", "failed"), status (a ``STATUS`` name or None), start_ns
+        and end_ns (CLOCK_MONOTONIC, as ``time.monotonic_ns``; None while
+        started).  Copied with the GIL held, so ``close()`` cannot free the
+        ring meanwhile; it takes no C lock, so it is safe while this comm is
+        blocked in an op (from a signal handler, say).
+        """
+        cdef rl_comm *c = self._h()
+        cdef size_t cap = rl_comm_trace_capacity(c)
+        cdef rl_trace_entry *buf = <rl_trace_entry *>malloc(sizeof(rl_trace_entry) * (cap if cap > 0 else 1))
+        if buf == NULL:
+            raise MemoryError()
+        cdef uint64_t total = 0
+        cdef size_t n, i
+        cdef rl_trace_entry *e
+        out = []
+        try:
+            n = rl_comm_trace(c, buf, cap, &total)
+            for i in range(n):
+                e = &buf[i]
+                out.append({
+                    "id": e.id, "seq": e.seq, "op": rl_opcode_name(e.opcode).decode(),
+                    "dtype": rl_dtype_name(<rl_dtype>e.dtype).decode(), "bytes": e.bytes,
+                    "peer": e.peer, "tag": e.tag, "recv": bool(e.flags & RL_TRACE_RECV),
+                    "algorithm": e.algo.decode() if e.algo != NULL else None,
+                    "state": _TRACE_STATE.get(e.state, "unknown"),
+                    "status": _STATUS_NAME.get(e.status, str(e.status)) if e.state == RL_TRACE_FAILED else None,
+                    "start_ns": e.start_ns, "end_ns": e.end_ns if e.end_ns else None})
+        finally:
+            free(buf)
+        return total, cap, out
 
     def connect(self, int peer, int64_t timeout_ms):
         cdef rl_comm *c = self._h()

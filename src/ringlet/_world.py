@@ -27,6 +27,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import _core
+from . import trace as _trace
 from ._timeout import seconds
 from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, PeerClosedError,
                      ProtocolError, RendezvousError, RingletError)
@@ -102,6 +103,7 @@ class World:
             pass  # the store is gone too; peers notice through their sockets
 
     def _cancel_all(self, status: int, reason: str) -> None:
+        _trace.on_failure(self, None, reason)  # before the cancel: blocked ops show as started
         for g in list(self._groups):
             if g._failure is None and not g._closed:
                 g._cancel(status, reason)
@@ -145,6 +147,7 @@ class World:
     def close(self) -> None:
         if self._closed:
             return
+        _trace.on_close(self)
         self._closed = True
         for g in list(self._groups):
             g._drain(min(self.timeout, 5.0))
@@ -227,7 +230,8 @@ _TUNING_ENV = {"RINGLET_SEGMENT_BYTES": "segment_bytes",
                "RINGLET_SPIN_US": "spin_us", "RINGLET_SOCKBUF_BYTES": "sockbuf_bytes",
                "RINGLET_SPIN_YIELD": "spin_yield",
                "RINGLET_BULK_RECV_BYTES": "bulk_recv_bytes",
-               "RINGLET_LOCAL_RENO": "local_reno"}
+               "RINGLET_LOCAL_RENO": "local_reno",
+               "RINGLET_TRACE_ENTRIES": "trace_entries"}
 
 
 def _spin_yield_policy(local_world_size: int) -> int:
@@ -389,6 +393,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
             _exchange_endpoints(world, timeout)
         world.group = world.make_group(0, range(world_size))
         world.start_watcher()
+        _trace.on_init(world, source)
     except BaseException:
         world.close()
         raise

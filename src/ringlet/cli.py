@@ -1,10 +1,12 @@
-"""The ``ringlet`` command: ``run`` (launch ranks), ``info`` (environment report), ``bench``.
+"""The ``ringlet`` command: ``run`` (launch ranks), ``info`` (environment report), ``bench``,
+``trace`` (merge flight records).
 
 Examples::
 
     ringlet run -n 4 train.py
     ringlet info
     ringlet bench --help
+    ringlet trace /tmp/ringlet-trace-0123456789abcdef
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ _COMMANDS = {
     "run": "start N ranks of a job on this host (see `ringlet run -h`)",
     "info": "print versions, the detected launch environment and the core's build",
     "bench": "run the collective benchmarks (see `ringlet bench -h`)",
+    "trace": "merge the ranks' flight records in DIR: who is stuck where (`ringlet trace -h`)",
 }
 
 
@@ -125,6 +128,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run.main(argv[1:])
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "trace":
+        from . import trace
+
+        return trace.main(argv[1:])
     if not argv:
         _parser().print_help(sys.stderr)
         return 2

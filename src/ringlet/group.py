@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from . import _core
+from . import trace as _trace
 from ._timeout import millis as _millis
 from ._dtypes import ReduceOp, check_op, dtype_code
 from .errors import GroupPoisonedError, RingletError
@@ -142,6 +143,7 @@ class ProcessGroup:
         if not isinstance(exc, GroupPoisonedError) and self._failure is None:
             self._failure = exc
             self._world._publish_failure(self, exc)
+            _trace.on_failure(self._world, exc)
 
     def _call(self, op: str, async_op: bool, fn: Callable[..., Any], a: Any, b: Any, c: Any,
               d: Any, e: Any = _NO) -> Any:
