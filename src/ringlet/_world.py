@@ -180,30 +180,36 @@ class World:
         self._watch_stop.set()
         if self._watch_store is not None:
             self._watch_store.close()  # wakes the watcher's blocked get
-        # Sockets close before the check-out below: a peer still blocked on
-        # this rank (say, in an operation this rank abandoned) fails at once
-        # instead of waiting while this rank waits for its check-out.
-        for g in list(self._groups):
-            g._close()
-        if self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
         if self.store is not None:
             try:
                 # Check out; the rank serving the store keeps it up until every
                 # rank has, so no rank loses the store while still shutting down.
                 self.store.set(f"{self.prefix}exited/{self.rank}", b"1")
                 if self.server is not None:
+                    # Its sockets close first: a peer still blocked on this rank
+                    # (in an operation this rank abandoned) fails now instead of
+                    # waiting while this rank waits for its check-out.
+                    self._close_comms()
                     self.store.wait([f"{self.prefix}exited/{r}" for r in range(self.size)],
                                     timeout=30.0)
             except (RingletError, OSError):
                 pass
+        self._close_comms()
+        if self.store is not None:
             try:
                 self.store.close()
             except Exception:  # noqa: BLE001
                 pass
         if self.server is not None and not _is_kept(self.server):
             self.server.close()
+
+    def _close_comms(self) -> None:
+        for g in list(self._groups):
+            if not g._closed:
+                g._close()
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
 
 
 # ---- the store rank 0 serves ------------------------------------------------------
