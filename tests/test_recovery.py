@@ -44,6 +44,11 @@ RECOVER = textwrap.dedent("""
         x = np.full(5, r + i, np.float64)
         ringlet.all_reduce(x)
         assert np.all(x == n * (n - 1) / 2 + n * i), (i, x)
+        # Everyone has its result before anyone fails: otherwise this round's
+        # failure could legitimately cancel a slow rank's all_reduce above.
+        w = _world.default_world()
+        w.store.set(f"{w.prefix}test/done/{r}", b"")
+        w.store.wait([f"{w.prefix}test/done/{q}" for q in range(n)], timeout=60)
         if i % 2 == 0:
             y = np.ones(4 if r == 0 else 8, np.float32)
             try:
