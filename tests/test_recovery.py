@@ -4,6 +4,7 @@ mismatches, missing ranks and port clashes at init (docs/errors.md, docs/launchi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -146,3 +147,150 @@ def test_recovery_loop_under_mpirun(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     # Every init bootstraps a fresh store over MPI: always generation 1.
     _check_recovered(out.stdout, 3, [1] * ROUNDS)
+
+
+# ---- init-time checks, ranks as threads ------------------------------------------------------
+SECRET = b"recovery-test-secret-0123456789"
+
+
+def _init_threads(specs, after=None, timeout=60.0):
+    """Run ``init(**spec)`` (then ``after()``) on one thread per spec against one store.
+
+    Returns ({index: exception or result}, {index: seconds until it returned}).
+    """
+    from ringlet.store import StoreServer
+
+    out, took = {}, {}
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        def body(i, spec):
+            _world._scope_thread()
+            t0 = time.monotonic()
+            try:
+                _world.init(master_addr="127.0.0.1", master_port=srv.port, secret=SECRET,
+                            timeout=timeout, _external_store=True, **spec)
+                out[i] = after() if after else None
+            except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                out[i] = exc
+            finally:
+                took[i] = time.monotonic() - t0
+                _world.shutdown()
+
+        threads = [threading.Thread(target=body, args=(i, s), daemon=True)
+                   for i, s in enumerate(specs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout + 30)
+        assert not any(t.is_alive() for t in threads), "a rank is still in init"
+    return out, took
+
+
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 2)])
+def test_world_size_mismatch_fails_every_rank_at_init(sizes):
+    out, took = _init_threads([dict(rank=r, world_size=n) for r, n in enumerate(sizes)])
+    for r in range(2):
+        exc = out[r]
+        assert isinstance(exc, RendezvousError), (r, exc)
+        assert "world size mismatch" in str(exc) and "world size 2" in str(exc) \
+            and "world size 3" in str(exc), exc
+        assert took[r] < 20, took  # not the 60 s init timeout
+
+
+def test_a_rank_beyond_rank_0s_world_fails_at_init_and_stops_that_world():
+    def until_failure():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ringlet.barrier()
+            except ringlet.RingletError as exc:
+                return exc
+        return None
+
+    out, took = _init_threads([dict(rank=0, world_size=2), dict(rank=1, world_size=2),
+                               dict(rank=2, world_size=3)], after=until_failure)
+    assert isinstance(out[2], RendezvousError), out[2]
+    assert "rank 2 has world size 3 but rank 0 has world size 2" in str(out[2])
+    assert took[2] < 20, took
+    for r in (0, 1):  # their world formed, then rank 2's abort record stopped it
+        assert isinstance(out[r], ringlet.RingletError), out[r]
+        assert "world size mismatch" in str(out[r]), out[r]
+
+
+def test_init_world_size_against_the_launchers_fails_at_once(monkeypatch):
+    monkeypatch.setenv("RINGLET_RANK", "0")
+    monkeypatch.setenv("RINGLET_WORLD_SIZE", "2")
+    monkeypatch.setenv("RINGLET_MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RINGLET_MASTER_PORT", "1")
+    with pytest.raises(ValueError, match=r"init\(world_size=3\) but the launcher \(ringlet\) "
+                                         r"started 2 ranks"):
+        ringlet.init(world_size=3, timeout=60)
+    assert not ringlet.is_initialized()
+
+
+def test_missing_ranks_are_named_while_waiting(monkeypatch, caplog):
+    monkeypatch.setenv("RINGLET_JOIN_WARN_S", "0.2")
+    caplog.set_level(logging.WARNING, logger="ringlet")
+    out, took = _init_threads([dict(rank=0, world_size=3), dict(rank=1, world_size=3)],
+                              timeout=3.0)
+    for r in (0, 1):
+        assert isinstance(out[r], RendezvousError), out[r]
+        assert "ranks [2] (rank 2 has not called init() yet) never joined" in str(out[r])
+    warned = {rec.getMessage() for rec in caplog.records if rec.name == "ringlet"}
+    for r in (0, 1):
+        mine = [m for m in warned if m.startswith(f"ringlet: rank {r} waited")]
+        assert mine, warned
+        assert all("for ranks [2] (rank 2 has not called init() yet) to join (world size 3, "
+                   "generation 1)" in m for m in mine), mine
+
+
+def test_join_warning_interval_must_be_a_positive_number(monkeypatch):
+    for bad in ("soon", "0", "-1"):
+        monkeypatch.setenv("RINGLET_JOIN_WARN_S", bad)
+        with pytest.raises(ValueError, match="RINGLET_JOIN_WARN_S"):
+            _world._join_warn_interval()
+
+
+# ---- a foreign program on MASTER_PORT ----------------------------------------------------------
+@pytest.fixture
+def foreign_listener():
+    """A listener that accepts connections (the kernel completes them) and never answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield s.getsockname()[1]
+
+
+def test_rank_1_reports_a_foreign_listener_as_not_a_store(foreign_listener, monkeypatch):
+    from ringlet import store as storemod
+
+    monkeypatch.setattr(storemod, "_SILENT_S", 0.5)  # the real window is 5 s
+    out, took = [], []
+
+    def rank1():
+        _world._scope_thread()
+        t0 = time.monotonic()
+        try:
+            _world.init(rank=1, world_size=2, master_addr="127.0.0.1",
+                        master_port=foreign_listener, secret=SECRET, timeout=60)
+        except BaseException as exc:  # noqa: BLE001
+            out.append(exc)
+        finally:
+            took.append(time.monotonic() - t0)
+            _world.shutdown()
+
+    t = threading.Thread(target=rank1, daemon=True)
+    t.start()
+    t.join(90)
+    assert not t.is_alive()
+    exc = out[0]
+    assert isinstance(exc, RendezvousError), exc
+    assert f"127.0.0.1:{foreign_listener}" in str(exc) and "not a ringlet store" in str(exc)
+    assert took[0] < 30, took  # well before the 60 s timeout
+
+
+def test_rank_0_reports_that_another_process_holds_the_port(foreign_listener):
+    with pytest.raises(RendezvousError, match=rf"cannot serve the store on 127.0.0.1:"
+                                              rf"{foreign_listener}: .*another process holds"):
+        ringlet.init(rank=0, world_size=2, master_addr="127.0.0.1",
+                     master_port=foreign_listener, secret=SECRET, timeout=60)
+    assert not ringlet.is_initialized()
