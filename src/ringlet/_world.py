@@ -451,7 +451,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
     world.host = host
     try:
         if world_size > 1:
-            from .store import Store, StoreServer
+            from .store import Store
 
             if _external_store is None:
                 _external_store = os.environ.get("RINGLET_EXTERNAL_STORE") == "1"
