@@ -153,15 +153,19 @@ def test_recovery_loop_under_mpirun(tmp_path):
 SECRET = b"recovery-test-secret-0123456789"
 
 
-def _init_threads(specs, after=None, timeout=60.0):
-    """Run ``init(**spec)`` (then ``after()``) on one thread per spec against one store.
+def _init_threads(specs, after=None, timeout=60.0, prepare=None):
+    """Run ``init(**spec)`` (then ``after()``) on one thread per spec against one store
+    (``prepare(store_client)`` first).
 
     Returns ({index: exception or result}, {index: seconds until it returned}).
     """
-    from ringlet.store import StoreServer
+    from ringlet.store import Store, StoreServer
 
     out, took = {}, {}
     with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        if prepare is not None:
+            with Store("127.0.0.1", srv.port, secret=SECRET, timeout=10) as st:
+                prepare(st)
         def body(i, spec):
             _world._scope_thread()
             t0 = time.monotonic()
@@ -241,6 +245,18 @@ def test_missing_ranks_are_named_while_waiting(monkeypatch, caplog):
         assert mine, warned
         assert all("for ranks [2] (rank 2 has not called init() yet) to join (world size 3, "
                    "generation 1)" in m for m in mine), mine
+
+
+def test_a_rank_in_another_generation_is_named(monkeypatch, caplog):
+    # Rank 1 has called init() twice against this store (its first try failed,
+    # say) while rank 0 calls it for the first time: they can never meet.
+    monkeypatch.setenv("RINGLET_JOIN_WARN_S", "0.2")
+    caplog.set_level(logging.WARNING, logger="ringlet")
+    out, _ = _init_threads([dict(rank=0, world_size=2)], timeout=2.0,
+                           prepare=lambda st: st.add(_world.GEN_KEY.format(1), 2))
+    why = "rank 1 is already in generation 2: ranks called init() a different number of times"
+    assert isinstance(out[0], RendezvousError) and why in str(out[0]), out[0]
+    assert any(why in rec.getMessage() for rec in caplog.records), caplog.records
 
 
 def test_join_warning_interval_must_be_a_positive_number(monkeypatch):
