@@ -215,7 +215,10 @@ def test_select_bind_address_with_fake_interfaces(monkeypatch):
 # ---- the secret ---------------------------------------------------------------------------------
 def test_load_secret_from_variable():
     assert load_secret({}) is None
-    assert load_secret({"RINGLET_SECRET": ""}) is None
+    for empty in ("", "  "):
+        # Set but empty is a mistake (an unset shell variable), never "no secret".
+        with pytest.raises(ValueError, match="RINGLET_SECRET is set but empty"):
+            load_secret({"RINGLET_SECRET": empty})
     assert load_secret({"RINGLET_SECRET": "a" * 16}) == b"a" * 16
     assert load_secret({"RINGLET_SECRET": "ü" * 8}) == "ü".encode() * 8  # 16 UTF-8 bytes
     with pytest.raises(ValueError, match="at least 16") as ei:

@@ -304,3 +304,46 @@ def test_cli_bench_missing_module_exits_2(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ringlet.bench", None)  # as if it were not installed
     assert cli.main(["bench", "--anything"]) == 2
     assert "ringlet bench: the benchmark module is not available" in capsys.readouterr().err
+
+
+def test_failed_first_is_the_rank_that_failed_not_the_first_to_exit(tmp_path):
+    # Rank 2 raises; its exit handlers close its sockets, so ranks 1 and 3
+    # fail on them and exit while rank 2 is still exiting (it lingers in an
+    # exit handler until they are gone, which makes the order certain).  By
+    # exit order rank 1 or 3 would be blamed; the job's failure record
+    # (rank 1 or 3: peer 2 closed) names rank 2.
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, os, time
+        pids = []
+
+        def linger():
+            if os.environ["RINGLET_RANK"] != "2":
+                return
+            deadline = time.monotonic() + 60
+            for pid in pids:
+                while time.monotonic() < deadline:
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        break
+                    time.sleep(0.01)  # polls a condition (the peer's exit), with a deadline
+            os._exit(3)
+
+        atexit.register(linger)  # before ringlet's: runs after ringlet.shutdown()
+        import numpy as np, ringlet
+        ringlet.init(timeout=60)
+        r = ringlet.get_rank()
+        x = np.zeros(4, np.float64)
+        x[r] = os.getpid()
+        ringlet.all_reduce(x)  # every connection up; every rank learns every pid
+        pids[:] = [int(p) for q, p in enumerate(x) if q != r]
+        if r == 2:
+            raise RuntimeError("rank 2 fails on purpose")
+        ringlet.all_reduce(x)
+    """))
+    out = _launch("-n", "4", "--grace", "30", str(script), timeout=120)
+    assert "rank 2 fails on purpose" in out.stderr
+    assert "rank 2 failed first (exit code 3)" in out.stderr, out.stderr
+    assert "rank 1 failed first" not in out.stderr and "rank 3 failed first" not in out.stderr
+    assert out.returncode == 3, out.stderr

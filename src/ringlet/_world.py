@@ -6,12 +6,19 @@ Rendezvous (see docs/launching.md):
      MPI without an address, bootstrap through mpi4py.
   2. Rank 0 serves the key-value store (unless the launcher already does);
      every rank connects to it with the HMAC handshake.
-  3. Every rank opens its listener on an ephemeral port of the chosen
-     interface and publishes "host:port"; rank 0 assembles the table once and
-     every rank reads it with one request.  No data connection is opened yet.
-  4. A watcher thread per rank waits on the store's "abort" key: when any rank
-     fails an operation it publishes why, and every rank cancels its groups, so
-     no rank waits for a timeout on a peer that already knows the job failed.
+  3. Every rank takes its generation: the count of its own init() calls
+     against this store (one atomic ``add``), and prefixes every key of this
+     world with it.  A store that outlives a world (``ringlet run``'s, or the
+     one rank 0 keeps across shutdown()/init()) still holds the old world's
+     endpoints and abort record; the new world never reads them.
+  4. Every rank opens its listener on an ephemeral port of the chosen
+     interface and publishes "host:port" with its world size; rank 0 checks
+     the sizes, assembles the table once and every rank reads it with one
+     request.  No data connection is opened yet.
+  5. A watcher thread per rank waits on the generation's "abort" key: when any
+     rank fails an operation it publishes why, and every rank cancels its
+     groups, so no rank waits for a timeout on a peer that already knows the
+     job failed.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import atexit
 import hashlib
 import hmac
 import json
+import logging
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence
@@ -33,7 +42,13 @@ from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, PeerCl
                      ProtocolError, RendezvousError, RingletError)
 from .group import ProcessGroup
 
+_log = logging.getLogger("ringlet")
+
 _INSECURE_KEY = b"ringlet/no-secret/loopback-only"
+# Job-wide keys (no generation): each rank's count of init() calls against
+# this store, and the job's latest first failure (read by `ringlet run`).
+GEN_KEY = "ringlet/gen/{}"
+FAILURE_KEY = "ringlet/failure"
 _STATUS_OF = [  # most specific first
     (CollectiveTimeout, "TIMEOUT"), (PeerClosedError, "PEER_CLOSED"), (DesyncError, "DESYNC"),
     (AuthenticationError, "AUTH"), (ProtocolError, "PROTOCOL"),
@@ -56,6 +71,8 @@ class World:
         self.timeout = timeout
         self.secret = b""
         self.job_id = b"\0" * 16
+        self.gen = 0
+        self.prefix = "ringlet/0/"  # every key of this world starts with it
         self.host = "127.0.0.1"
         self.ctx: Optional[_core.Context] = None
         self.store = None
@@ -94,11 +111,24 @@ class World:
         if self._failed or self.store is None or self.size == 1:
             return
         self._failed = True
-        record = json.dumps({"rank": self.rank, "status": _status_of(exc),
-                             "group": group.comm_id, "message": str(exc)[:600]}).encode()
+        peer = getattr(exc, "peer", None)
+        if isinstance(peer, int) and 0 <= peer < len(group.ranks):
+            peer = group.ranks[peer]  # the record speaks world ranks
+        else:
+            peer = None
+        self._publish_record(_status_of(exc), peer, group.comm_id, str(exc))
+
+    def _publish_record(self, status: int, peer: Optional[int], comm_id: int,
+                        message: str) -> None:
+        """Store this generation's abort record unless some rank already did; it is
+        also the job's latest first failure, which ``ringlet run`` reads to blame."""
+        record = json.dumps({"rank": self.rank, "status": status, "peer": peer,
+                             "gen": self.gen, "group": comm_id,
+                             "message": message[:600]}).encode()
         try:
-            if self.store.add("ringlet/abort_count", 1) == 1:
-                self.store.set("ringlet/abort", record)
+            if self.store.add(self.prefix + "abort_count", 1) == 1:
+                self.store.set(self.prefix + "abort", record)
+                self.store.set(FAILURE_KEY, record)
         except (RingletError, OSError):
             pass  # the store is gone too; peers notice through their sockets
 
@@ -114,7 +144,7 @@ class World:
                 try:
                     # Blocks until some rank publishes a failure, or until close()
                     # closes this connection from the main thread.
-                    raw = store.get("ringlet/abort", timeout=3600.0)
+                    raw = store.get(self.prefix + "abort", timeout=3600.0)
                 except (RendezvousError, OSError) as exc:
                     if self._watch_stop.is_set():
                         return
@@ -158,24 +188,73 @@ class World:
             try:
                 # Check out; the rank serving the store keeps it up until every
                 # rank has, so no rank loses the store while still shutting down.
-                self.store.set(f"ringlet/exited/{self.rank}", b"1")
+                self.store.set(f"{self.prefix}exited/{self.rank}", b"1")
                 if self.server is not None:
-                    self.store.wait([f"ringlet/exited/{r}" for r in range(self.size)],
+                    # Its sockets close first: a peer still blocked on this rank
+                    # (in an operation this rank abandoned) fails now instead of
+                    # waiting while this rank waits for its check-out.
+                    self._close_comms()
+                    self.store.wait([f"{self.prefix}exited/{r}" for r in range(self.size)],
                                     timeout=30.0)
             except (RingletError, OSError):
                 pass
-        for g in list(self._groups):
-            g._close()
+        self._close_comms()
         if self.store is not None:
             try:
                 self.store.close()
             except Exception:  # noqa: BLE001
                 pass
-        if self.server is not None:
+        if self.server is not None and not _is_kept(self.server):
             self.server.close()
+
+    def _close_comms(self) -> None:
+        for g in list(self._groups):
+            if not g._closed:
+                g._close()
         if self.ctx is not None:
             self.ctx.close()
             self.ctx = None
+
+
+# ---- the store rank 0 serves ------------------------------------------------------
+# When no launcher serves the store, rank 0 keeps its server across shutdown()
+# and init(): a rank that re-initialises before rank 0 has shut down then
+# reaches the same store (and its generation counters) instead of a dying one.
+# Closed at interpreter exit, or when init() needs that address with another secret.
+_kept: Dict[tuple, Any] = {}  # (host, port) -> [key, StoreServer]
+
+
+def _serve_store(host: str, port: int, key: bytes):
+    from .store import StoreServer
+
+    with _lock:
+        entry = _kept.get((host, port))
+        if entry is not None:
+            if entry[0] == key and not entry[1]._closed:
+                return entry[1]
+            entry[1].close()
+            del _kept[(host, port)]
+        try:
+            server = StoreServer(host, port, secret=key)
+        except OSError as exc:
+            raise RendezvousError(
+                f"rank 0 cannot serve the store on {host}:{port}: {exc}; another process "
+                f"holds that port (another job, or a program that is not ringlet): choose "
+                f"another MASTER_PORT", rank=0) from exc
+        _kept[(host, port)] = [key, server]
+        return server
+
+
+def _is_kept(server) -> bool:
+    return any(e[1] is server for e in list(_kept.values()))
+
+
+def _close_kept() -> None:
+    with _lock:
+        entries = list(_kept.values())
+        _kept.clear()
+    for _key, server in entries:
+        server.close()
 
 
 # ---- the default group ---------------------------------------------------------
@@ -319,6 +398,11 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
                 raise ValueError("give both rank and world_size, or neither")
             rank, world_size, source = 0, 1, "single"
         else:
+            if world_size is not None and world_size != env.world_size:
+                raise ValueError(
+                    f"init(world_size={world_size}) but the launcher ({env.source}) started "
+                    f"{env.world_size} ranks: world size {world_size} against "
+                    f"{env.world_size}; drop world_size= or launch {world_size} ranks")
             rank = env.rank if rank is None else rank
             world_size = env.world_size if world_size is None else world_size
             master_addr = master_addr or env.master_addr
@@ -371,21 +455,24 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
     world.host = host
     try:
         if world_size > 1:
-            from .store import Store, StoreServer
+            from .store import Store
 
             if _external_store is None:
                 _external_store = os.environ.get("RINGLET_EXTERNAL_STORE") == "1"
             if rank == 0 and not _external_store and server is None:
-                try:
-                    server = StoreServer(host if not envmod.is_loopback(master_addr) else
-                                         master_addr, int(master_port), secret=key)
-                except OSError as exc:
-                    raise RendezvousError(f"rank 0 cannot serve the store on "
-                                          f"{master_addr}:{master_port}: {exc}", rank=0) from exc
+                server = _serve_store(host if not envmod.is_loopback(master_addr) else
+                                      master_addr, int(master_port), key)
             world.server = server
             world.store = Store(master_addr, int(master_port), secret=key, timeout=timeout)
             world._store_args = (master_addr, int(master_port), key)
-            world.job_id = world.store.job_id
+            # One round trip, no agreement protocol: every rank's n-th init()
+            # against this store joins generation n.
+            world.gen = world.store.add(GEN_KEY.format(rank), 1)
+            world.prefix = f"ringlet/{world.gen}/"
+            # Per generation, so a straggler of an old world fails the data
+            # handshake with the new one instead of joining it.
+            world.job_id = hashlib.sha256(world.store.job_id + b"/gen/%d" % world.gen
+                                          ).digest()[:16]
         else:
             world.job_id = os.urandom(16)
         world.ctx = _core.Context(rank, world_size, host, key, world.job_id)
@@ -405,28 +492,114 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
     return world.group
 
 
+_JOIN_WARN_ENV = "RINGLET_JOIN_WARN_S"
+
+
+def _join_warn_interval() -> float:
+    """Seconds between "still waiting for ranks" warnings at init (RINGLET_JOIN_WARN_S, 10)."""
+    raw = os.environ.get(_JOIN_WARN_ENV)
+    if raw is None or not raw.strip():
+        return 10.0
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{_JOIN_WARN_ENV} must be a number of seconds, got {raw!r}") from None
+    if not v > 0:
+        raise ValueError(f"{_JOIN_WARN_ENV} must be positive, got {raw!r}")
+    return v
+
+
+def _missing_ranks(world: World) -> str:
+    """The ranks whose endpoint is not in the store yet, e.g. "[2, 3] (rank 3 is still
+    in generation 1)"; costs a few store requests, only while waiting."""
+    store, notes, missing = world.store, [], []
+    for q in range(world.size):
+        if store.check(f"{world.prefix}ep/{q}"):
+            continue
+        missing.append(q)
+        gk = GEN_KEY.format(q)
+        g = int(store.get(gk, timeout=0).decode()) if store.check(gk) else 0
+        if g == 0:
+            notes.append(f"rank {q} has not called init() yet")
+        elif g < world.gen:
+            notes.append(f"rank {q} is still in generation {g}")
+        elif g > world.gen:
+            notes.append(f"rank {q} is already in generation {g}: ranks called init() a "
+                         f"different number of times")
+    return f"{missing}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+class _Joiner:
+    """Blocking store reads for the rendezvous, under one deadline, that name the
+    missing ranks in a warning about every ``interval`` seconds while they wait."""
+
+    def __init__(self, world: World, timeout: float) -> None:
+        self.world = world
+        self.timeout = timeout
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout
+        self.interval = _join_warn_interval()
+        self.next_warn = self.start + self.interval
+
+    def get(self, key: str) -> bytes:
+        w = self.world
+        while True:
+            now = time.monotonic()
+            left = self.deadline - now
+            if left <= 0:
+                raise RendezvousError(
+                    f"rank {w.rank}: ranks {_missing_ranks(w)} never joined the job (world size "
+                    f"{w.size}, generation {w.gen}) within {self.timeout:g}s", rank=w.rank)
+            try:
+                return w.store.get(key, timeout=max(0.0, min(left, self.next_warn - now)))
+            except RendezvousError as exc:
+                if getattr(exc, "waited", None) is None:
+                    raise  # lost the store, not a timeout
+            now = time.monotonic()
+            if now >= self.next_warn and now < self.deadline:
+                _log.warning("ringlet: rank %d waited %.0fs for ranks %s to join (world size %d, "
+                             "generation %d); waiting up to %.0fs more", w.rank, now - self.start,
+                             _missing_ranks(w), w.size, w.gen, self.deadline - now)
+                self.next_warn = now + self.interval
+
+
+def _size_mismatch(rank: int, size: int, other: int, other_size: int) -> str:
+    return (f"world size mismatch: rank {rank} has world size {size} but rank {other} has "
+            f"world size {other_size}; every rank must be started with the same world size "
+            f"(WORLD_SIZE / -n / init(world_size=))")
+
+
 def _exchange_endpoints(world: World, timeout: float) -> None:
-    store, ctx = world.store, world.ctx
-    store.set(f"ringlet/ep/{world.rank}", f"{world.host}:{ctx.port}".encode())
+    store, ctx, p = world.store, world.ctx, world.prefix
+    store.set(f"{p}ep/{world.rank}",
+              json.dumps({"ep": f"{world.host}:{ctx.port}", "size": world.size}).encode())
+    join = _Joiner(world, timeout)
     if world.rank == 0:
+        # In rank order: a rank with another world size is caught as soon as
+        # the ranks below it have joined, never after the whole timeout.
         table = []
         for r in range(world.size):
-            try:
-                table.append(store.get(f"ringlet/ep/{r}", timeout=timeout).decode())
-            except RendezvousError as exc:
-                raise RendezvousError(f"rank 0: rank {r} never joined the job within "
-                                      f"{timeout}s ({exc})", rank=0, peer=r) from exc
-        store.set("ringlet/ep/all", json.dumps(table).encode())
+            entry = json.loads(join.get(f"{p}ep/{r}").decode())
+            if entry["size"] != world.size:
+                msg = _size_mismatch(0, world.size, r, entry["size"])
+                store.set(f"{p}ep/all", json.dumps({"error": msg}).encode())
+                raise RendezvousError(f"rank 0: {msg}", rank=0, peer=r)
+            table.append(entry["ep"])
+        store.set(f"{p}ep/all", json.dumps({"eps": table}).encode())
     else:
-        try:
-            table = json.loads(store.get("ringlet/ep/all", timeout=timeout).decode())
-        except RendezvousError as exc:
-            raise RendezvousError(f"rank {world.rank}: the endpoint table never appeared within "
-                                  f"{timeout}s: some rank never joined ({exc})",
-                                  rank=world.rank) from exc
+        rec = json.loads(join.get(f"{p}ep/all").decode())
+        if "error" in rec:
+            raise RendezvousError(f"rank {world.rank}: {rec['error']}", rank=world.rank, peer=0)
+        table = rec["eps"]
+        if len(table) != world.size:
+            # Only a rank beyond rank 0's world gets here (rank 0 checked the
+            # others); its abort record stops the ranks that formed that world.
+            msg = _size_mismatch(world.rank, world.size, 0, len(table))
+            world._publish_record(_core.STATUS["ABORTED"], None, 0, f"rank {world.rank}: {msg}")
+            raise RendezvousError(f"rank {world.rank}: {msg}", rank=world.rank, peer=0)
     for r, ep in enumerate(table):
-        h, _, p = ep.rpartition(":")
-        ctx.set_peer(r, h.strip("[]"), int(p))
+        h, _, port = ep.rpartition(":")
+        ctx.set_peer(r, h.strip("[]"), int(port))
 
 
 def shutdown() -> None:
@@ -443,7 +616,12 @@ def shutdown() -> None:
     w.close()
 
 
-atexit.register(shutdown)
+def _at_exit() -> None:
+    shutdown()
+    _close_kept()
+
+
+atexit.register(_at_exit)
 
 
 def get_rank(group: Optional[ProcessGroup] = None) -> int:
@@ -506,12 +684,12 @@ def new_group(ranks: Sequence[int], *, timeout: Optional[float] = None,
         raise ValueError(f"new_group: ranks {missing} are not in the parent group {parent.ranks}")
     rl.sort()
     t = world.timeout if timeout is None else seconds(timeout)
-    key = f"ringlet/group/{parent.comm_id}/{parent._ngroups}"
+    key = f"{world.prefix}group/{parent.comm_id}/{parent._ngroups}"
     parent._ngroups += 1
     if world.size == 1:
         comm_id = 2 * (parent._ngroups + 1)
     elif parent.rank == 0:
-        comm_id = 2 * world.store.add("ringlet/next_comm", 1)
+        comm_id = 2 * world.store.add(world.prefix + "next_comm", 1)
         world.store.set(key, json.dumps({"id": comm_id, "ranks": rl}).encode())
     else:
         rec = json.loads(world.store.get(key, timeout=t).decode())

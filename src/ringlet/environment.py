@@ -488,7 +488,8 @@ def load_secret(environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
     never appears in any message.
 
     Raises:
-        ValueError: the secret is shorter than 16 bytes, or the file cannot be read.
+        ValueError: the secret is shorter than 16 bytes, RINGLET_SECRET is set
+            but empty (or only whitespace), or the file cannot be read.
     Warns:
         UserWarning: the secret file is readable by group or others.
 
@@ -498,6 +499,12 @@ def load_secret(environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
     """
     env = os.environ if environ is None else environ
     raw = env.get("RINGLET_SECRET")
+    if raw is not None and not raw.strip():
+        # Set but empty (`RINGLET_SECRET= python train.py`, an unset shell
+        # variable expanded): refuse rather than silently run with no secret.
+        raise ValueError("RINGLET_SECRET is set but empty; give it a secret of at least "
+                         f"{MIN_SECRET_BYTES} bytes, or unset it (a job then runs without a "
+                         "secret only on loopback)")
     if raw:
         secret = raw.encode("utf-8")
         if len(secret) < MIN_SECRET_BYTES:

@@ -47,6 +47,8 @@ import threading
 import time
 from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
 
+from .errors import RingletError
+
 __all__ = ["main", "build_parser"]
 
 _PROG = "ringlet run"
@@ -228,6 +230,9 @@ class _Launcher:
         self.pumps: List[threading.Thread] = []
         self.signal: Optional[int] = None
         self.signal_count = 0
+        self.secret = b""
+        self.port = 0
+        self._store = None
 
     # ---- signals --------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -251,6 +256,7 @@ class _Launcher:
 
         secret = secrets.token_hex(32)
         server = StoreServer("127.0.0.1", 0, secret=secret.encode())
+        self.secret, self.port = secret.encode(), server.port
         handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         previous = {}
         if threading.current_thread() is threading.main_thread():
@@ -273,6 +279,8 @@ class _Launcher:
             end = time.monotonic() + 2.0
             for t in self.pumps:
                 t.join(max(0.0, end - time.monotonic()))
+            if self._store is not None:
+                self._store.close()
             server.close()
             for s, h in previous.items():
                 signal.signal(s, h)
@@ -318,6 +326,48 @@ class _Launcher:
         except (OSError, ValueError):
             pass
 
+    def _blame(self, rank: int) -> Tuple[int, str]:
+        """Which rank failed first, once ``rank`` has exited non-zero: the one the
+        job's own failure record names, else ``rank``; and what it reported.
+
+        Exit order misleads: a rank that raises closes its sockets in its exit
+        handlers, and its peers, failing on them, often exit before it does.
+        Their record (the first failure of the latest generation, set with an
+        atomic add) names the rank that failed and, where the failure was a
+        vanished or aborting peer, that peer: the root cause.
+        """
+        import json
+
+        from . import _core, _world
+        from .store import Store
+
+        try:
+            if self._store is None:
+                self._store = Store("127.0.0.1", self.port, secret=self.secret, timeout=5.0)
+            st = self._store
+            if not st.check(_world.FAILURE_KEY):
+                return rank, ""
+            rec = json.loads(st.get(_world.FAILURE_KEY, timeout=0).decode())
+            who = int(rec["rank"])
+            # A record from a generation its rank has since left is history.
+            gen_key = _world.GEN_KEY.format(who)
+            if int(st.get(gen_key, timeout=0).decode()) != int(rec["gen"]):
+                return rank, ""
+        except (RingletError, OSError, ValueError, KeyError, TypeError):
+            return rank, ""  # no usable record: fall back to exit order
+        peer, message = rec.get("peer"), str(rec.get("message", ""))
+        if isinstance(peer, int) and 0 <= peer < self.nproc and (
+                rec.get("status") == _core.STATUS["PEER_CLOSED"]
+                or "peer aborted the operation" in message):
+            who = peer
+        if not 0 <= who < self.nproc or self.codes.get(who) == 0:
+            return rank, ""  # the peer it names finished cleanly: blame the one that failed
+        return who, message
+
+    def _verdict(self, rank: int, rc: int, message: str) -> None:
+        why = f"; it reported: {message[:300]}" if message else ""
+        self._say(f"rank {rank} failed first ({_describe(rc)}){why}; stopping the other ranks")
+
     def _watch(self) -> int:
         start = time.monotonic()
         deadline = None if self.timeout is None else start + self.timeout
@@ -325,6 +375,7 @@ class _Launcher:
         killed_at: Optional[float] = None
         forwarded = 0
         code: Optional[int] = None
+        pending: Optional[Tuple[int, int, int, str]] = None  # (blamed, first, its rc, report)
         while len(self.codes) < self.nproc:
             now = time.monotonic()
             running = [r for r in range(self.nproc) if r not in self.codes]
@@ -364,12 +415,31 @@ class _Launcher:
             except queue.Empty:
                 continue
             self.codes[rank] = rc
-            if rc != 0 and stopping_since is None:
-                self._say(f"rank {rank} failed first ({_describe(rc)}); stopping the other "
-                          f"ranks")
-                others = [r for r in range(self.nproc) if r not in self.codes]
+            if pending is not None and rank == pending[0]:
+                # The blamed rank's own exit: its code is the job's, unless it
+                # exited cleanly after all (then the first non-zero exit stands).
+                culprit, first, first_rc, message = pending
+                pending = None
+                if rc != 0:
+                    self._verdict(culprit, rc, message)
+                    code = _exit_code(rc)
+                else:
+                    self._verdict(first, first_rc, "")
+            elif rc != 0 and stopping_since is None:
+                culprit, message = self._blame(rank)
+                others = [r for r in range(self.nproc) if r not in self.codes and r != culprit]
                 self._send(signal.SIGTERM, others)
                 stopping_since, code = time.monotonic(), _exit_code(rc)
+                if culprit == rank or culprit in self.codes:
+                    self._verdict(culprit, self.codes[culprit], message)
+                    code = _exit_code(self.codes[culprit])
+                else:
+                    # It is on its way out (its failure is what failed the
+                    # others): let it finish and report its own exit code,
+                    # within the grace period like everyone else.
+                    pending = (culprit, rank, rc, message)
+        if pending is not None:
+            self._verdict(pending[1], pending[2], "")
         # Anything a stopped rank left in its process group goes too.
         if stopping_since is not None:
             self._send(signal.SIGKILL)

@@ -82,6 +82,9 @@ ST_OK, ST_TIMEOUT, ST_ERROR = 0, 1, 2
 _MAX_TIMEOUT_MS = 10 ** 10
 _MAX_REQUEST = _REQ.size + MAX_KEY_BYTES + MAX_VALUE_BYTES
 _RECV_CHUNK = 1 << 20
+# How long a client waits for a store's handshake answer before it counts the
+# listener as silent (the server's own default handshake_timeout).
+_SILENT_S = 5.0
 _HS_IN_CAP = _auth.HELLO_LEN + _auth.PROOF_LEN  # a client sends nothing else before READY
 _MAX_HANDSHAKES = 512  # unauthenticated connections held at once (oldest evicted beyond)
 _ACCEPT_BATCH = 64  # accepts per loop turn, so a flood cannot starve served clients
@@ -707,6 +710,7 @@ class Store:
         start = time.monotonic()
         deadline = start + self._timeout
         delay, attempts, last = 0.005, 0, "no attempt"
+        silent = 0  # handshakes in a row the listener accepted but never answered
         while True:
             attempts += 1
             left = max(deadline - time.monotonic(), 0.01)  # one last short try at the deadline
@@ -716,19 +720,29 @@ class Store:
                 if sock.family in (socket.AF_INET, socket.AF_INET6):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 _auth.client_handshake(sock, self._secret, _PURPOSE,
-                                       deadline=min(deadline, time.monotonic() + 30.0))
+                                       deadline=min(deadline, time.monotonic() + _SILENT_S))
                 return sock
             except _auth.HandshakeAborted as exc:
                 last = f"handshake interrupted: {exc}"  # server restarting or overloaded
+                silent = 0
             except AuthenticationError as exc:
                 if sock is not None:
                     sock.close()
-                if "timed out" in str(exc) and time.monotonic() < deadline:
-                    last = str(exc)
-                else:
+                if "timed out" not in str(exc):
                     raise AuthenticationError(f"rendezvous store at {self._where}: {exc}") from None
+                last = str(exc)
+                silent += 1
+                if silent >= 2 or time.monotonic() >= deadline:
+                    # A store answers a hello from its loop at once, and drops a
+                    # silent handshake itself after 5 s: this is another program.
+                    raise RendezvousError(
+                        f"{self._where} accepted the connection but never answered the ringlet "
+                        f"handshake ({last}, {silent} time(s)): it is not a ringlet store "
+                        f"(another program holds this port?); check MASTER_ADDR/MASTER_PORT",
+                        waited=time.monotonic() - start) from None
             except OSError as exc:
                 last = _describe_oserror(exc)
+                silent = 0
             if sock is not None:
                 sock.close()
             left = deadline - time.monotonic()
