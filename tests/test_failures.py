@@ -58,6 +58,14 @@ def _desync(rank, P, kind):
     return ("no error", "", time.monotonic() - t0, False)
 
 
+_DESYNC_NAMES = {
+    "count": ["total=40 bytes", "total=48 bytes"],
+    "dtype": ["dtype=float32", "dtype=float64"],
+    "op": ["broadcast(seq=1", "all_reduce(seq=1"],
+    "root": ["all_reduce(seq=2", "broadcast(seq=1"],  # the stale broadcast shows in the next op
+}
+
+
 @pytest.mark.parametrize("kind", ["count", "dtype", "op", "root"])
 def test_desync_detected_at_once(kind):
     res = run_world(_desync, 2, mode="thread", timeout=60, args=(kind,))
@@ -65,7 +73,10 @@ def test_desync_detected_at_once(kind):
         assert what == "desync", res
         assert took < 10, f"desync took {took:.1f}s (timeout 30s): must be immediate"
         assert poisoned
-        assert "expects" in msg and "peer sent" in msg or "rank" in msg
+        # the message names both sides' headers, and they differ in the field that was changed
+        assert "this rank expects" in msg and "but the peer sent" in msg, msg
+        assert msg.startswith("rank "), msg
+        assert all(s in msg for s in _DESYNC_NAMES[kind]), (kind, msg)
 
 
 # all_to_all_v count tables that disagree by whole segments: every frame but
