@@ -18,6 +18,8 @@ from ringlet.parallel._flat import FlatLayout
 from ringlet.parallel.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from ringlet.testing import run_world
 
+from conftest import require
+
 SS = ShardingStrategy
 B = 24  # divisible by 1, 2, 3, 4
 RTOL, ATOL = 1e-10, 1e-12
@@ -160,7 +162,7 @@ def test_hybrid_shard_2x2_matches_single_process(how, kind):
 
 
 def test_real_device_mesh():
-    mesh_mod = pytest.importorskip("ringlet.mesh")
+    import ringlet.mesh as mesh_mod
     data = batches(3)
     want = train_single(seq_model, "adamw", data)
 
@@ -340,7 +342,7 @@ def test_mixed_precision_float16_computes_in_half_and_keeps_float32_shards():
 
 
 def test_mixed_precision_bfloat16_gathers_rounded_values():
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = require("ml_dtypes")
     data = batches(3, dtype=np.float32)
     want = _mp_reference(data)
     mp = MixedPrecision(param_dtype=ml_dtypes.bfloat16, reduce_dtype="bfloat16")
@@ -612,7 +614,7 @@ def test_load_full_state_dict_rejects_bad_entries_on_every_rank():
 
 
 def test_sharded_state_dict_round_trip_through_checkpoint(tmp_path):
-    ckpt = pytest.importorskip("ringlet.checkpoint")
+    import ringlet.checkpoint as ckpt
     data = batches(2)
     path = str(tmp_path / "fsdp")
 
