@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 import ringlet
-from ringlet import ReduceOp
+from ringlet import ReduceOp, _world
 from ringlet.testing import run_world
+
+from _blocked import wait_until_blocked
 
 
 def _many_async(rank, P):
@@ -69,21 +73,33 @@ def test_isend_irecv_exchange_of_large_messages():
     assert all(run_world(_p2p_exchange, 2, mode="thread", timeout=60))
 
 
-def _gil_free(rank, P):
-    # Thread mode itself proves it: n ranks in one process only progress together if
-    # every blocking call releases the GIL.  Also check Python runs during an async op.
-    x = np.ones(4 << 20, np.float32)
-    w = ringlet.all_reduce(x, async_op=True)
-    spins = 0
-    while not w.is_completed():
-        spins += 1
-    w.wait()
-    return spins
+def _gil_free(rank, P, go):
+    # A thread of rank 0 blocks in recv; once the kernel shows it sitting in
+    # poll, this thread must still run Python (it cannot if the call holds
+    # the GIL: then it runs only after the recv has timed out).  Only then is
+    # rank 1 told to send.
+    if rank == 1:
+        assert go.wait(60), "rank 0 never released rank 1"
+        ringlet.send(np.arange(8, dtype=np.float32), 0, tag=3)
+        return True
+    got = np.zeros(8, np.float32)
+    world = _world._require(None)  # the rank's world, which a new thread does not inherit
+    t = threading.Thread(target=world.recv, args=(got, 1, 3), kwargs=dict(timeout=20))
+    t.start()
+    blocked = wait_until_blocked(t.native_id)
+    n = 0
+    for _ in range(100_000):  # bytecode: needs the GIL
+        n += 1
+    still_waiting = t.is_alive()
+    go.set()
+    t.join(60)
+    return blocked and n == 100_000 and still_waiting and \
+        bool(np.array_equal(got, np.arange(8, dtype=np.float32)))
 
 
-def test_python_runs_while_async_op_is_in_flight():
-    spins = run_world(_gil_free, 2, mode="thread", timeout=60)
-    assert max(spins) > 0
+def test_python_runs_while_a_blocking_call_waits():
+    go = threading.Event()
+    assert run_world(_gil_free, 2, mode="thread", timeout=90, args=(go,)) == [True, True]
 
 
 def _pending_irecv_at_shutdown(rank, P):
