@@ -48,7 +48,8 @@ def _run_steps(rank, P, steps):
             else:
                 ringlet.reduce(x, dst=root, op=op)
                 want = reduce_np(ins, op, dt) if rank == root else ins[rank]
-            ok = close(x, want, op)
+            # a non-root's buffer is only read: exact whatever the op
+            ok = close(x, want, op) if kind == "all_reduce" or rank == root else same(x, want)
         elif kind == "broadcast":
             ins = [data(r, n, dt, salt=salt) for r in range(P)]
             x = ins[rank].copy()
