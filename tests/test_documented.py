@@ -26,8 +26,8 @@ import pytest
 
 import ringlet
 from ringlet import _core, _world
-from ringlet.errors import (AuthenticationError, CollectiveTimeout, DesyncError, PeerClosedError,
-                            ProtocolError, RingletError)
+from ringlet.errors import (CollectiveTimeout, DesyncError, PeerClosedError, ProtocolError,
+                            RingletError)
 from ringlet.testing import WorldError, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,7 +261,8 @@ _INIT = textwrap.dedent("""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            ringlet.init(rank=rank, world_size=2, master_addr=addr, master_port=port, bind_addr=addr, timeout=30)
+            ringlet.init(rank=rank, world_size=2, master_addr=addr, master_port=port,
+                         bind_addr=addr, timeout=30)
         except ringlet.RingletError as exc:
             print("refused:", type(exc).__name__, exc)
             sys.exit(0)
@@ -373,7 +374,8 @@ def test_ringlet_run_forwards_the_signal_and_a_second_one_kills_at_once(tmp_path
 # ---- examples --------------------------------------------------------------------
 def test_example_train_ddp_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", "--timeout", "240",
-                           str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1", "--batch", "256"],
+                           str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1",
+                           "--batch", "256"],
                           capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     accs = [float(a) for a in re.findall(r"held-out accuracy ([0-9.]+\d)", proc.stdout)]
