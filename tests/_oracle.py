@@ -79,18 +79,41 @@ def reduce_np(arrays, op, dt):
     return acc.astype(dt)
 
 
+# Unit roundoff of each float dtype (half an ulp at 1.0).
+_EPS = {np.dtype(np.float16): 2.0 ** -11, np.dtype(np.float32): 2.0 ** -24,
+        np.dtype(np.float64): 2.0 ** -53}
+if BF16 is not None:
+    _EPS[BF16] = 2.0 ** -8
+
+
+def avg_tolerance(dt) -> float:
+    """Relative bound on an AVG result: the C core rounds 1/P once and the
+    product sum * (1/P) once (half-precision types widen to float32 first and
+    round a third time), so the result is within 4 unit roundoffs of sum / P."""
+    return 4 * _EPS[np.dtype(dt)]
+
+
 def close(got, want, op) -> bool:
-    if got.shape != want.shape:
+    """Reductions: exact for every op but AVG, which allows avg_tolerance."""
+    if got.shape != want.shape or got.dtype != want.dtype:
         return False
-    if op == ReduceOp.AVG:  # one rounding of sum * (1/P) may differ by an ulp
-        return np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-2, atol=1e-2)
+    if op == ReduceOp.AVG:
+        g, w = got.astype(np.float64), want.astype(np.float64)
+        return bool(np.all(np.abs(g - w) <= avg_tolerance(got.dtype) * np.abs(w)))
     return np.array_equal(got.view(np.uint8), want.view(np.uint8)) if got.dtype == BF16 else \
         np.array_equal(got, want)
+
+
+def same(got, want) -> bool:
+    """Ops that only move bytes (broadcast, gather, scatter, all_gather,
+    all_to_all): the result is the input, bit for bit."""
+    return (got.shape == want.shape and got.dtype == want.dtype
+            and np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes())
 
 
 def counts_for(P: int):
     return sorted({0, 1, max(P - 1, 0), P + 1, 3001})
 
 
-__all__ = ["DTYPES", "FLOATS", "INTS", "BF16", "ops_for", "data", "reduce_np", "close",
-           "counts_for", "ringlet"]
+__all__ = ["DTYPES", "FLOATS", "INTS", "BF16", "ops_for", "data", "reduce_np", "close", "same",
+           "avg_tolerance", "counts_for", "ringlet"]

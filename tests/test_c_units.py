@@ -304,24 +304,25 @@ def test_units_program_urandom_fallback(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def _asan_flags(tmp_path: Path) -> tuple[str, ...]:
-    """-fsanitize=address where this gcc can build and run with it, else none."""
+ASAN = ("-fsanitize=address", "-fno-omit-frame-pointer")
+
+
+def test_scratch_program_catches_an_overrun_under_asan(tmp_path):
+    """AddressSanitizer is part of the scratch test, not an option: a program
+    that writes one byte past a heap block must be stopped by it here."""
     probe = tmp_path / "asan_probe.c"
-    probe.write_text("int main(void) { return 0; }\n")
-    flags = ("-fsanitize=address", "-fno-omit-frame-pointer")
-    res = subprocess.run([GCC, *flags, str(probe), "-o", str(tmp_path / "asan_probe")],
-                         capture_output=True, timeout=60)
-    if res.returncode != 0:
-        return ()
-    ran = subprocess.run([str(tmp_path / "asan_probe")], capture_output=True, timeout=60)
-    return flags if ran.returncode == 0 else ()
+    probe.write_text("#include <stdlib.h>\nint main(void) { char *p = malloc(8); "
+                     "p[8] = 1; free(p); return 0; }\n")
+    exe = _compile(tmp_path / "asan_probe", [probe], "-O0", ASAN)
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert ran.returncode != 0 and "heap-buffer-overflow" in ran.stderr, ran.stderr
 
 
 def test_scratch_program(tmp_path):
     """rl_scratch: half a page from the user buffer, len bytes usable, reuse, NOMEM."""
     sources = [CTESTS / "test_scratch.c", *sorted(CSRC.glob("*.c"))]
     exe = _compile(tmp_path / "test_scratch", sources, "-O2",
-                   ("-pthread", *_asan_flags(tmp_path)))
+                   ("-pthread", *ASAN))
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "checks passed" in res.stdout
@@ -334,18 +335,18 @@ def test_bench_c_programs_build_and_barrier_send_runs(tmp_path):
     exe = _compile(tmp_path / "barrier_send", [bench_c / "barrier_send.c"], "-O2", ("-Wextra",))
     res = subprocess.run([str(exe), "400", "56"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("# 400 iterations, 56-byte frame;"), res.stdout
     rows = [line.split() for line in res.stdout.splitlines() if not line.startswith("#")]
     assert [" ".join(r[:-5]) for r in rows] == ["recv spin", "poll spin", "block in poll"]
-    for r in rows:
-        send, receive, slower, p10, p90 = map(float, r[-5:])
-        assert 0 < send and 0 < receive
-        # The slower side of each iteration bounds either side's, so its median does too.
-        assert slower >= max(send, receive) and p10 <= slower <= p90
+    for r in rows:  # five finite, positive times per mode (their values are docs' business)
+        assert all(0 < float(v) < float("inf") for v in r[-5:]), r
+    bad = subprocess.run([str(exe), "4"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "usage: barrier_send" in bad.stderr
 
 
 def test_names_sizes_and_op_validity(driver):
     res = subprocess.run([str(driver), "table"], capture_output=True, text=True, timeout=60,
-                         check=True)
+                         env=_env("auto"), check=True)
     valid, names, sizes, ops, simd = {}, {}, {}, {}, None
     for line in res.stdout.splitlines():
         kind, *rest = line.split()
@@ -380,10 +381,20 @@ def test_names_sizes_and_op_validity(driver):
     assert sizes[-1] == 0 and sizes[NDTYPES] == 0
     assert names[-1] == names[NDTYPES] == "unknown-dtype"
     assert ops[-1] == ops[NOPS] == "unknown-reduce-op"
-    assert simd in ("avx2,f16c", "baseline")
+    assert simd == _cpu_simd(), "rl_simd_level must pick AVX2+F16C exactly where the CPU has both"
     base = subprocess.run([str(driver), "table"], capture_output=True, text=True, timeout=60,
                           env=_env("baseline"), check=True)
     assert base.stdout.splitlines()[-1] == "simd baseline"
+
+
+def _cpu_simd() -> str:
+    """The SIMD path the kernels should select on this CPU, from the kernel's flags."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "baseline"
+    with open("/proc/cpuinfo") as f:
+        flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    return "avx2,f16c" if "avx2" in flags and "f16c" in flags else "baseline"
 
 
 def _check_paths(driver, tmp_path, batch):

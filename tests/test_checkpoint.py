@@ -30,7 +30,9 @@ from ringlet.checkpoint import _region
 from ringlet.checkpoint import format as ckfmt
 from ringlet.testing import WorldError, run_world
 
-pytest.importorskip("safetensors")
+from conftest import require  # noqa: E402
+
+require("safetensors")  # a declared test dependency: missing is a failure
 from safetensors import safe_open  # noqa: E402
 
 # The directory the ringlet under test was imported from (an install in CI, src/ in a

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 import ringlet
-from ringlet import ReduceOp
+from ringlet import ReduceOp, _world
 from ringlet.testing import run_world
+
+from _blocked import wait_until_blocked
+from _oracle import data, reduce_np, same
 
 
 def _many_async(rank, P):
@@ -69,21 +74,33 @@ def test_isend_irecv_exchange_of_large_messages():
     assert all(run_world(_p2p_exchange, 2, mode="thread", timeout=60))
 
 
-def _gil_free(rank, P):
-    # Thread mode itself proves it: n ranks in one process only progress together if
-    # every blocking call releases the GIL.  Also check Python runs during an async op.
-    x = np.ones(4 << 20, np.float32)
-    w = ringlet.all_reduce(x, async_op=True)
-    spins = 0
-    while not w.is_completed():
-        spins += 1
-    w.wait()
-    return spins
+def _gil_free(rank, P, go):
+    # A thread of rank 0 blocks in recv; once the kernel shows it sitting in
+    # poll, this thread must still run Python (it cannot if the call holds
+    # the GIL: then it runs only after the recv has timed out).  Only then is
+    # rank 1 told to send.
+    if rank == 1:
+        assert go.wait(60), "rank 0 never released rank 1"
+        ringlet.send(np.arange(8, dtype=np.float32), 0, tag=3)
+        return True
+    got = np.zeros(8, np.float32)
+    world = _world._require(None)  # the rank's world, which a new thread does not inherit
+    t = threading.Thread(target=world.recv, args=(got, 1, 3), kwargs=dict(timeout=20))
+    t.start()
+    blocked = wait_until_blocked(t.native_id)
+    n = 0
+    for _ in range(100_000):  # bytecode: needs the GIL
+        n += 1
+    still_waiting = t.is_alive()
+    go.set()
+    t.join(60)
+    return blocked and n == 100_000 and still_waiting and \
+        bool(np.array_equal(got, np.arange(8, dtype=np.float32)))
 
 
-def test_python_runs_while_async_op_is_in_flight():
-    spins = run_world(_gil_free, 2, mode="thread", timeout=60)
-    assert max(spins) > 0
+def test_python_runs_while_a_blocking_call_waits():
+    go = threading.Event()
+    assert run_world(_gil_free, 2, mode="thread", timeout=90, args=(go,)) == [True, True]
 
 
 def _pending_irecv_at_shutdown(rank, P):
@@ -132,3 +149,72 @@ def _keeps(rank, P):
 
 def test_async_work_keeps_exactly_the_ops_arrays():
     assert all(run_world(_keeps, 2, mode="thread", timeout=60))
+
+
+# ---- stress: 1,000 mixed operations ----------------------------------------------
+def _stress(rank, P, n_ops):
+    # Every rank draws the same schedule; about a third of the ops are async
+    # and are waited for in batches, so several are in flight at once.
+    sched = np.random.default_rng(2024)
+    kinds = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "all_to_all",
+             "barrier", "ring"]
+    checks, pending, bad = [], [], []
+    for i in range(n_ops):
+        kind = kinds[sched.integers(len(kinds))]
+        n = int(sched.choice([0, 1, 7, 1000, 50_003]))
+        dt = np.dtype([np.float32, np.int32, np.float64][sched.integers(3)])
+        root = int(sched.integers(P))
+        async_op = bool(sched.random() < 0.35)
+        ins = [data(r, n, dt, salt=i) for r in range(P)]
+        if kind == "all_reduce":
+            x = ins[rank].copy()
+            w = ringlet.all_reduce(x, async_op=async_op)
+            checks.append((i, kind, x, reduce_np(ins, ReduceOp.SUM, dt)))
+        elif kind == "broadcast":
+            x = ins[rank].copy()
+            w = ringlet.broadcast(x, src=root, async_op=async_op)
+            checks.append((i, kind, x, ins[root]))
+        elif kind == "reduce":
+            x = ins[rank].copy()
+            w = ringlet.reduce(x, dst=root, op=ReduceOp.MAX, async_op=async_op)
+            checks.append((i, kind, x, reduce_np(ins, ReduceOp.MAX, dt) if rank == root
+                           else ins[rank]))
+        elif kind == "all_gather":
+            out = np.empty(n * P, dt)
+            w = ringlet.all_gather(out, ins[rank], async_op=async_op)
+            checks.append((i, kind, out, np.concatenate(ins)))
+        elif kind == "reduce_scatter":
+            big = [data(r, n * P, dt, salt=i) for r in range(P)]
+            out = np.empty(n, dt)
+            w = ringlet.reduce_scatter(out, big[rank], async_op=async_op)
+            checks.append((i, kind, out, reduce_np(big, ReduceOp.SUM, dt)[rank * n:(rank + 1) * n]))
+        elif kind == "all_to_all":
+            big = [data(r, n * P, dt, salt=i) for r in range(P)]
+            out = np.empty(n * P, dt)
+            w = ringlet.all_to_all(out, big[rank], async_op=async_op)
+            checks.append((i, kind, out, np.concatenate([b[rank * n:(rank + 1) * n]
+                                                         for b in big])))
+        elif kind == "barrier":
+            w = ringlet.barrier(async_op=async_op)
+        else:  # point to point around the ring, tagged by op index
+            got = np.empty(n, dt)
+            ws = ringlet.isend(ins[rank], (rank + 1) % P, tag=i)
+            wr = ringlet.irecv(got, (rank - 1) % P, tag=i)
+            pending += [ws, wr]
+            checks.append((i, kind, got, ins[(rank - 1) % P]))
+            w = None
+        if async_op and w is not None:
+            pending.append(w)
+        if len(pending) >= 6 or i == n_ops - 1:
+            for p in pending:
+                p.wait(timeout=60)
+            pending = []
+    for i, kind, got, want in checks:
+        if not same(got, want):
+            bad.append(f"rank {rank}: op {i} {kind} {got.dtype} n={got.size}")
+    return bad
+
+
+def test_a_thousand_mixed_ops_sync_and_async():
+    results = run_world(_stress, 4, mode="thread", timeout=300, args=(1000,))
+    assert results == [[]] * 4, [b for r in results for b in r][:20]

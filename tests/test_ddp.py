@@ -11,6 +11,8 @@ from ringlet import nn, optim
 from ringlet.parallel import DDP, DistributedDataParallel, comm_hooks
 from ringlet.testing import WorldError, run_world
 
+from conftest import require
+
 B, DIN, NCLS = 24, 6, 4  # batch divisible by 1, 2, 3, 4
 
 
@@ -297,7 +299,7 @@ def _find_unused_first_step(rank, n):
                                        (comm_hooks.bf16_compress, 1.6e-2)])
 def test_compression_hooks_within_tolerance(hook, rtol):
     if hook is comm_hooks.bf16_compress:
-        pytest.importorskip("ml_dtypes")
+        require("ml_dtypes")
     res = run_world(_grads_after_one_step, 3, args=(dict(bucket_cap_mb=0.0005),),
                     kwargs=dict(hook=hook))
     want = _reference_mean_grads(3)

@@ -25,6 +25,8 @@ from ringlet.errors import (AuthenticationError, CollectiveTimeout, DesyncError,
 from ringlet.store import StoreServer
 from ringlet.testing import WorldError, run_world
 
+from _blocked import wait_until_blocked
+
 
 # ---- desync -------------------------------------------------------------------
 def _desync(rank, P, kind):
@@ -58,6 +60,14 @@ def _desync(rank, P, kind):
     return ("no error", "", time.monotonic() - t0, False)
 
 
+_DESYNC_NAMES = {
+    "count": ["total=40 bytes", "total=48 bytes"],
+    "dtype": ["dtype=float32", "dtype=float64"],
+    "op": ["broadcast(seq=1", "all_reduce(seq=1"],
+    "root": ["all_reduce(seq=2", "broadcast(seq=1"],  # the stale broadcast shows in the next op
+}
+
+
 @pytest.mark.parametrize("kind", ["count", "dtype", "op", "root"])
 def test_desync_detected_at_once(kind):
     res = run_world(_desync, 2, mode="thread", timeout=60, args=(kind,))
@@ -65,7 +75,10 @@ def test_desync_detected_at_once(kind):
         assert what == "desync", res
         assert took < 10, f"desync took {took:.1f}s (timeout 30s): must be immediate"
         assert poisoned
-        assert "expects" in msg and "peer sent" in msg or "rank" in msg
+        # the message names both sides' headers, and they differ in the field that was changed
+        assert "this rank expects" in msg and "but the peer sent" in msg, msg
+        assert msg.startswith("rank "), msg
+        assert all(s in msg for s in _DESYNC_NAMES[kind]), (kind, msg)
 
 
 # all_to_all_v count tables that disagree by whole segments: every frame but
@@ -355,15 +368,24 @@ def test_async_error_reraised_by_wait():
 
 
 # ---- Ctrl-C ----------------------------------------------------------------------
+def _interrupt_when_blocked(tid, sent):
+    blocked = wait_until_blocked(tid)  # the kernel says the call has blocked: no timer
+    sent.append((time.monotonic(), blocked))
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def _interrupt(rank, P):
     if rank == 0:
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-        t0 = time.monotonic()
+        sent = []
+        threading.Thread(target=_interrupt_when_blocked,
+                         args=(threading.main_thread().native_id, sent), daemon=True).start()
         try:
             ringlet.recv(np.empty(4, np.float32), 1, timeout=60)  # nobody sends
         except KeyboardInterrupt:
-            return ("interrupted", time.monotonic() - t0)
-        return ("not interrupted", time.monotonic() - t0)
+            at, blocked = sent[0]
+            return ("interrupted" if blocked else "interrupted, never seen blocked",
+                    time.monotonic() - at)
+        return ("not interrupted", None)
     t0 = time.monotonic()
     try:
         ringlet.barrier(timeout=60)
@@ -375,5 +397,5 @@ def _interrupt(rank, P):
 def test_ctrl_c_interrupts_a_blocked_call_and_tells_the_peers():
     res = run_world(_interrupt, 2, mode="process", timeout=60)
     kind, took = res[0]
-    assert kind == "interrupted" and took < 5, res
+    assert kind == "interrupted" and took < 5, res  # the call checks signals every slice
     assert res[1][0] != "completed" and res[1][1] < 10, res

@@ -18,6 +18,7 @@ import pytest
 
 import ringlet
 from ringlet import nn
+from ringlet.errors import RingletError
 from ringlet.pipeline import (Action, ActionKind, PipelineError, PipelineStage, Plan,
                               Schedule1F1B, ScheduleError, ScheduleGPipe,
                               ScheduleInterleaved1F1B, all_reduce_gradients, bubble_fraction,
@@ -634,9 +635,16 @@ def test_run_world_error_is_reported_not_hung():
         sched.step(x, None)
 
     t0 = time.monotonic()
-    with pytest.raises(WorldError, match="rank"):
+    with pytest.raises(WorldError) as info:
         run_world(body, 2, timeout=30)
     assert time.monotonic() - t0 < 20
+    # rank 0 alone failed, with a ringlet error naming the absent peer: it has
+    # left (closed, or reset during the handshake) or not answered within the
+    # schedule's 2 s
+    err = info.value
+    assert sorted(err.failures) == [0] and err.results == {1: "skipped"}, str(err)
+    exc = err.exceptions[0]
+    assert isinstance(exc, RingletError) and "peer 1" in str(exc), repr(exc)
 
 
 class _Crash(nn.Module):

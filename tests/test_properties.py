@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import ringlet
 from ringlet.testing import run_world
 
-from _oracle import DTYPES, close, data, ops_for, reduce_np
+from _oracle import DTYPES, close, data, ops_for, reduce_np, same
 
 _kinds = st.sampled_from(["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
                           "all_to_all"])
@@ -48,31 +48,33 @@ def _run_steps(rank, P, steps):
             else:
                 ringlet.reduce(x, dst=root, op=op)
                 want = reduce_np(ins, op, dt) if rank == root else ins[rank]
-            ok = close(x, want, op)
+            # a non-root's buffer is only read: exact whatever the op
+            ok = close(x, want, op) if kind == "all_reduce" or rank == root else same(x, want)
         elif kind == "broadcast":
             ins = [data(r, n, dt, salt=salt) for r in range(P)]
             x = ins[rank].copy()
             ringlet.broadcast(x, src=root)
-            ok = close(x, ins[root], op)
+            ok = same(x, ins[root])  # bytes only move: exact whatever op was drawn
         elif kind == "all_gather":
             m = n // P
             ins = [data(r, m, dt, salt=salt) for r in range(P)]
             out = np.empty(m * P, dt)
             ringlet.all_gather(out, ins[rank])
-            ok = close(out, np.concatenate(ins), ringlet.ReduceOp.SUM)
+            ok = same(out, np.concatenate(ins)) and same(ins[rank], data(rank, m, dt, salt=salt))
         elif kind == "reduce_scatter":
             m = n // P
             ins = [data(r, m * P, dt, op, salt) for r in range(P)]
             out = np.empty(m, dt)
             ringlet.reduce_scatter(out, ins[rank], op)
-            ok = close(out, reduce_np(ins, op, dt)[rank * m:(rank + 1) * m], op)
+            ok = close(out, reduce_np(ins, op, dt)[rank * m:(rank + 1) * m], op) and \
+                same(ins[rank], data(rank, m * P, dt, op, salt))
         else:
             m = n // P
             ins = [data(r, m * P, dt, salt=salt) for r in range(P)]
             out = np.empty(m * P, dt)
             ringlet.all_to_all(out, ins[rank])
             want = np.concatenate([ins[s][rank * m:(rank + 1) * m] for s in range(P)])
-            ok = close(out, want, ringlet.ReduceOp.SUM)
+            ok = same(out, want)
         if not ok:
             bad.append((kind, dts, n, op.name, root))
     return bad
