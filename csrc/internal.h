@@ -174,6 +174,8 @@ struct rl_stream {
 /* ---- time ---- */
 int64_t rl_now_ns(void);
 int64_t rl_deadline_ns(int64_t timeout_ms);
+/* The same deadline counted from a clock reading the caller already has. */
+int64_t rl_deadline_from(int64_t now_ns, int64_t timeout_ms);
 
 /* ---- errors (transport.c) ---- */
 /* Record the first error on the comm (later ones are ignored) and return

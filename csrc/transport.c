@@ -93,14 +93,16 @@ int64_t rl_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-int64_t rl_deadline_ns(int64_t timeout_ms) {
+int64_t rl_deadline_from(int64_t now_ns, int64_t timeout_ms) {
     /* Capped at about a year (Python's MAX_TIMEOUT) so ms -> ns cannot overflow
      * int64: a huge timeout means "no practical deadline", never "expired". */
     const int64_t max_ms = 366LL * 24 * 3600 * 1000;
     if (timeout_ms <= 0) timeout_ms = 1;
     if (timeout_ms > max_ms) timeout_ms = max_ms;
-    return rl_now_ns() + timeout_ms * 1000000LL;
+    return now_ns + timeout_ms * 1000000LL;
 }
+
+int64_t rl_deadline_ns(int64_t timeout_ms) { return rl_deadline_from(rl_now_ns(), timeout_ms); }
 
 const char *rl_opcode_name(int opcode) {
     switch (opcode) {
@@ -251,7 +253,7 @@ int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
     /* One clock read serves the deadline and the record's start; the
      * record's end time costs the one this saves (docs/debugging.md). */
     op->start_ns = rl_now_ns();
-    op->deadline_ns = op->start_ns + (timeout_ms > 0 ? timeout_ms : 1) * 1000000LL;
+    op->deadline_ns = rl_deadline_from(op->start_ns, timeout_ms);
     if (opcode != RL_OP_P2P) op->seq = ++c->seq;
     rl_trace_begin(c, op);
     return RL_OK;

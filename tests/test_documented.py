@@ -11,6 +11,7 @@ explicit signal (an event, a file a rank writes) under a generous deadline.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -211,7 +212,8 @@ def _handshakes(rank, P):
     w = _world._current()
     out = {}
     if rank == 0:
-        port1 = int(w.store.get("ringlet/ep/1", timeout=30).decode().rsplit(":", 1)[1])
+        ep1 = json.loads(w.store.get(w.prefix + "ep/1", timeout=30).decode())["ep"]
+        port1 = int(ep1.rsplit(":", 1)[1])
         # the right secret, another job's id
         other = _core.Context(0, 2, "127.0.0.1", w.secret, os.urandom(16))
         other.set_peer(1, "127.0.0.1", port1)

@@ -347,3 +347,19 @@ def test_failed_first_is_the_rank_that_failed_not_the_first_to_exit(tmp_path):
     assert "rank 2 failed first (exit code 3)" in out.stderr, out.stderr
     assert "rank 1 failed first" not in out.stderr and "rank 3 failed first" not in out.stderr
     assert out.returncode == 3, out.stderr
+
+
+def test_blame_follows_a_chain_of_aborting_peers_to_the_rank_that_vanished():
+    # rank 1 saw rank 3 abort, and rank 3 had lost rank 2: rank 2 failed first
+    from ringlet.run import _root_cause
+    nested = ("rank 1: all_reduce seq=2 peer 3 (127.0.0.1:1) after 0.001s: peer aborted the "
+              "operation: [rank 3: all_reduce seq=2 peer 2 (127.0.0.1:2) after 0.001s: connection "
+              "lost while receiving (Connection reset by peer): the peer exited, crashed or aborted]")
+    assert _root_cause(1, 3, False, nested, 4) == 2
+    # an aborting peer whose own reason is not a lost peer is itself the cause
+    own = ("rank 1: all_reduce seq=2 peer 3 (127.0.0.1:1) after 0.001s: peer aborted the "
+           "operation: [rank 3: all_reduce seq=2 peer 0 (127.0.0.1:2) after 30s: timed out]")
+    assert _root_cause(1, 3, False, own, 4) == 3
+    assert _root_cause(1, 3, True, "rank 1: lost: the peer exited, crashed or aborted", 4) == 3
+    assert _root_cause(1, None, False, "rank 1: desync", 4) == 1
+    assert _root_cause(1, 9, True, "rank 1: lost", 4) == 1  # a peer outside the job is ignored

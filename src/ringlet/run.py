@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
@@ -181,6 +182,34 @@ def _describe(rc: int) -> str:
         return f"killed by {name} (exit code {128 - rc})"
     return f"exit code {rc}"
 
+
+
+_ABORTED = "peer aborted the operation: ["
+_INNER = re.compile(r"rank (\d+): \S+ seq=\d+ peer (\d+) ")
+
+
+def _root_cause(who: int, peer: Any, closed: bool, message: str, nproc: int) -> int:
+    """Follow a record's vanished or aborting peer to the rank that failed first.
+
+    An aborting peer's reason is quoted in brackets ("rank R: op seq=S peer P ...:
+    ..."), itself possibly quoting another abort, so the chain is walked to its end.
+    """
+    for _ in range(nproc):
+        if not (isinstance(peer, int) and 0 <= peer < nproc):
+            break
+        at = message.find(_ABORTED)
+        if not closed and at < 0:
+            break
+        who = peer
+        if at < 0:
+            break  # that peer vanished: it is the cause
+        inner = _INNER.match(message, at + len(_ABORTED))
+        if not inner or int(inner[1]) != peer:
+            break
+        message = message[inner.start():]
+        peer = int(inner[2])
+        closed = "the peer exited" in message.split("]", 1)[0]
+    return who
 
 class _Output:
     """Copies a rank's pipe to our stream, one prefixed line at a time."""
@@ -355,11 +384,9 @@ class _Launcher:
                 return rank, ""
         except (RingletError, OSError, ValueError, KeyError, TypeError):
             return rank, ""  # no usable record: fall back to exit order
-        peer, message = rec.get("peer"), str(rec.get("message", ""))
-        if isinstance(peer, int) and 0 <= peer < self.nproc and (
-                rec.get("status") == _core.STATUS["PEER_CLOSED"]
-                or "peer aborted the operation" in message):
-            who = peer
+        message = str(rec.get("message", ""))
+        who = _root_cause(who, rec.get("peer"), rec.get("status") == _core.STATUS["PEER_CLOSED"],
+                          message, self.nproc)
         if not 0 <= who < self.nproc or self.codes.get(who) == 0:
             return rank, ""  # the peer it names finished cleanly: blame the one that failed
         return who, message
