@@ -54,26 +54,14 @@
 /* ------------------------------------------------------------------ */
 /* tuning, time, interrupt hook                                        */
 /* ------------------------------------------------------------------ */
-/* One list of defaults: the live knobs start from it and
- * rl_tuning_defaults() hands it out again. */
-#define RL_TUNING_DEFAULTS                                                     \
-    {                                                                          \
-        .segment_bytes = 512 << 10,                                            \
-        .allreduce_small_bytes = 64 << 10,                                     \
-        .bcast_small_bytes = 64 << 10,                                         \
-        .reduce_small_bytes = 64 << 10,                                        \
-        .spin_us = 50,                                                         \
-        .sockbuf_bytes = 0, /* autotuned: docs/benchmarks.md, "Knobs" */       \
-        .max_frame_bytes = (int64_t)1 << 40,                                   \
-        .handshake_ms = 5000,                                                  \
-        .p2p_unexpected_bytes = (int64_t)256 << 20,                            \
-        .spin_yield = 1,                                                       \
-        .bulk_recv_bytes = 16 << 20, /* docs/benchmarks.md, "Knobs" */        \
-        .local_reno = 1,             /* same_host_reno() */                   \
-        .trace_entries = 2000,       /* flight.c */                           \
-    }
-rl_tuning rl_tune = RL_TUNING_DEFAULTS;
-static const rl_tuning rl_tune_default_copy = RL_TUNING_DEFAULTS;
+#define RL_KNOB_DEFAULT(name, def, env, doc) .name = (def),
+#define RL_KNOB_ROW(name, def, env, doc) {#name, env, (def), offsetof(rl_tuning, name), doc},
+rl_tuning rl_tune = {RL_TUNING_KNOBS(RL_KNOB_DEFAULT)};
+static const rl_tuning rl_tune_default_copy = {RL_TUNING_KNOBS(RL_KNOB_DEFAULT)};
+const rl_knob rl_knobs[] = {RL_TUNING_KNOBS(RL_KNOB_ROW)};
+const int rl_nknobs = (int)(sizeof rl_knobs / sizeof rl_knobs[0]);
+#undef RL_KNOB_DEFAULT
+#undef RL_KNOB_ROW
 
 void rl_tuning_defaults(rl_tuning *t) { *t = rl_tune_default_copy; }
 void rl_set_tuning(const rl_tuning *t) {

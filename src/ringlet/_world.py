@@ -302,15 +302,8 @@ def is_initialized() -> bool:
     return _current() is not None
 
 
-_TUNING_ENV = {"RINGLET_SEGMENT_BYTES": "segment_bytes",
-               "RINGLET_ALLREDUCE_SMALL_BYTES": "allreduce_small_bytes",
-               "RINGLET_BCAST_SMALL_BYTES": "bcast_small_bytes",
-               "RINGLET_REDUCE_SMALL_BYTES": "reduce_small_bytes",
-               "RINGLET_SPIN_US": "spin_us", "RINGLET_SOCKBUF_BYTES": "sockbuf_bytes",
-               "RINGLET_SPIN_YIELD": "spin_yield",
-               "RINGLET_BULK_RECV_BYTES": "bulk_recv_bytes",
-               "RINGLET_LOCAL_RENO": "local_reno",
-               "RINGLET_TRACE_ENTRIES": "trace_entries"}
+# RINGLET_* variable -> knob, from the C core's one table (ringlet.h).
+_TUNING_ENV = {k["env"]: k["name"] for k in _core.knobs() if k["env"]}
 
 
 def _spin_yield_policy(local_world_size: int) -> int:
