@@ -139,11 +139,10 @@ static int same_host(const struct sockaddr_storage *a, const struct sockaddr_sto
 
 /* A connection within this host switches to Reno (rl_tune.local_reno).
  * Nothing on the loopback path needs congestion control, and a pacing one
- * (BBR, some distributions' default) holds each packet for a timer: large
- * messages at 2 and 4 ranks measured up to 31% slower under it, 34 of 36
- * cells slower (docs/benchmarks.md, "Knobs").  Reno is built into every
- * kernel and allowed to unprivileged processes; a refusal leaves the
- * system's choice. */
+ * (BBR, some distributions' default) holds each packet for a timer, which
+ * slows large messages (docs/algorithms.md, "Connections").  Reno is built
+ * into every kernel and allowed to unprivileged processes; a refusal leaves
+ * the system's choice. */
 static void same_host_reno(int fd) {
     struct sockaddr_storage a, b;
     socklen_t al = sizeof a, bl = sizeof b;
@@ -937,10 +936,10 @@ int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms) {
  * big blocks at page + 16, the benchmark's and many users' buffers start on
  * a page) stalls: the CPU matches a load against earlier stores by the low
  * 12 address bits only, so every load waits on a store that only looks like
- * the same address ("4K aliasing").  Bruck's all_to_all of 32 KiB at 4 ranks
- * ran ~210 instead of ~110 us after any op had grown the scratch past
- * glibc's mmap threshold.  Half a page from the user buffer avoids that and
- * keeps the two in different L1 sets (docs/algorithms.md, "Scratch"). */
+ * the same address ("4K aliasing"), which doubled the time of copy-bound ops
+ * once the scratch had grown past glibc's mmap threshold.  Half a page from
+ * the user buffer avoids that and keeps the two in different L1 sets
+ * (docs/algorithms.md, "Scratch"). */
 #define RL_PAGE 4096
 int rl_scratch(rl_comm *c, const rl_opdesc *op, size_t len, const void *near, char **out) {
     if (c->scratch_len < len) {
