@@ -310,7 +310,7 @@ def _spin_yield_policy(local_world_size: int) -> int:
     """1 (yield between polls) when this host's ranks outnumber the CPUs this
     process may use, so a waiting rank hands its core to one that has work;
     else 0: two ranks that yield to each other on one core stay "cache hot"
-    and the scheduler never spreads them to an idle core (docs/benchmarks.md,
+    and the scheduler never spreads them to an idle core (docs/experiments.md,
     "Two speeds at 2 ranks")."""
     from .environment import usable_cpus
 

@@ -72,7 +72,7 @@ def aggregate(rounds: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, Any]
     ``wrong`` is summed over rounds (-1 when unchecked).  Row order follows
     the first round in which each row appears.  ``round_min_us`` and
     ``round_max_us`` keep the fastest and slowest round's time: on a shared
-    machine a whole round can run at half speed (docs/benchmarks.md, "Two
+    machine a whole round can run at half speed (docs/experiments.md, "Two
     speeds at 2 ranks, large messages"), which the median hides.
     """
     groups: Dict[Tuple, List[Dict[str, Any]]] = {}
