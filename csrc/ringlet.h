@@ -119,29 +119,29 @@ int rl_random_bytes(void *buf, size_t n);
  * checked against) all expand it, so a knob is declared here only.
  * rl_set_tuning raises segment_bytes to at least 4096 and handshake_ms to
  * at least 100. */
-#define RL_TUNING_KNOBS(X)                                                                      \
-    X(segment_bytes, 512 << 10, "RINGLET_SEGMENT_BYTES",                                        \
-      "pipeline segment of the ring and chain algorithms (at least 4096)")                      \
-    X(allreduce_small_bytes, 64 << 10, "RINGLET_ALLREDUCE_SMALL_BYTES",                         \
-      "up to this: latency algorithms of all_reduce (message), all_gather, reduce_scatter "     \
-      "and all_to_all (all ranks' bytes)")                                                      \
-    X(bcast_small_bytes, 64 << 10, "RINGLET_BCAST_SMALL_BYTES",                                 \
-      "up to this: broadcast by flat or binomial tree, else pipelined chain")                   \
-    X(reduce_small_bytes, 64 << 10, "RINGLET_REDUCE_SMALL_BYTES",                               \
-      "up to this: reduce by binomial tree, else pipelined chain")                              \
-    X(spin_us, 50, "RINGLET_SPIN_US", "busy-poll this long before blocking in poll(2)")         \
-    X(sockbuf_bytes, 0, "RINGLET_SOCKBUF_BYTES", "SO_SNDBUF / SO_RCVBUF; 0: the kernel autotunes") \
-    X(max_frame_bytes, (int64_t)1 << 40, NULL, "ceiling on any received frame's payload")      \
-    X(handshake_ms, 5000, NULL, "deadline of one connection handshake (at least 100)")         \
-    X(p2p_unexpected_bytes, (int64_t)256 << 20, NULL,                                           \
-      "cap on buffered unmatched point-to-point frames per group")                             \
-    X(spin_yield, 1, "RINGLET_SPIN_YIELD",                                                      \
-      "1: sched_yield between polls; init() sets 1 only when the host's ranks outnumber its CPUs") \
-    X(bulk_recv_bytes, 16 << 20, "RINGLET_BULK_RECV_BYTES",                                     \
-      "2-rank broadcast or p2p receive of at least this wakes once per segment; 0: never")      \
-    X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                      \
-      "1: same-host connections use Reno congestion control (no pacing); 0: the system's")     \
-    X(trace_entries, 2000, "RINGLET_TRACE_ENTRIES",                                             \
+#define RL_TUNING_KNOBS(X)                                                                          \
+    X(segment_bytes, 512 << 10, "RINGLET_SEGMENT_BYTES",                                            \
+      "pipeline segment of the ring and chain algorithms (at least 4096)")                          \
+    X(allreduce_small_bytes, 64 << 10, "RINGLET_ALLREDUCE_SMALL_BYTES",                             \
+      "up to this: latency algorithms of all_reduce (message), all_gather, reduce_scatter "         \
+      "and all_to_all (all ranks' bytes)")                                                          \
+    X(bcast_small_bytes, 64 << 10, "RINGLET_BCAST_SMALL_BYTES",                                     \
+      "up to this: broadcast by flat or binomial tree, else pipelined chain")                       \
+    X(reduce_small_bytes, 64 << 10, "RINGLET_REDUCE_SMALL_BYTES",                                   \
+      "up to this: reduce by binomial tree, else pipelined chain")                                  \
+    X(spin_us, 50, "RINGLET_SPIN_US", "busy-poll this long before blocking in poll(2)")             \
+    X(sockbuf_bytes, 0, "RINGLET_SOCKBUF_BYTES", "SO_SNDBUF / SO_RCVBUF; 0: the kernel autotunes")  \
+    X(max_frame_bytes, (int64_t)1 << 40, NULL, "ceiling on any received frame's payload")           \
+    X(handshake_ms, 5000, NULL, "deadline of one connection handshake (at least 100)")              \
+    X(p2p_unexpected_bytes, (int64_t)256 << 20, NULL,                                               \
+      "cap on buffered unmatched point-to-point frames per group")                                  \
+    X(spin_yield, 1, "RINGLET_SPIN_YIELD",                                                          \
+      "1: sched_yield between polls; init() sets 1 only when the host's ranks outnumber its CPUs")  \
+    X(bulk_recv_bytes, 16 << 20, "RINGLET_BULK_RECV_BYTES",                                         \
+      "2-rank broadcast or p2p receive of at least this wakes once per segment; 0: never")          \
+    X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                          \
+      "1: same-host connections use Reno congestion control (no pacing); 0: the system's")          \
+    X(trace_entries, 2000, "RINGLET_TRACE_ENTRIES",                                                 \
       "flight recorder: ops kept per communicator, read when one is created; 0: off")
 
 typedef struct {
