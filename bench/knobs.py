@@ -1,6 +1,6 @@
 """Measure the effect of ringlet's tuning knobs, interleaved.
 
-Each variant is a set of ``RINGLET_*`` environment variables (docs/benchmarks.md,
+Each variant is a set of ``RINGLET_*`` environment variables (docs/experiments.md,
 "Knobs").  Every round runs ``ringlet bench`` once per variant, in turn, so slow
 drifts of this shared machine hit every variant alike; the table shows, per size,
 the median over rounds of each variant's median time.

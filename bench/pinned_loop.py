@@ -3,7 +3,7 @@
 Each rank times its own loop of N 8-byte broadcasts and the loop plus a
 closing barrier, and counts the loop's CPU time and context switches; rank 0
 prints all of them per rank, per operation.
-Run under ``ringlet run`` (docs/benchmarks.md, "Small messages, back to back"):
+Run under ``ringlet run`` (docs/experiments.md, "Small messages, back to back"):
 
     ringlet run -n 4 bench/pinned_loop.py --cores 0,0,1,1 -n 20000
     perf sched record -o sched.data -- ringlet run -n 4 bench/pinned_loop.py --cores 0,0,1,1 -n 5000

@@ -13,14 +13,13 @@
  *   Each chunk travels as segments (rl_tune.segment_bytes).  Segment k of
  *   step t+1 is the segment k that step t received, so it may be sent as
  *   soon as that one segment has arrived and been reduced: transfer and
- *   reduction overlap, and no step waits for a whole chunk.  At 2 ranks both
- *   streams run segment-major (segment 0 of both steps, then segment 1, ..):
- *   a reduced segment goes out while it is still in cache, which made 4-256
- *   MiB 27-44% faster; with 2 segments a chunk (2 MiB) it was 18% slower (15
- *   alternating rounds), so it starts at 4 segments a chunk.  From 3 ranks they run step-major (every segment of
- *   step 0, then of step 1, ..): a segment-major row must travel 2(P-1)
- *   hops around the ring before the next row starts, and at 4 ranks on 2
- *   cores that cost as much as the cache saved (docs/benchmarks.md).
+ *   reduction overlap, and no step waits for a whole chunk.  At 2 ranks, from
+ *   4 segments a chunk, both streams run segment-major (segment 0 of both
+ *   steps, then segment 1, ..), so a reduced segment goes out while it is
+ *   still in cache; with fewer segments that order lost.  From 3 ranks they
+ *   run step-major (every segment of step 0, then of step 1, ..): a
+ *   segment-major row must travel 2(P-1) hops around the ring before the next
+ *   row starts, which costs what the cache saves (figures: docs/algorithms.md).
  *   (Chunks differ by at most one element, so only the last segment row of
  *   the segment-major order can lack some steps.)
  *   Bytes sent per rank: 2 (P-1)/P * N; reduction work: (P-1)/P * N.

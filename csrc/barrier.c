@@ -4,11 +4,9 @@
  * Flat (3 or 4 ranks): every other rank sends rank 0 an empty frame (tag 0)
  * and waits for its release (tag 1); rank 0 waits for all of them, then
  * releases all.  2(P-1) frames and two hops.  With more ranks than cores
- * every frame costs CPU a waiting peer needs, and a hop costs a scheduling
- * delay: on 2 cores the flat barrier measured 135 us against the
- * dissemination barrier's 204 at 4 ranks, 64 against 97 at 3 (medians of 7
- * interleaved rounds; docs/benchmarks.md).  At 2 ranks dissemination is one
- * exchange, one hop.
+ * every frame costs CPU a waiting peer needs, and up to 4 ranks that outweighs
+ * the extra hop (figures: docs/algorithms.md, "barrier").  At 2 ranks
+ * dissemination is one exchange, one hop.
  *
  * Dissemination: round k = 0 .. ceil(log2 P)-1: send an empty frame to
  * (r + 2^k) mod P and wait for one from (r - 2^k) mod P.  After round k every

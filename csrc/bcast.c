@@ -10,17 +10,15 @@
  * each of its children (the root to ceil(log2 P) of them).  Up to
  * RL_BCAST_FLAT_MAX ranks the root sends to every rank itself instead: at 4
  * ranks that is one more send at the root in place of a second hop, and a
- * hop costs a scheduling delay when ranks outnumber cores (4 ranks on 2
- * cores, 8 B, 6 interleaved pairs: median of the slowest rank 55 against
- * 70 us; docs/benchmarks.md).  With 3 ranks both shapes are the same.
+ * hop costs a scheduling delay when ranks outnumber cores (figures:
+ * docs/algorithms.md, "broadcast").  With 3 ranks both shapes are the same.
  *
  * Chain: v receives segments from v-1 and forwards each one to v+1 as soon
  * as it has arrived, so after a fill time of (P-1) segments every link
  * carries data at once.  Each rank sends N bytes once: time ~ N / link
  * bandwidth + (P-1) * segment time, independent of P for large N.
  * With P = 2 nobody forwards, so the root sends the buffer as one frame:
- * segments would only add headers and engine rounds (2 ranks, 9
- * interleaved rounds: 8-256 MiB 2-22% faster; docs/benchmarks.md, "Knobs").
+ * segments would only add headers and engine rounds.
  */
 #include <string.h>
 

@@ -6,7 +6,7 @@
  * Wait policy.  When no stream can move, the engine first spins for
  * rl_tune.spin_us, retrying the sockets and calling sched_yield() between
  * tries: a waiting rank that polls sees a reply in a few microseconds instead
- * of paying a ~50 us wake-up, and the yield hands the core to another rank
+ * of paying for a wake-up, and the yield hands the core to another rank
  * when ranks outnumber cores (if both are in one scheduler autogroup, i.e.
  * one session: ringlet run sees to that).  With no more ranks than cores
  * init() turns the yield off (rl_tune.spin_yield): two ranks that yield to
@@ -225,8 +225,8 @@ int rl_overlap(const void *a, size_t al, const void *b, size_t bl) {
  * segment's copy at the end of the message (it no longer overlaps the
  * transfer), which smaller messages do not earn back.  Collectives opt in
  * per stream (`bulk`: the receiver of a 2-rank broadcast, one frame); a
- * point-to-point receive of that size always does (docs/benchmarks.md,
- * "Knobs").  The kernel still wakes a reader whose receive window is full,
+ * point-to-point receive of that size always does (docs/algorithms.md,
+ * "Waiting").  The kernel still wakes a reader whose receive window is full,
  * and a peer's abort or exit shuts the socket down, which wakes it too. */
 #define RL_LOWAT_MIN ((size_t)64 << 10)
 static void set_lowat(int fd, size_t *have, size_t want) {

@@ -101,9 +101,8 @@ static int rh_reduce_scatter(rl_comm *c, const rl_opdesc *op, char *out, const c
 /* ---- all_gather ---- */
 /* At 2 ranks the one connection carries both directions, and letting both
  * run freely was slower than keeping them in step: segment i is sent only
- * once segment i-1 has arrived (6 alternating rounds, 16-256 MiB:
- * all_gather 25-31% faster, reduce_scatter 12-38%; a lead of 2 or 4
- * segments gained less). reduce_scatter uses it too. */
+ * once segment i-1 has arrived (docs/algorithms.md).  reduce_scatter uses
+ * it too. */
 static int pair_in_step(const ring_sg *a, int i) {
     return i == 0 || a->recv->cur > i - 1;
 }
@@ -133,9 +132,9 @@ static void ag_recv_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
 
 /* 2 ranks, blocks of RL_STREAM_OUT_MIN or more: nothing received is sent
  * on, so each segment lands in a cached slot and is streamed into the output
- * (no read of the output's lines first, as for reduce_scatter's output):
- * 64 / 256 MiB 5-8% / 7-11% faster (docs/algorithms.md).  At more ranks the
- * received blocks are forwarded from the output, which should stay cached. */
+ * (no read of the output's lines first, as for reduce_scatter's output;
+ * docs/algorithms.md).  At more ranks the received blocks are forwarded from
+ * the output, which should stay cached. */
 static void ag_slot_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
     ring_sg *a = alg;
     (void)s;
@@ -211,9 +210,7 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
  * of step t = i % (P-1).  Segment k received at step t is forwarded as
  * segment k of step t+1, the next index, so its partial sum is still in
  * cache when it is sent, and partial sums need one slot per step parity
- * instead of two whole blocks.  Measured at 4 ranks (10 alternating rounds,
- * docs/algorithms.md): 7-27% faster than the step-major order before from
- * 16 MiB up; leads of 2, 4 and 8 segments between the two were not. */
+ * instead of two whole blocks (the step-major order before: docs/algorithms.md). */
 static void rs_split(const ring_sg *a, int i, int *t, int *k) {
     *k = i / (a->P - 1);
     *t = i % (a->P - 1);
@@ -257,9 +254,8 @@ static int rs_recv_done(void *alg, rl_stream *s, int i) {
     /* A large output is not read again by this op: the sum is formed in the
      * cached slot and streamed out, so the output's lines are written without
      * first being read from memory (what a plain store into them costs).
-     * Blocks of 16 MiB and more: 64 / 256 MiB at 2 ranks 11 / 20% faster,
-     * at 4 ranks 5 / 4%; 4 MiB blocks (16 MiB at 4 ranks), whose output can
-     * stay in the L3 between calls, were 7% slower (docs/algorithms.md). */
+     * Only from RL_STREAM_OUT_MIN: a smaller output can stay in the L3
+     * between calls, and streaming pushes it out (docs/algorithms.md). */
     int stream = last && a->blk >= RL_STREAM_OUT_MIN;
     char *dst = last && !stream ? out : slot;
     rl_reduce_kernel(dst, slot, own, l / esz, a->dt, a->op);
@@ -301,9 +297,8 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
         return rl_end_op(c, &op, RL_OK);
     }
     /* Recursive halving saves steps only for a power of two P >= 4 (2 ranks:
-     * one exchange either way).  At 4 ranks it beat the ring up to 1 MiB in
-     * all (342 against 364 us) and lost from 2 MiB (1014 against 956), so it
-     * runs up to 16 x the all-reduce switch point (docs/algorithms.md). */
+     * one exchange either way).  It sums only whole halves, so the pipelined
+     * ring wins from about 16 x the all-reduce switch point (docs/algorithms.md). */
     int P = c->size;
     if (P >= 4 && (P & (P - 1)) == 0 &&
         (int64_t)(blk * (size_t)P) <= 16 * rl_tune.allreduce_small_bytes) {

@@ -113,25 +113,53 @@ int rl_ct_equal(const void *a, const void *b, size_t n);
 int rl_random_bytes(void *buf, size_t n);
 
 /* ---- tuning (process-wide; set before creating communicators) ------- */
+/* The one table of knobs: X(name, default, RINGLET_* variable or NULL, doc).
+ * The struct, its defaults, rl_knobs[] (which the Python binding, init()'s
+ * environment variables and docs/algorithms.md's table are derived from or
+ * checked against) all expand it, so a knob is declared here only.
+ * rl_set_tuning raises segment_bytes to at least 4096 and handshake_ms to
+ * at least 100. */
+#define RL_TUNING_KNOBS(X)                                                                          \
+    X(segment_bytes, 512 << 10, "RINGLET_SEGMENT_BYTES",                                            \
+      "pipeline segment of the ring and chain algorithms (at least 4096)")                          \
+    X(allreduce_small_bytes, 64 << 10, "RINGLET_ALLREDUCE_SMALL_BYTES",                             \
+      "up to this: latency algorithms of all_reduce (message), all_gather, reduce_scatter "         \
+      "and all_to_all (all ranks' bytes)")                                                          \
+    X(bcast_small_bytes, 64 << 10, "RINGLET_BCAST_SMALL_BYTES",                                     \
+      "up to this: broadcast by flat or binomial tree, else pipelined chain")                       \
+    X(reduce_small_bytes, 64 << 10, "RINGLET_REDUCE_SMALL_BYTES",                                   \
+      "up to this: reduce by binomial tree, else pipelined chain")                                  \
+    X(spin_us, 50, "RINGLET_SPIN_US", "busy-poll this long before blocking in poll(2)")             \
+    X(sockbuf_bytes, 0, "RINGLET_SOCKBUF_BYTES", "SO_SNDBUF / SO_RCVBUF; 0: the kernel autotunes")  \
+    X(max_frame_bytes, (int64_t)1 << 40, NULL, "ceiling on any received frame's payload")           \
+    X(handshake_ms, 5000, NULL, "deadline of one connection handshake (at least 100)")              \
+    X(p2p_unexpected_bytes, (int64_t)256 << 20, NULL,                                               \
+      "cap on buffered unmatched point-to-point frames per group")                                  \
+    X(spin_yield, 1, "RINGLET_SPIN_YIELD",                                                          \
+      "1: sched_yield between polls; init() sets 1 only when the host's ranks outnumber its CPUs")  \
+    X(bulk_recv_bytes, 16 << 20, "RINGLET_BULK_RECV_BYTES",                                         \
+      "2-rank broadcast or p2p receive of at least this wakes once per segment; 0: never")          \
+    X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                          \
+      "1: same-host connections use Reno congestion control (no pacing); 0: the system's")          \
+    X(trace_entries, 2000, "RINGLET_TRACE_ENTRIES",                                                 \
+      "flight recorder: ops kept per communicator, read when one is created; 0: off")
+
 typedef struct {
-    int64_t segment_bytes;         /* pipeline segment size for ring/chain   */
-    int64_t allreduce_small_bytes; /* <= this: latency algorithms (for      */
-                                   /* all_gather/reduce_scatter: all bytes) */
-    int64_t bcast_small_bytes;     /* <= this: binomial tree, else chain     */
-    int64_t reduce_small_bytes;    /* <= this: binomial tree, else chain     */
-    int64_t spin_us;               /* busy-poll this long before blocking    */
-    int64_t sockbuf_bytes;         /* SO_SNDBUF / SO_RCVBUF, 0 = autotuned   */
-    int64_t max_frame_bytes;       /* global ceiling on any frame's payload  */
-    int64_t handshake_ms;          /* deadline for one connection handshake */
-    int64_t p2p_unexpected_bytes;  /* cap on buffered unmatched p2p frames  */
-    int64_t spin_yield;            /* 1: sched_yield between polls of a spin */
-    int64_t bulk_recv_bytes;       /* 2-rank broadcast or p2p recv >= this:  */
-                                   /* woken once per segment, 0 = never     */
-    int64_t local_reno;            /* 1: same-host connections use Reno     */
-                                   /* congestion control (no pacing)        */
-    int64_t trace_entries;         /* flight recorder: ops kept per comm,   */
-                                   /* read when a comm is created; 0 = off  */
+#define RL_KNOB_FIELD(name, def, env, doc) int64_t name;
+    RL_TUNING_KNOBS(RL_KNOB_FIELD)
+#undef RL_KNOB_FIELD
 } rl_tuning;
+
+/* The table as data, for bindings: rl_nknobs entries in declaration order. */
+typedef struct {
+    const char *name;
+    const char *env; /* NULL: set only through rl_set_tuning */
+    int64_t default_value;
+    size_t offset; /* of the int64_t field within rl_tuning */
+    const char *doc;
+} rl_knob;
+extern const rl_knob rl_knobs[];
+extern const int rl_nknobs;
 
 void rl_tuning_defaults(rl_tuning *t);
 void rl_set_tuning(const rl_tuning *t);

@@ -54,26 +54,14 @@
 /* ------------------------------------------------------------------ */
 /* tuning, time, interrupt hook                                        */
 /* ------------------------------------------------------------------ */
-/* One list of defaults: the live knobs start from it and
- * rl_tuning_defaults() hands it out again. */
-#define RL_TUNING_DEFAULTS                                                     \
-    {                                                                          \
-        .segment_bytes = 512 << 10,                                            \
-        .allreduce_small_bytes = 64 << 10,                                     \
-        .bcast_small_bytes = 64 << 10,                                         \
-        .reduce_small_bytes = 64 << 10,                                        \
-        .spin_us = 50,                                                         \
-        .sockbuf_bytes = 0, /* autotuned: docs/benchmarks.md, "Knobs" */       \
-        .max_frame_bytes = (int64_t)1 << 40,                                   \
-        .handshake_ms = 5000,                                                  \
-        .p2p_unexpected_bytes = (int64_t)256 << 20,                            \
-        .spin_yield = 1,                                                       \
-        .bulk_recv_bytes = 16 << 20, /* docs/benchmarks.md, "Knobs" */        \
-        .local_reno = 1,             /* same_host_reno() */                   \
-        .trace_entries = 2000,       /* flight.c */                           \
-    }
-rl_tuning rl_tune = RL_TUNING_DEFAULTS;
-static const rl_tuning rl_tune_default_copy = RL_TUNING_DEFAULTS;
+#define RL_KNOB_DEFAULT(name, def, env, doc) .name = (def),
+#define RL_KNOB_ROW(name, def, env, doc) {#name, env, (def), offsetof(rl_tuning, name), doc},
+rl_tuning rl_tune = {RL_TUNING_KNOBS(RL_KNOB_DEFAULT)};
+static const rl_tuning rl_tune_default_copy = {RL_TUNING_KNOBS(RL_KNOB_DEFAULT)};
+const rl_knob rl_knobs[] = {RL_TUNING_KNOBS(RL_KNOB_ROW)};
+const int rl_nknobs = (int)(sizeof rl_knobs / sizeof rl_knobs[0]);
+#undef RL_KNOB_DEFAULT
+#undef RL_KNOB_ROW
 
 void rl_tuning_defaults(rl_tuning *t) { *t = rl_tune_default_copy; }
 void rl_set_tuning(const rl_tuning *t) {
@@ -153,11 +141,10 @@ static int same_host(const struct sockaddr_storage *a, const struct sockaddr_sto
 
 /* A connection within this host switches to Reno (rl_tune.local_reno).
  * Nothing on the loopback path needs congestion control, and a pacing one
- * (BBR, some distributions' default) holds each packet for a timer: large
- * messages at 2 and 4 ranks measured up to 31% slower under it, 34 of 36
- * cells slower (docs/benchmarks.md, "Knobs").  Reno is built into every
- * kernel and allowed to unprivileged processes; a refusal leaves the
- * system's choice. */
+ * (BBR, some distributions' default) holds each packet for a timer, which
+ * slows large messages (docs/algorithms.md, "Connections").  Reno is built
+ * into every kernel and allowed to unprivileged processes; a refusal leaves
+ * the system's choice. */
 static void same_host_reno(int fd) {
     struct sockaddr_storage a, b;
     socklen_t al = sizeof a, bl = sizeof b;
@@ -951,10 +938,10 @@ int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms) {
  * big blocks at page + 16, the benchmark's and many users' buffers start on
  * a page) stalls: the CPU matches a load against earlier stores by the low
  * 12 address bits only, so every load waits on a store that only looks like
- * the same address ("4K aliasing").  Bruck's all_to_all of 32 KiB at 4 ranks
- * ran ~210 instead of ~110 us after any op had grown the scratch past
- * glibc's mmap threshold.  Half a page from the user buffer avoids that and
- * keeps the two in different L1 sets (docs/algorithms.md, "Scratch"). */
+ * the same address ("4K aliasing"), which doubled the time of copy-bound ops
+ * once the scratch had grown past glibc's mmap threshold.  Half a page from
+ * the user buffer avoids that and keeps the two in different L1 sets
+ * (docs/algorithms.md, "Scratch"). */
 #define RL_PAGE 4096
 int rl_scratch(rl_comm *c, const rl_opdesc *op, size_t len, const void *near, char **out) {
     if (c->scratch_len < len) {

@@ -688,3 +688,39 @@ def test_limits_rejects_a_volume_below_one_send():
         measure(2, 0.1, volume=CHUNK - 1)
     with pytest.raises(ValueError, match="nranks"):
         measure(1, 0.1)
+
+
+def _doc_tables():
+    spec = importlib.util.spec_from_file_location(
+        "doc_tables", Path(__file__).resolve().parent.parent / "bench" / "doc_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_doc_tables_sweep_runs_the_commands_the_page_shows():
+    script = Path(__file__).resolve().parent.parent / "bench" / "doc_tables.py"
+    out = subprocess.run([sys.executable, str(script), "--sweep", "--dry-run"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip().splitlines()
+    assert len(out) == 2 and out[0].startswith("ringlet bench all -n 2 ")
+    page = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
+    block = page.split("<!-- sweep commands:", 1)[1].split("```")[1].strip().splitlines()
+    assert block == out, "docs/benchmarks.md's sweep commands differ from bench/doc_tables.py"
+
+
+def test_doc_tables_rewrites_only_its_section(capsys, tmp_path):
+    js, txt = tmp_path / "r.json", tmp_path / "r.txt"
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", "-b", "8", "-e", "64", "-i", "2",
+                           "-w", "1", "--limits", "--duration", "0.1", "--json", js)
+    assert code == 0, err
+    txt.write_text(out)
+    md = tmp_path / "page.md"
+    md.write_text("# Page\n\nintro\n\n## Collectives, 2 ranks\n\nOLD TABLES\n\n## Next\n\nkept\n")
+    assert _doc_tables().main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png")) == 0
+    page = md.read_text()
+    assert page.startswith("# Page\n\nintro\n\n## Collectives, 2 ranks\n")
+    assert page.endswith("## Next\n\nkept\n") and "OLD TABLES" not in page
+    body = page.split("## Collectives, 2 ranks\n", 1)[1].split("## Next", 1)[0]
+    assert "TCP one way (1 stream)" in body                 # the limits block
+    assert "*2 ranks: ringlet time / min(mpi-tcp, gloo) time" in body  # bench/targets.py's
+    assert "![busbw and time against size, 2 ranks](img/p.png)" in body

@@ -20,19 +20,15 @@ cdef extern from "ringlet.h" nogil:
         char msg[RL_ERRMSG_MAX]
 
     ctypedef struct rl_tuning:
-        int64_t segment_bytes
-        int64_t allreduce_small_bytes
-        int64_t bcast_small_bytes
-        int64_t reduce_small_bytes
-        int64_t spin_us
-        int64_t sockbuf_bytes
-        int64_t max_frame_bytes
-        int64_t handshake_ms
-        int64_t p2p_unexpected_bytes
-        int64_t spin_yield
-        int64_t bulk_recv_bytes
-        int64_t local_reno
-        int64_t trace_entries
+        pass
+    ctypedef struct rl_knob:
+        const char *name
+        const char *env
+        int64_t default_value
+        size_t offset
+        const char *doc
+    const rl_knob rl_knobs[]
+    const int rl_nknobs
 
     size_t rl_dtype_size(rl_dtype dt)
     const char *rl_dtype_name(rl_dtype dt)

@@ -150,14 +150,6 @@ def overlap(cnp.ndarray a, cnp.ndarray b):
     return n > 0 and m > 0 and x < y + m and y < x + n
 
 
-def dtype_size(int dt):
-    return rl_dtype_size(<rl_dtype>dt)
-
-
-def op_valid(int dt, int op):
-    return bool(rl_op_valid(<rl_dtype>dt, <rl_redop>op))
-
-
 def simd_info():
     return rl_simd_info().decode()
 
@@ -173,46 +165,39 @@ def build_info():
     }
 
 
-_TUNING_FIELDS = ("segment_bytes", "allreduce_small_bytes", "bcast_small_bytes",
-                  "reduce_small_bytes", "spin_us", "sockbuf_bytes", "max_frame_bytes",
-                  "handshake_ms", "p2p_unexpected_bytes", "spin_yield", "bulk_recv_bytes",
-                  "local_reno", "trace_entries")
+def knobs():
+    """The C core's table of knobs (ringlet.h, RL_TUNING_KNOBS), in order: a
+    list of dicts with name, env (the RINGLET_* variable or None), default, doc."""
+    return [{"name": rl_knobs[i].name.decode(),
+             "env": rl_knobs[i].env.decode() if rl_knobs[i].env != NULL else None,
+             "default": rl_knobs[i].default_value, "doc": rl_knobs[i].doc.decode()}
+            for i in range(rl_nknobs)]
+
+
+cdef inline int64_t *_knob_field(rl_tuning *t, int i) noexcept:
+    return <int64_t *>(<char *>t + rl_knobs[i].offset)
 
 
 def get_tuning():
     cdef rl_tuning t
     rl_get_tuning(&t)
-    return {"segment_bytes": t.segment_bytes, "allreduce_small_bytes": t.allreduce_small_bytes,
-            "bcast_small_bytes": t.bcast_small_bytes, "reduce_small_bytes": t.reduce_small_bytes,
-            "spin_us": t.spin_us, "sockbuf_bytes": t.sockbuf_bytes,
-            "max_frame_bytes": t.max_frame_bytes, "handshake_ms": t.handshake_ms,
-            "p2p_unexpected_bytes": t.p2p_unexpected_bytes, "spin_yield": t.spin_yield,
-            "bulk_recv_bytes": t.bulk_recv_bytes, "local_reno": t.local_reno,
-            "trace_entries": t.trace_entries}
+    return {rl_knobs[i].name.decode(): _knob_field(&t, i)[0] for i in range(rl_nknobs)}
 
 
 def set_tuning(**kw):
     """Set process-wide knobs (see docs/algorithms.md); unknown names raise."""
     cdef rl_tuning t
-    rl_get_tuning(&t)
+    cdef int i
+    names = [rl_knobs[i].name.decode() for i in range(rl_nknobs)]
     for k, v in kw.items():
-        if k not in _TUNING_FIELDS:
-            raise TypeError(f"unknown tuning knob {k!r}; known: {', '.join(_TUNING_FIELDS)}")
+        if k not in names:
+            raise TypeError(f"unknown tuning knob {k!r}; known: {', '.join(names)}")
         if int(v) < 0:
             raise ValueError(f"tuning knob {k} must be >= 0, got {v}")
-    if "segment_bytes" in kw: t.segment_bytes = kw["segment_bytes"]
-    if "allreduce_small_bytes" in kw: t.allreduce_small_bytes = kw["allreduce_small_bytes"]
-    if "bcast_small_bytes" in kw: t.bcast_small_bytes = kw["bcast_small_bytes"]
-    if "reduce_small_bytes" in kw: t.reduce_small_bytes = kw["reduce_small_bytes"]
-    if "spin_us" in kw: t.spin_us = kw["spin_us"]
-    if "sockbuf_bytes" in kw: t.sockbuf_bytes = kw["sockbuf_bytes"]
-    if "max_frame_bytes" in kw: t.max_frame_bytes = kw["max_frame_bytes"]
-    if "handshake_ms" in kw: t.handshake_ms = kw["handshake_ms"]
-    if "p2p_unexpected_bytes" in kw: t.p2p_unexpected_bytes = kw["p2p_unexpected_bytes"]
-    if "spin_yield" in kw: t.spin_yield = kw["spin_yield"]
-    if "bulk_recv_bytes" in kw: t.bulk_recv_bytes = kw["bulk_recv_bytes"]
-    if "local_reno" in kw: t.local_reno = kw["local_reno"]
-    if "trace_entries" in kw: t.trace_entries = kw["trace_entries"]
+    rl_get_tuning(&t)
+    for i in range(rl_nknobs):
+        if names[i] in kw:
+            _knob_field(&t, i)[0] = kw[names[i]]
     rl_set_tuning(&t)
 
 

@@ -302,22 +302,15 @@ def is_initialized() -> bool:
     return _current() is not None
 
 
-_TUNING_ENV = {"RINGLET_SEGMENT_BYTES": "segment_bytes",
-               "RINGLET_ALLREDUCE_SMALL_BYTES": "allreduce_small_bytes",
-               "RINGLET_BCAST_SMALL_BYTES": "bcast_small_bytes",
-               "RINGLET_REDUCE_SMALL_BYTES": "reduce_small_bytes",
-               "RINGLET_SPIN_US": "spin_us", "RINGLET_SOCKBUF_BYTES": "sockbuf_bytes",
-               "RINGLET_SPIN_YIELD": "spin_yield",
-               "RINGLET_BULK_RECV_BYTES": "bulk_recv_bytes",
-               "RINGLET_LOCAL_RENO": "local_reno",
-               "RINGLET_TRACE_ENTRIES": "trace_entries"}
+# RINGLET_* variable -> knob, from the C core's one table (ringlet.h).
+_TUNING_ENV = {k["env"]: k["name"] for k in _core.knobs() if k["env"]}
 
 
 def _spin_yield_policy(local_world_size: int) -> int:
     """1 (yield between polls) when this host's ranks outnumber the CPUs this
     process may use, so a waiting rank hands its core to one that has work;
     else 0: two ranks that yield to each other on one core stay "cache hot"
-    and the scheduler never spreads them to an idle core (docs/benchmarks.md,
+    and the scheduler never spreads them to an idle core (docs/experiments.md,
     "Two speeds at 2 ranks")."""
     from .environment import usable_cpus
 

@@ -253,7 +253,7 @@ def _run_launched(args: argparse.Namespace) -> int:
     live = not peers and rounds == 1
     # With several rounds the limits are measured before each one and the
     # ceiling is their median: a single measurement at the start of a long
-    # sweep drifts more than ringlet's own numbers do (docs/benchmarks.md).
+    # sweep drifts more than ringlet's own numbers do (docs/experiments.md).
     limit_samples: List[Dict[str, Any]] = []
     per_round: Dict[str, List[List[Dict[str, Any]]]] = {s: [] for s in systems}
     versions: Dict[str, Any] = {}

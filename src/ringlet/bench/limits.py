@@ -514,7 +514,8 @@ def measure(nranks: int = 4, duration: float = 1.0,
     # The ceilings are the rates at which every link carries the same bytes
     # (a collective ends with its slowest link); "tcp_separate" keeps each
     # link's own rate, averaged, which reads higher when links share the
-    # cores unevenly (docs/benchmarks.md, "The TCP ceiling").
+    # cores unevenly (docs/benchmarks.md, "The TCP ceiling";
+    # docs/experiments.md, "The ceiling, timed as a collective is").
     sep: Dict[str, Any] = {}
     say("TCP one way")
     res["tcp_one_way"], sep["one_way"] = flows([(0, 1)], 2)

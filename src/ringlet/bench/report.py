@@ -26,9 +26,6 @@ __all__ = ["COLUMNS", "environment_info", "aggregate", "format_header", "format_
 COLUMNS = ("system", "op", "nranks", "size", "count", "type", "redop", "root", "time_us",
            "p10_us", "p90_us", "algbw", "busbw", "wrong", "iters", "inflight", "batch",
            "in_place", "rounds")
-_TUNING_ENV = ("RINGLET_SEGMENT_BYTES", "RINGLET_ALLREDUCE_SMALL_BYTES",
-               "RINGLET_BCAST_SMALL_BYTES", "RINGLET_REDUCE_SMALL_BYTES", "RINGLET_SPIN_US",
-               "RINGLET_SOCKBUF_BYTES", "RINGLET_SPIN_YIELD")
 
 
 def environment_info(versions: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
@@ -55,9 +52,11 @@ def environment_info(versions: Optional[Dict[str, Dict[str, Any]]] = None) -> Di
 
         info["ringlet"] = ringlet.__version__
         info["build"] = _core.build_info()
+        tuning_env = [k["env"] for k in _core.knobs() if k["env"]]
     except ImportError as exc:  # pragma: no cover - the extension is missing
         info["ringlet"] = f"unavailable ({exc})"
-    info["tuning_env"] = {k: os.environ[k] for k in _TUNING_ENV if k in os.environ}
+        tuning_env = []
+    info["tuning_env"] = {k: os.environ[k] for k in tuning_env if k in os.environ}
     if versions:
         info["systems"] = versions
     return info
@@ -73,7 +72,7 @@ def aggregate(rounds: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, Any]
     ``wrong`` is summed over rounds (-1 when unchecked).  Row order follows
     the first round in which each row appears.  ``round_min_us`` and
     ``round_max_us`` keep the fastest and slowest round's time: on a shared
-    machine a whole round can run at half speed (docs/benchmarks.md, "Two
+    machine a whole round can run at half speed (docs/experiments.md, "Two
     speeds at 2 ranks, large messages"), which the median hides.
     """
     groups: Dict[Tuple, List[Dict[str, Any]]] = {}
