@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ringlet._dtypes import CODEC_DTYPES
 from ringlet.errors import ProtocolError
 
 __all__ = [
@@ -94,14 +95,10 @@ _TAG_U64 = struct.Struct("<BQ")
 _TAG_I64 = struct.Struct("<Bq")
 _TAG_F64 = struct.Struct("<Bd")
 
-# Numeric and bool dtypes only, always little-endian on the wire ("|" for
-# one-byte types, where byte order does not apply).  Object, string, void and
+# Numeric and bool dtypes only (the registry's codec column), always
+# little-endian on the wire ("|" for one-byte types).  Object, string, void and
 # datetime dtypes are refused: they either hold pointers or need pickle.
-ALLOWED_DTYPES = frozenset(
-    ["|b1", "|i1", "|u1"]
-    + ["<i2", "<i4", "<i8", "<u2", "<u4", "<u8"]
-    + ["<f2", "<f4", "<f8", "<c8", "<c16"]
-)
+ALLOWED_DTYPES = CODEC_DTYPES
 _DTYPES = {s: np.dtype(s) for s in ALLOWED_DTYPES}
 
 _INT64_MIN = -(1 << 63)
