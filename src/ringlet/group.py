@@ -59,14 +59,14 @@ def _spread(comm: Any, fn: Callable[..., Any], args: tuple, _b: Any, _c: Any) ->
 
 
 def _dumps(obj: Any) -> bytes:
-    # The RPC wire format: bounded, documented in docs/rpc.md, never pickle.
-    from .rpc.serialization import dumps
+    # The object codec: bounded, documented in docs/rpc.md, never pickle.
+    from ._wire.codec import dumps
 
     return dumps(obj)
 
 
 def _loads(data: bytes) -> Any:
-    from .rpc.serialization import loads
+    from ._wire.codec import loads
 
     return loads(data)
 

@@ -40,7 +40,7 @@ from ringlet.errors import CollectiveTimeout, PeerClosedError, ProtocolError, Ri
 
 from .._timeout import seconds
 from . import registry
-from . import serialization as ser
+from .._wire import codec as ser
 from .future import Future, RemoteError
 from .rref import OwnedTable, RRef, RRefKey
 from .transport import POLL_INTERVAL, Connection, Stopped, configure_socket
