@@ -1,5 +1,9 @@
 """Mutual HMAC-SHA256 challenge-response handshake for ringlet's TCP channels.
 
+This is the service profile of the one handshake specified in
+docs/security.md (the C core implements its data profile); tests/test_wire.py
+checks both against a reference written from that page.
+
 Both sides hold the same key (the job secret or a key derived from it).  Each
 side proves it knows the key by MACing a fresh nonce chosen by the *other*
 side, so a recorded handshake cannot be replayed and neither side ever sends
