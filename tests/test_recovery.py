@@ -277,7 +277,7 @@ def foreign_listener():
 
 
 def test_rank_1_reports_a_foreign_listener_as_not_a_store(foreign_listener, monkeypatch):
-    from ringlet import store as storemod
+    from ringlet.store import client as storemod
 
     monkeypatch.setattr(storemod, "_SILENT_S", 0.5)  # the real window is 5 s
     out, took = [], []
