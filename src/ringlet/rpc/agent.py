@@ -538,7 +538,7 @@ class Agent:
             lock.release()
 
     def _connect(self, dst: int, deadline: float) -> Connection:
-        from ringlet._auth import HandshakeAborted, client_handshake
+        from ringlet._auth import HandshakeAborted, open_connection
 
         w = self.workers[dst]
         pause = 0.001
@@ -550,32 +550,23 @@ class Agent:
                                            f"unauthenticated connections?)" if attempt > 1 else ""),
                                         rank=self.rank, peer=dst, op="rpc")
             try:
-                sock = socket.create_connection((w.host, w.port), timeout=remaining)
+                sock = open_connection(w.host, w.port, self._key, AUTH_PURPOSE, connect_timeout=remaining,
+                                       deadline=min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT),
+                                       claim=str(self.rank).encode())
+            except HandshakeAborted:
+                # The server cut the handshake before any verdict: it evicts its
+                # oldest pending handshake when crowded.  Try a fresh connection.
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, 0.05)
+                continue
             except socket.timeout:
                 raise CollectiveTimeout(f"connecting to {self._label(dst)} at {w.host}:{w.port} timed out",
                                         rank=self.rank, peer=dst, op="rpc") from None
             except OSError as e:
                 raise PeerClosedError(f"cannot connect to {self._label(dst)} at {w.host}:{w.port}: {e}",
                                       rank=self.rank, peer=dst, op="rpc") from None
-            try:
-                client_handshake(sock, self._key, AUTH_PURPOSE,
-                                 deadline=min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT),
-                                 claim=str(self.rank).encode())
-                configure_socket(sock)
-                break
-            except HandshakeAborted:
-                # The server cut the handshake before any verdict: it evicts its
-                # oldest pending handshake when crowded.  Try a fresh connection.
-                sock.close()
-                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-                pause = min(pause * 2, 0.05)
-            except OSError as e:
-                sock.close()
-                raise PeerClosedError(f"handshake with {self._label(dst)} failed: {e}", rank=self.rank, peer=dst,
-                                      op="rpc") from None
-            except BaseException:
-                sock.close()
-                raise
+            configure_socket(sock)
+            break
         conn = Connection(sock, peer_rank=dst, peer_name=w.name, stop=self.stop, frame_timeout=self.rpc_timeout)
         with self._clock:
             if self.closed:

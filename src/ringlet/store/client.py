@@ -10,6 +10,7 @@ from typing import List, Optional, Tuple, Union
 
 from .. import _auth
 from .._timeout import seconds
+from .._wire import stream
 from ..errors import AuthenticationError, RendezvousError
 from .protocol import (I64 as _I64, MAX_TIMEOUT_MS as _MAX_TIMEOUT_MS, MAX_VALUE_BYTES,
                        OP_ADD, OP_CHECK, OP_DELETE, OP_GET, OP_INFO, OP_SET, OP_WAIT,
@@ -95,20 +96,14 @@ class Store:
         while True:
             attempts += 1
             left = max(deadline - time.monotonic(), 0.01)  # one last short try at the deadline
-            sock = None
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=min(left, 5.0))
-                if sock.family in (socket.AF_INET, socket.AF_INET6):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _auth.client_handshake(sock, self._secret, _PURPOSE,
-                                       deadline=min(deadline, time.monotonic() + _SILENT_S))
-                return sock
+                return _auth.open_connection(
+                    self.host, self.port, self._secret, _PURPOSE, connect_timeout=min(left, 5.0),
+                    deadline=min(deadline, time.monotonic() + _SILENT_S))
             except _auth.HandshakeAborted as exc:
                 last = f"handshake interrupted: {exc}"  # server restarting or overloaded
                 silent = 0
             except AuthenticationError as exc:
-                if sock is not None:
-                    sock.close()
                 if "timed out" not in str(exc):
                     raise AuthenticationError(f"rendezvous store at {self._where}: {exc}") from None
                 last = str(exc)
@@ -124,8 +119,6 @@ class Store:
             except OSError as exc:
                 last = _describe_oserror(exc)
                 silent = 0
-            if sock is not None:
-                sock.close()
             left = deadline - time.monotonic()
             if left <= 0:
                 waited = time.monotonic() - start
@@ -190,27 +183,11 @@ class Store:
 
     @staticmethod
     def _sendall(sock: socket.socket, data, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise socket.timeout()
-        sock.settimeout(left)
-        sock.sendall(data)
+        stream.send_all(sock, data, deadline)
 
     @staticmethod
     def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout()
-            sock.settimeout(left)
-            k = sock.recv_into(view[got:], min(n - got, _RECV_CHUNK * 8))
-            if k == 0:
-                raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
-            got += k
-        return bytes(buf)
+        return stream.recv_exact(sock, n, deadline, chunk=_RECV_CHUNK * 8)
 
     def _wait_arg(self, timeout: Optional[float]) -> float:
         if timeout is None:
