@@ -274,3 +274,59 @@ def test_python_server_follows_the_spec():
         t.join(DEADLINE_S)
         ls.close()
     assert got["claim"] == claim
+
+
+# ---- no import circles in the wire layer, the store, RPC and the groups ------------
+import ast  # noqa: E402
+
+_AREA = ("ringlet._wire", "ringlet._auth", "ringlet._dtypes", "ringlet.store", "ringlet.rpc",
+         "ringlet._world", "ringlet.group", "ringlet.work")
+
+
+def _module_imports():
+    """{module: modules it imports anywhere in its body (lazy imports too)}, for src/ringlet."""
+    src = os.path.join(ROOT, "src")
+    mods = {}
+    for dirpath, _, files in os.walk(os.path.join(src, "ringlet")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, src)[:-3].replace(os.sep, ".")
+                mods[name[:-9] if name.endswith(".__init__") else name] = path
+    graph = {}
+    for m, path in mods.items():
+        pkg = m if path.endswith("__init__.py") else m.rsplit(".", 1)[0]
+        out = set()
+        for n in ast.walk(ast.parse(open(path).read())):
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[:len(parts) - n.level + 1]) + ("." + base if base else "")
+                for a in n.names:
+                    sub = base + "." + a.name
+                    out.add(sub if sub in mods else base)
+            elif isinstance(n, ast.Import):
+                out.update(a.name for a in n.names)
+        # The package root re-exports everything; a lazy ``import ringlet`` is no layer edge.
+        graph[m] = {x for x in out if x in mods and x not in (m, "ringlet")}
+    return graph
+
+
+def test_no_import_circles_in_the_wire_layer_store_and_rpc():
+    graph = _module_imports()
+    area = {m for m in graph if m.startswith(_AREA)}
+
+    def reaches(a, b):
+        seen, todo = set(), [a]
+        while todo:
+            for n in graph[todo.pop()]:
+                if n == b:
+                    return True
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return False
+
+    circles = sorted((a, b) for a in area for b in graph[a] if reaches(b, a))
+    assert not circles, f"import circles (module, imports, which imports it back): {circles}"
