@@ -8,7 +8,8 @@
  * connection from its listener's mailbox.  Set-up therefore costs O(peers
  * actually used) per rank: a ring touches two, recursive doubling log2(P).
  *
- * Handshake (fixed-size frames, HMAC-SHA256 keyed by SHA-256(secret)):
+ * Handshake (docs/security.md, "The handshake", data profile; HMAC-SHA256
+ * keyed by SHA-256(secret)):
  *   connector -> acceptor  HELLO  magic, version, kind, job_id[16], comm_id,
  *                                 src, dst, nonce_a[32]          (68 bytes)
  *   acceptor  -> connector nonce_b[32], HMAC(key, "ringlet/acc" | HELLO | nonce_b)

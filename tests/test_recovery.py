@@ -41,13 +41,13 @@ RECOVER = textwrap.dedent("""
     for i in range(rounds):
         ringlet.init(timeout=60)
         r, n = ringlet.get_rank(), ringlet.get_world_size()
-        gens.append(_world.default_world().gen)
+        gens.append(_world._current().gen)
         x = np.full(5, r + i, np.float64)
         ringlet.all_reduce(x)
         assert np.all(x == n * (n - 1) / 2 + n * i), (i, x)
         # Everyone has its result before anyone fails: otherwise this round's
         # failure could legitimately cancel a slow rank's all_reduce above.
-        w = _world.default_world()
+        w = _world._current()
         w.store.set(f"{w.prefix}test/done/{r}", b"")
         w.store.wait([f"{w.prefix}test/done/{q}" for q in range(n)], timeout=60)
         if i % 2 == 0:
@@ -277,7 +277,7 @@ def foreign_listener():
 
 
 def test_rank_1_reports_a_foreign_listener_as_not_a_store(foreign_listener, monkeypatch):
-    from ringlet import store as storemod
+    from ringlet.store import client as storemod
 
     monkeypatch.setattr(storemod, "_SILENT_S", 0.5)  # the real window is 5 s
     out, took = [], []

@@ -1,5 +1,9 @@
 """Mutual HMAC-SHA256 challenge-response handshake for ringlet's TCP channels.
 
+This is the service profile of the one handshake specified in
+docs/security.md (the C core implements its data profile); tests/test_wire.py
+checks both against a reference written from that page.
+
 Both sides hold the same key (the job secret or a key derived from it).  Each
 side proves it knows the key by MACing a fresh nonce chosen by the *other*
 side, so a recorded handshake cannot be replayed and neither side ever sends
@@ -44,9 +48,11 @@ import struct
 import time
 from typing import Callable, Optional, Tuple, Union
 
+from ._wire import stream
 from .errors import AuthenticationError
 
-__all__ = ["client_handshake", "server_handshake", "HandshakeAborted", "LogBudget"]
+__all__ = ["client_handshake", "server_handshake", "open_connection", "HandshakeAborted",
+           "LogBudget"]
 
 MAGIC = b"RLH1"
 VERSION = 1
@@ -204,40 +210,21 @@ class LogBudget:
 
 
 # ---- blocking I/O ---------------------------------------------------------------------
-def _remaining(deadline: float, what: str) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise AuthenticationError(f"handshake timed out waiting for {what}")
-    return left
-
-
 def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        left = _remaining(deadline, what)
-        try:
-            sock.settimeout(left)
-            k = sock.recv_into(view[got:])
-        except socket.timeout:
-            raise AuthenticationError(f"handshake timed out waiting for {what}") from None
-        except InterruptedError:
-            continue
-        except OSError as exc:
-            raise HandshakeAborted(f"connection failed while waiting for {what}: {exc}") from exc
-        if k == 0:
-            raise HandshakeAborted(f"peer closed the connection while we waited for {what} "
-                                   f"({got} of {n} bytes received)")
-        got += k
-    return bytes(buf)
+    try:
+        return stream.recv_exact(sock, n, deadline)
+    except socket.timeout:
+        raise AuthenticationError(f"handshake timed out waiting for {what}") from None
+    except stream.ShortRead as exc:
+        raise HandshakeAborted(f"peer closed the connection while we waited for {what} "
+                               f"({exc.got} of {n} bytes received)") from None
+    except OSError as exc:
+        raise HandshakeAborted(f"connection failed while waiting for {what}: {exc}") from exc
 
 
 def _send_all(sock: socket.socket, data: bytes, deadline: float, what: str) -> None:
-    left = _remaining(deadline, f"to send {what}")
     try:
-        sock.settimeout(left)
-        sock.sendall(data)
+        stream.send_all(sock, data, deadline)
     except socket.timeout:
         raise AuthenticationError(f"handshake timed out sending {what}") from None
     except OSError as exc:
@@ -352,6 +339,31 @@ def server_handshake(sock: socket.socket, key: BytesLike, purpose: Union[BytesLi
         return claim
     finally:
         _restore_timeout(sock, saved)
+
+
+def open_connection(host: str, port: int, key: BytesLike, purpose: Union[BytesLike, str], *,
+                    connect_timeout: float, deadline: float,
+                    claim: BytesLike = b"") -> socket.socket:
+    """Connect to ``host:port`` and authenticate as the client: the store's and RPC's one way in.
+
+    One attempt; retry policy stays with the caller (the store retries while a
+    server starts, RPC when a crowded server cut the handshake short).
+
+    Returns:
+        The authenticated socket (TCP_NODELAY set; its timeout is the connect one).
+    Raises:
+        OSError: the TCP connection failed (``socket.timeout`` after
+            ``connect_timeout``); nothing was sent.
+        AuthenticationError: as ``client_handshake`` (``HandshakeAborted`` when
+            the server dropped the connection before a verdict).
+    """
+    sock = stream.connect(host, port, timeout=connect_timeout)
+    try:
+        client_handshake(sock, key, purpose, deadline=deadline, claim=claim)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _send_status_best_effort(sock: socket.socket, status: int, deadline: float) -> None:

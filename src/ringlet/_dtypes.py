@@ -1,12 +1,60 @@
-"""numpy dtype <-> C dtype code, and which reductions each dtype allows."""
+"""The dtype registry: every dtype ringlet puts on a wire or in a file, once.
+
+One table (``REGISTRY``) says, per numpy dtype, its code in the C core
+(``rl_dtype`` in csrc/ringlet.h; the collectives, point-to-point and the
+pipeline's frames use it), whether the object codec carries it (RPC, the
+store's objects, ``broadcast_object``) and its safetensors code
+(checkpoints).  The other tables are derived from it, and
+tests/test_wire.py checks the C codes and names against ringlet.h and
+kernels.c.  This module also says which reductions each dtype allows.
+"""
 
 from __future__ import annotations
 
 import enum
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["ReduceOp", "dtype_code", "check_op"]
+__all__ = ["ReduceOp", "dtype_code", "check_op", "REGISTRY", "CORE_NAMES", "CODEC_DTYPES",
+           "SAFETENSORS_CODES"]
+
+
+class DTypeEntry(NamedTuple):
+    name: str  #: numpy's name (ml_dtypes' for bfloat16 and float8)
+    c_name: Optional[str]  #: the rl_dtype enumerator, None when the C core has no kernels for it
+    core: Optional[int]  #: its value
+    codec: bool  #: the object codec carries it
+    safetensors: Optional[str]  #: the safetensors dtype code, None when checkpoints refuse it
+
+
+REGISTRY: Tuple[DTypeEntry, ...] = (
+    DTypeEntry("float16", "RL_F16", 0, True, "F16"),
+    DTypeEntry("bfloat16", "RL_BF16", 1, False, "BF16"),
+    DTypeEntry("float32", "RL_F32", 2, True, "F32"),
+    DTypeEntry("float64", "RL_F64", 3, True, "F64"),
+    DTypeEntry("int8", "RL_I8", 4, True, "I8"),
+    DTypeEntry("uint8", "RL_U8", 5, True, "U8"),
+    DTypeEntry("int32", "RL_I32", 6, True, "I32"),
+    DTypeEntry("int64", "RL_I64", 7, True, "I64"),
+    DTypeEntry("bool", "RL_BOOL", 8, True, "BOOL"),
+    DTypeEntry("int16", None, None, True, "I16"),
+    DTypeEntry("uint16", None, None, True, "U16"),
+    DTypeEntry("uint32", None, None, True, "U32"),
+    DTypeEntry("uint64", None, None, True, "U64"),
+    DTypeEntry("complex64", None, None, True, None),
+    DTypeEntry("complex128", None, None, True, None),
+    DTypeEntry("float8_e4m3fn", None, None, False, "F8_E4M3"),
+    DTypeEntry("float8_e5m2", None, None, False, "F8_E5M2"),
+)
+
+#: The C core's dtypes by code: CORE_NAMES[code] is the numpy name.
+CORE_NAMES = [e.name for e in sorted((e for e in REGISTRY if e.core is not None),
+                                     key=lambda e: e.core)]
+#: numpy name -> safetensors code, for the dtypes checkpoints store.
+SAFETENSORS_CODES: Dict[str, str] = {e.name: e.safetensors for e in REGISTRY if e.safetensors}
+#: The codec's dtypes as little-endian ``dtype.str`` ("|" where byte order does not apply).
+CODEC_DTYPES = frozenset(np.dtype(e.name).newbyteorder("<").str for e in REGISTRY if e.codec)
 
 
 class ReduceOp(enum.IntEnum):
@@ -22,22 +70,13 @@ class ReduceOp(enum.IntEnum):
     BXOR = 7
 
 
-# C rl_dtype codes (csrc/ringlet.h)
-_CODES = {
-    np.dtype(np.float16): 0,
-    np.dtype(np.float32): 2,
-    np.dtype(np.float64): 3,
-    np.dtype(np.int8): 4,
-    np.dtype(np.uint8): 5,
-    np.dtype(np.int32): 6,
-    np.dtype(np.int64): 7,
-    np.dtype(np.bool_): 8,
-}
-_BF16 = 1
-_FLOAT_CODES = {0, 1, 2, 3}
+# numpy's own dtypes -> C code; bfloat16 is an extension type, matched by name.
+_CODES = {np.dtype(e.name): e.core for e in REGISTRY if e.core is not None and e.name != "bfloat16"}
+_BF16 = CORE_NAMES.index("bfloat16")
+_FLOAT_CODES = {e.core for e in REGISTRY if e.core is not None and e.name.startswith(("float", "bfloat"))}
 _BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 
-SUPPORTED = "float16, bfloat16 (ml_dtypes), float32, float64, int8, uint8, int32, int64, bool"
+SUPPORTED = ", ".join(n + " (ml_dtypes)" if n == "bfloat16" else n for n in CORE_NAMES)
 
 
 def dtype_code(dtype: np.dtype, what: str = "array") -> int:

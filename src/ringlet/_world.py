@@ -691,7 +691,3 @@ def new_group(ranks: Sequence[int], *, timeout: Optional[float] = None,
                               f"new_group({rec['ranks']})", rank=parent.rank)
         comm_id = int(rec["id"])
     return world.make_group(comm_id, rl, t)
-
-
-def default_world() -> Optional[World]:
-    return _current()

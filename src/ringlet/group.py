@@ -13,7 +13,7 @@ frames.  After any failure the group is poisoned: later calls raise
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -23,9 +23,6 @@ from ._timeout import millis as _millis
 from ._dtypes import ReduceOp, check_op, dtype_code
 from .errors import GroupPoisonedError, RingletError
 from .work import SerialExecutor, Work
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ._world import World
 
 __all__ = ["ProcessGroup"]
 
@@ -59,14 +56,14 @@ def _spread(comm: Any, fn: Callable[..., Any], args: tuple, _b: Any, _c: Any) ->
 
 
 def _dumps(obj: Any) -> bytes:
-    # The RPC wire format: bounded, documented in docs/rpc.md, never pickle.
-    from .rpc.serialization import dumps
+    # The object codec: bounded, documented in docs/rpc.md, never pickle.
+    from ._wire.codec import dumps
 
     return dumps(obj)
 
 
 def _loads(data: bytes) -> Any:
-    from .rpc.serialization import loads
+    from ._wire.codec import loads
 
     return loads(data)
 
@@ -80,7 +77,7 @@ class ProcessGroup:
         ranks: the world ranks of the members, in group-rank order.
     """
 
-    def __init__(self, world: "World", comm_id: int, ranks: Sequence[int], rank: int,
+    def __init__(self, world: Any, comm_id: int, ranks: Sequence[int], rank: int,
                  coll: Any = None, p2p: Any = None, timeout: float = 300.0) -> None:
         self._world = world
         self.comm_id = comm_id

@@ -29,7 +29,7 @@ class Work:
         work.wait()  # raises the operation's error, if any
     """
 
-    __slots__ = ("_event", "_exc", "_result", "_keep", "_op", "_callbacks", "_lock")
+    __slots__ = ("_event", "_exc", "_result", "_keep", "_op", "_lock")
 
     def __init__(self, op: str, keep: tuple = ()) -> None:
         self._event = threading.Event()
@@ -37,7 +37,6 @@ class Work:
         self._result: Any = None
         self._keep = keep  # arrays the C call uses; released once done
         self._op = op
-        self._callbacks: list = []
         self._lock = threading.Lock()
 
     def _finish(self, result: Any = None, exc: Optional[BaseException] = None) -> None:
@@ -46,16 +45,6 @@ class Work:
             self._exc = exc
             self._keep = ()
             self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
-
-    def _add_done_callback(self, fn: Callable[["Work"], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the operation finished; re-raise its error.
@@ -99,12 +88,6 @@ class Work:
         return f"<ringlet.Work {self._op} {state}>"
 
 
-def completed_work(op: str, result: Any = None) -> Work:
-    w = Work(op)
-    w._finish(result)
-    return w
-
-
 class SerialExecutor:
     """Runs submitted calls one at a time, in order, on one daemon thread.
 
@@ -121,10 +104,6 @@ class SerialExecutor:
         self._thread: Optional[threading.Thread] = None
         self._busy = 0  # queued + running
         self._closed = False
-
-    @property
-    def busy(self) -> int:
-        return self._busy
 
     def submit(self, fn: Callable[[], Any], work: Work) -> Work:
         with self._cond:

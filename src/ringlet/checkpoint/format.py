@@ -43,6 +43,7 @@ from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 
+from .._dtypes import SAFETENSORS_CODES
 from .errors import CheckpointError
 
 FORMAT = "ringlet-checkpoint"
@@ -52,13 +53,7 @@ MANIFEST_SHA = "manifest_sha256"
 DEFAULT_CHUNK_BYTES = 4 << 20
 WRITE_BLOCK = 16 << 20  # write() and hash() granularity when chunks are larger
 
-# numpy dtype name -> safetensors dtype code
-_ST_CODES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
-    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64",
-    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}
+_ST_CODES = SAFETENSORS_CODES  # numpy dtype name -> safetensors dtype code
 
 
 def dtype_name(dtype: np.dtype, key: str) -> str:

@@ -109,8 +109,7 @@ _MAX_NDIM = _HDR_LEN - 8
 _KIND_DATA, _KIND_POISON = 1, 2
 _T_ACT_DECL, _T_ACT, _T_GRAD_DECL, _T_GRAD = 1, 2, 3, 4
 
-_DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64",
-           "bool"]
+from .._dtypes import CORE_NAMES as _DTYPES  # noqa: E402 - frames carry the C core's codes
 
 
 def _dtype_code(dt: np.dtype) -> int:

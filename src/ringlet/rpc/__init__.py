@@ -37,7 +37,7 @@ from .agent import K_CALL, Agent, WorkerInfo, _check_args, _tls, current_agent
 from .future import Future, RemoteError
 from .registry import register, registered_names, unregister
 from .rref import RRef
-from .serialization import Limits
+from .._wire.codec import Limits
 
 __all__ = [
     "init_rpc", "shutdown", "is_initialized", "register", "unregister", "registered_names",

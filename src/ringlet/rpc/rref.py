@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ringlet.errors import CollectiveTimeout, RingletError
 
+from .current import current_agent
 from .future import Future, RemoteError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .agent import Agent, WorkerInfo
+from .protocol import WorkerInfo
 
 __all__ = ["RRef", "OwnedTable", "RRefKey"]
 
@@ -155,11 +154,10 @@ class RRef:
 
     __slots__ = ("_agent", "_owner", "_key", "_created", "_released", "__weakref__")
 
-    def __init__(self, value: Any = None, *, _agent: "Optional[Agent]" = None, _owner: int = -1,
+    def __init__(self, value: Any = None, *, _agent: Any = None, _owner: int = -1,
                  _key: Optional[RRefKey] = None, _created: Optional[Future] = None) -> None:
         if _agent is None:
-            from .agent import current_agent  # a user-created RRef owns a local value
-            agent = current_agent()
+            agent = current_agent()  # a user-created RRef owns a local value
             key = agent.new_rref_key()
             agent.owned.create_ready(key, value)
             _agent, _owner, _key = agent, agent.rank, key

@@ -16,7 +16,7 @@ from typing import Any, Iterable, List, Optional
 
 from ringlet.errors import CollectiveTimeout, PeerClosedError, ProtocolError
 
-from . import serialization as ser
+from .._wire import codec as ser
 
 __all__ = ["POLL_INTERVAL", "Connection", "configure_socket", "send_buffers", "recv_exact_into"]
 

@@ -1,0 +1,332 @@
+"""The wire layer is one: one dtype registry that agrees with the C core."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+from ringlet import _core, _dtypes
+from ringlet.checkpoint import format as ckpt_format
+from ringlet.pipeline import runtime as pp_runtime
+from ringlet.rpc import serialization as rpc_ser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(rel):
+    with open(os.path.join(ROOT, rel)) as f:
+        return f.read()
+
+
+def _header_enum(name):
+    """{enumerator: value} of ``typedef enum {...} name;`` in csrc/ringlet.h."""
+    m = re.search(r"typedef enum \{([^}]*)\}\s*" + name + r"\s*;", _read("csrc/ringlet.h"))
+    assert m, f"enum {name} not found in csrc/ringlet.h"
+    body = re.sub(r"/\*.*?\*/", "", m.group(1), flags=re.S)
+    return {k: int(v) for k, v in re.findall(r"(RL_\w+)\s*=\s*(\d+)", body)}
+
+
+def test_registry_matches_ringlet_h():
+    enum = _header_enum("rl_dtype")
+    ndtypes = enum.pop("RL_NDTYPES")
+    core = {e.c_name: e.core for e in _dtypes.REGISTRY if e.c_name is not None}
+    assert core == enum, f"registry {core} != csrc/ringlet.h {enum}"
+    assert sorted(enum.values()) == list(range(ndtypes))
+    assert len(_dtypes.CORE_NAMES) == ndtypes
+
+
+def test_registry_names_match_kernels_c():
+    # rl_dtype_name (flight records, C error messages) says the numpy name.
+    names = dict(re.findall(r"case (RL_\w+):\s*return \"(\w+)\";", _read("csrc/kernels.c")))
+    for e in _dtypes.REGISTRY:
+        if e.c_name is not None:
+            assert names.get(e.c_name) == e.name, (e.c_name, names.get(e.c_name), e.name)
+
+
+def test_reduce_ops_match_ringlet_h():
+    enum = _header_enum("rl_redop")
+    enum.pop("RL_NOPS")
+    assert {f"RL_{op.name}": int(op) for op in _dtypes.ReduceOp} == enum
+
+
+@pytest.mark.parametrize("name", _dtypes.CORE_NAMES)
+def test_binding_maps_every_core_dtype_to_its_code(name):
+    # _core maps numpy's built-in types itself, by type number; the registry
+    # handles the rest (bfloat16).  Both must give the header's code.
+    if name == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(name)
+    want = _dtypes.CORE_NAMES.index(name)
+    assert _core.array_code(np.zeros(3, dt), "x", False, _dtypes.dtype_code) == want
+    assert _dtypes.dtype_code(dt) == want
+    assert pp_runtime._dtype_code(dt) == want
+    assert pp_runtime._dtype_of(want) == dt
+
+
+def test_other_tables_are_the_registry():
+    assert pp_runtime._DTYPES is _dtypes.CORE_NAMES
+    assert rpc_ser.ALLOWED_DTYPES is _dtypes.CODEC_DTYPES
+    assert ckpt_format._ST_CODES is _dtypes.SAFETENSORS_CODES
+    # Every core dtype is storable; every codec dtype is a real numpy dtype.
+    assert set(_dtypes.CORE_NAMES) <= set(_dtypes.SAFETENSORS_CODES)
+    for s in _dtypes.CODEC_DTYPES:
+        assert np.dtype(s).kind in "biufc"
+
+
+def test_unsupported_dtype_named_everywhere():
+    with pytest.raises(TypeError, match="uint16"):
+        _dtypes.dtype_code(np.dtype(np.uint16))
+    with pytest.raises(TypeError, match="uint16"):
+        pp_runtime._dtype_code(np.dtype(np.uint16))
+    with pytest.raises(TypeError, match="complex64"):
+        ckpt_format.dtype_name(np.complex64, "w")
+
+
+# ---- one handshake: docs/security.md "The handshake", checked on both sides ----------
+# A reference implementation written from the spec alone (not from _auth or
+# transport.c): the C core and ringlet._auth must both interoperate with it.
+import hashlib  # noqa: E402
+import hmac  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from ringlet import _auth  # noqa: E402
+
+DEADLINE_S = 30.0  # generous: the machine may be oversubscribed
+
+
+def _mac(key, label, bound, nonce_r):
+    return hmac.new(key, label + bound + nonce_r, hashlib.sha256).digest()
+
+
+def _recv(sock, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return buf
+        buf += chunk
+    return buf
+
+
+# The data profile (C core): K = SHA-256(secret); the HELLO is bound verbatim.
+def _data_hello(job_id, comm_id, src, dst, nonce_i):
+    return struct.pack("<4sHH16sIII32s", b"RLTH", 1, 1, job_id, comm_id, src, dst, nonce_i)
+
+
+def _data_bound(hello):
+    return hello
+
+
+# The service profile (_auth): K = the channel's key; bound = len16 purpose |
+# purpose | len16 claim | claim | nonce_i.
+def _service_hello(claim, nonce_i):
+    return struct.pack("!4sHH64s32s", b"RLH1", 1, len(claim), claim.ljust(64, b"\0"), nonce_i)
+
+
+def _service_bound(purpose, claim, nonce_i):
+    return (struct.pack("!H", len(purpose)) + purpose + struct.pack("!H", len(claim)) + claim
+            + nonce_i)
+
+
+def _status(sock):
+    raw = _recv(sock, 4)
+    assert len(raw) == 4, raw
+    return raw
+
+
+def _ctx(rank, size, secret, job_id):
+    return _core.Context(rank, size, "127.0.0.1", secret, job_id)
+
+
+def test_c_acceptor_follows_the_spec():
+    secret, job_id = os.urandom(32), os.urandom(16)
+    key = hashlib.sha256(secret).digest()
+    ctx = _ctx(1, 2, secret, job_id)
+    try:
+        def initiate(hello_job, proof_key):
+            s = socket.create_connection(("127.0.0.1", ctx.port), timeout=DEADLINE_S)
+            try:
+                hello = _data_hello(hello_job, 5, 0, 1, os.urandom(32))
+                s.sendall(hello)
+                reply = _recv(s, 64)
+                if len(reply) < 64:
+                    return "refused", reply
+                nonce_r, mac_r = reply[:32], reply[32:]
+                assert hmac.compare_digest(mac_r, _mac(key, b"ringlet/acc", _data_bound(hello),
+                                                       nonce_r)), "C acceptor's proof"
+                s.sendall(_mac(proof_key, b"ringlet/con", _data_bound(hello), nonce_r))
+                return "status", _status(s)
+            finally:
+                s.close()
+
+        ok = (0).to_bytes(4, "little")
+        assert initiate(job_id, key) == ("status", ok)
+        rejected = ctx.rejected()
+        assert initiate(job_id, hashlib.sha256(b"other").digest()) == \
+            ("status", (1).to_bytes(4, "little"))
+        assert initiate(os.urandom(16), key) == ("refused", (3).to_bytes(4, "little"))
+        deadline = time.monotonic() + DEADLINE_S
+        while ctx.rejected() < rejected + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the listener counts after replying; bounded wait on its counter
+        assert ctx.rejected() == rejected + 2
+    finally:
+        ctx.close()
+
+
+def _respond(listener, key, label_r, label_i, parse, out):
+    """Responder half of the spec, run on a thread: record what the initiator proved."""
+    conn, _ = listener.accept()
+    conn.settimeout(DEADLINE_S)
+    try:
+        hello = _recv(conn, parse[0])
+        bound = parse[1](hello)
+        nonce_r = os.urandom(32)
+        conn.sendall(nonce_r + _mac(key, label_r, bound, nonce_r))
+        proof = _recv(conn, 32)
+        out["hello"] = hello
+        out["proof_ok"] = hmac.compare_digest(proof, _mac(key, label_i, bound, nonce_r))
+        conn.sendall((0).to_bytes(4, out.get("order", "little")))
+        _recv(conn, 1)  # until the initiator closes
+    finally:
+        conn.close()
+
+
+def _listener():
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    ls.settimeout(DEADLINE_S)
+    return ls
+
+
+def test_c_connector_follows_the_spec():
+    secret, job_id = os.urandom(32), os.urandom(16)
+    key = hashlib.sha256(secret).digest()
+    ls, out = _listener(), {}
+    t = threading.Thread(target=_respond, args=(ls, key, b"ringlet/acc", b"ringlet/con",
+                                                (68, _data_bound), out))
+    t.start()
+    ctx = _ctx(0, 2, secret, job_id)
+    try:
+        ctx.set_peer(1, "127.0.0.1", ls.getsockname()[1])
+        comm = _core.Comm(ctx, 9, 0, [0, 1])
+        comm.connect(1, int(DEADLINE_S * 1000))
+        comm.close()
+    finally:
+        ctx.close()
+        t.join(DEADLINE_S)
+        ls.close()
+    assert not t.is_alive()
+    magic, version, kind, job, comm_id, src, dst = struct.unpack("<4sHH16sIII", out["hello"][:36])
+    assert (magic, version, kind, job, comm_id, src, dst) == (b"RLTH", 1, 1, job_id, 9, 0, 1)
+    assert out["proof_ok"], "the C connector's proof does not follow the spec"
+
+
+def test_python_client_follows_the_spec():
+    key, purpose, claim = os.urandom(32), b"store", b"rank 3"
+    ls, out = _listener(), {"order": "big"}
+    t = threading.Thread(target=_respond, args=(
+        ls, key, b"ringlet/server/", b"ringlet/client/",
+        (104, lambda h: _service_bound(purpose, h[8:8 + struct.unpack("!H", h[6:8])[0]],
+                                       h[72:104])), out))
+    t.start()
+    try:
+        with socket.create_connection(ls.getsockname()) as s:
+            assert _auth.client_handshake(s, key, purpose, claim=claim,
+                                          deadline=time.monotonic() + DEADLINE_S) == claim
+    finally:
+        t.join(DEADLINE_S)
+        ls.close()
+    assert out["hello"][:8] == b"RLH1" + struct.pack("!HH", 1, len(claim))
+    assert out["proof_ok"], "_auth's client proof does not follow the spec"
+
+
+def test_python_server_follows_the_spec():
+    key, purpose, claim = os.urandom(32), b"ringlet-rpc", b"7"
+    ls = _listener()
+    got = {}
+
+    def serve():
+        conn, _ = ls.accept()
+        with conn:
+            got["claim"] = _auth.server_handshake(conn, key, purpose,
+                                                  deadline=time.monotonic() + DEADLINE_S)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with socket.create_connection(ls.getsockname(), timeout=DEADLINE_S) as s:
+            nonce_i = os.urandom(32)
+            s.sendall(_service_hello(claim, nonce_i))
+            reply = _recv(s, 64)
+            bound = _service_bound(purpose, claim, nonce_i)
+            nonce_r = reply[:32]
+            assert hmac.compare_digest(reply[32:], _mac(key, b"ringlet/server/", bound, nonce_r))
+            s.sendall(_mac(key, b"ringlet/client/", bound, nonce_r))
+            assert _status(s) == (0).to_bytes(4, "big")
+    finally:
+        t.join(DEADLINE_S)
+        ls.close()
+    assert got["claim"] == claim
+
+
+# ---- no import circles in the wire layer, the store, RPC and the groups ------------
+import ast  # noqa: E402
+
+_AREA = ("ringlet._wire", "ringlet._auth", "ringlet._dtypes", "ringlet.store", "ringlet.rpc",
+         "ringlet._world", "ringlet.group", "ringlet.work")
+
+
+def _module_imports():
+    """{module: modules it imports anywhere in its body (lazy imports too)}, for src/ringlet."""
+    src = os.path.join(ROOT, "src")
+    mods = {}
+    for dirpath, _, files in os.walk(os.path.join(src, "ringlet")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, src)[:-3].replace(os.sep, ".")
+                mods[name[:-9] if name.endswith(".__init__") else name] = path
+    graph = {}
+    for m, path in mods.items():
+        pkg = m if path.endswith("__init__.py") else m.rsplit(".", 1)[0]
+        out = set()
+        for n in ast.walk(ast.parse(open(path).read())):
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[:len(parts) - n.level + 1]) + ("." + base if base else "")
+                for a in n.names:
+                    sub = base + "." + a.name
+                    out.add(sub if sub in mods else base)
+            elif isinstance(n, ast.Import):
+                out.update(a.name for a in n.names)
+        # The package root re-exports everything; a lazy ``import ringlet`` is no layer edge.
+        graph[m] = {x for x in out if x in mods and x not in (m, "ringlet")}
+    return graph
+
+
+def test_no_import_circles_in_the_wire_layer_store_and_rpc():
+    graph = _module_imports()
+    area = {m for m in graph if m.startswith(_AREA)}
+
+    def reaches(a, b):
+        seen, todo = set(), [a]
+        while todo:
+            for n in graph[todo.pop()]:
+                if n == b:
+                    return True
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return False
+
+    circles = sorted((a, b) for a in area for b in graph[a] if reaches(b, a))
+    assert not circles, f"import circles (module, imports, which imports it back): {circles}"
