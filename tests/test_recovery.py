@@ -215,9 +215,12 @@ def test_a_rank_beyond_rank_0s_world_fails_at_init_and_stops_that_world():
     assert isinstance(out[2], RendezvousError), out[2]
     assert "rank 2 has world size 3 but rank 0 has world size 2" in str(out[2])
     assert took[2] < 20, took
-    for r in (0, 1):  # their world formed, then rank 2's abort record stopped it
-        assert isinstance(out[r], ringlet.RingletError), out[r]
-        assert "world size mismatch" in str(out[r]), out[r]
+    # Their world formed, then rank 2's abort record stopped it: rank 0 reads the
+    # record; rank 1 reads it too, unless rank 0's closed sockets reach it first.
+    assert isinstance(out[0], ringlet.RingletError), out[0]
+    assert "world size mismatch" in str(out[0]), out[0]
+    assert ("world size mismatch" in str(out[1])
+            or (isinstance(out[1], ringlet.PeerClosedError) and "peer 0" in str(out[1]))), out[1]
 
 
 def test_init_world_size_against_the_launchers_fails_at_once(monkeypatch):
