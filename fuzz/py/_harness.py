@@ -11,6 +11,7 @@ imports it and replays the seed corpus without atheris.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from typing import Callable
 
@@ -77,7 +78,7 @@ def mutate_json(obj, r: Reader, steps: int = 3):
                 if action == 0 and isinstance(node, dict):
                     del node[k]
                 elif action == 1:
-                    node[k] = odd[r.byte() % len(odd)]
+                    node[k] = copy.deepcopy(odd[r.byte() % len(odd)])
                 elif action == 2 and isinstance(child, int) and not isinstance(child, bool):
                     node[k] = child + (r.byte() - 128)
                 else:
