@@ -86,5 +86,12 @@ def test_one_input(data: bytes) -> None:
         raise AssertionError("the store server's thread died")
 
 
+def cleanup() -> None:
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
 if __name__ == "__main__":
     main(test_one_input)
