@@ -14,13 +14,23 @@ from setuptools import Extension, setup
 csrc = sorted(glob.glob(os.path.join("csrc", "*.c")))
 CFLAGS = ["-O3", "-std=gnu11", "-pthread", "-fvisibility=hidden", "-Wall",
           "-Wno-unused-function"]
+LDFLAGS = ["-pthread"]
+# Opt-in sanitizer build for testing (docs/security.md, "Fuzzing"), e.g.
+# RINGLET_SANITIZE=address,undefined; the default build is unchanged.
+SANITIZE = os.environ.get("RINGLET_SANITIZE", "").strip()
+if SANITIZE:
+    san = ["-fsanitize=" + SANITIZE, "-fno-omit-frame-pointer", "-g"]
+    if "undefined" in SANITIZE.split(","):
+        san.append("-fno-sanitize-recover=undefined")  # UB fails the test run
+    CFLAGS = ["-O1" if f == "-O3" else f for f in CFLAGS] + san
+    LDFLAGS += ["-fsanitize=" + SANITIZE]
 ext = Extension(
     "ringlet._core",
     sources=[os.path.join("src", "ringlet", "_core.pyx")] + csrc,
     include_dirs=["csrc", numpy.get_include()],
     depends=glob.glob(os.path.join("csrc", "*.h")),
     extra_compile_args=CFLAGS,
-    extra_link_args=["-pthread"],
+    extra_link_args=LDFLAGS,
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
                    ("RL_BUILD_FLAGS", '"%s"' % " ".join(CFLAGS))],
 )

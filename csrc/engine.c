@@ -55,7 +55,7 @@ int rl_handle_abort(rl_comm *c, const rl_opdesc *op, int peer, int fd,
     char reason[RL_ABORT_REASON_MAX + 1];
     size_t want = h->nbytes < RL_ABORT_REASON_MAX ? (size_t)h->nbytes : RL_ABORT_REASON_MAX;
     size_t got = nhave < want ? nhave : want;
-    memcpy(reason, have, got);
+    if (got) memcpy(reason, have, got); /* p2p passes have = NULL */
     /* The rest of the reason is already in flight; give it a moment. */
     int64_t until = rl_now_ns() + 200000000LL;
     while (got < want && rl_now_ns() < until) {

@@ -529,8 +529,13 @@ static int detect_level(void) {
     if (force && strcmp(force, "baseline") == 0) return LEVEL_BASELINE;
 #if RL_X86_DISPATCH
     __builtin_cpu_init(); /* needed if we run before libgcc's constructor */
-    /* AVX2 CPUs all have F16C; requiring both keeps one fast variant. */
+    /* AVX2 CPUs all have F16C; requiring both keeps one fast variant.
+     * clang before 15 cannot name f16c here (the fuzz build uses clang). */
+#if defined(__clang__) && __clang_major__ < 15
+    if (__builtin_cpu_supports("avx2"))
+#else
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+#endif
         return LEVEL_AVX2_F16C;
 #endif
     return LEVEL_BASELINE;

@@ -216,6 +216,9 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     if m["chunk_bytes"] < 64 or m["chunk_bytes"] % 64:
         raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: bad chunk_bytes "
                               f"{m['chunk_bytes']}", file=path)
+    bad = _manifest_entries_error(m)
+    if bad:
+        raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: {bad}", file=path)
     return m
 
 

@@ -61,6 +61,7 @@ they re-raise.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -107,6 +108,9 @@ _HDR_LEN = 16  # int64 words: declarations are one header, frames start with one
 _HDR_BYTES = _HDR_LEN * 8
 _MAX_NDIM = _HDR_LEN - 8
 _KIND_DATA, _KIND_POISON = 1, 2
+# A declaration may not promise more than one frame can carry (the C core's
+# default max_frame_bytes): the receiver allocates that much per frame.
+_MAX_FRAME_BYTES = 1 << 40
 _T_ACT_DECL, _T_ACT, _T_GRAD_DECL, _T_GRAD = 1, 2, 3, 4
 
 from .._dtypes import CORE_NAMES as _DTYPES  # noqa: E402 - frames carry the C core's codes
@@ -175,7 +179,7 @@ class _Decl:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: no wrap-around
 
 
 def _parse_declaration(h: np.ndarray, step: int, stage: int, what: str) -> _Decl:
@@ -191,7 +195,11 @@ def _parse_declaration(h: np.ndarray, step: int, stage: int, what: str) -> _Decl
     code, ndim = int(h[5]), int(h[6])
     if not 0 <= code < len(_DTYPES) or not 0 <= ndim <= _MAX_NDIM or (h[7:7 + ndim] < 0).any():
         return _Decl(0, error=f"{what}: malformed pipeline header {h.tolist()}")
-    return _Decl(_KIND_DATA, tuple(int(d) for d in h[7:7 + ndim]), _dtype_of(code))
+    decl = _Decl(_KIND_DATA, tuple(int(d) for d in h[7:7 + ndim]), _dtype_of(code))
+    if decl.nbytes > _MAX_FRAME_BYTES:
+        return _Decl(0, error=f"{what}: pipeline header declares shape {decl.shape} of "
+                              f"{decl.dtype}, more than {_MAX_FRAME_BYTES} bytes")
+    return decl
 
 
 def _parse_frame(buf: np.ndarray, step: int, stage: int, mb: int, what: str
@@ -250,7 +258,7 @@ class _OutChannel:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: no wrap-around
 
 
 class _Recv:
