@@ -239,6 +239,53 @@ def _check_seal(m: Dict[str, Any], raw: bytes, path: str) -> None:
                               f"(it was edited or damaged after the save)", file=path)
 
 
+def _nat(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _name_in(v: Any, names: Dict[str, Any]) -> bool:
+    return isinstance(v, str) and v in names
+
+
+def _nats(v: Any) -> bool:
+    return isinstance(v, list) and all(map(_nat, v))
+
+
+def _region_ok(p: Dict[str, Any], t: Dict[str, Any]) -> bool:
+    """A piece covers a box (offsets, lengths per dimension) or a flat range."""
+    box, flat = p.get("box"), p.get("flat")
+    if isinstance(box, dict):
+        return (_nats(box.get("offsets")) and _nats(box.get("lengths"))
+                and len(box["offsets"]) == len(box["lengths"]) == len(t["shape"]))
+    return _nats(flat) and len(flat) == 2 and flat[0] <= flat[1]
+
+
+def _manifest_entries_error(m: Dict[str, Any]) -> str:
+    """What is malformed in the manifest's file and tensor entries ('' when nothing).
+
+    The readers index these entries freely, so their shape is checked once
+    here: a damaged manifest is a CheckpointError, never a KeyError or a
+    TypeError, and a file name cannot point outside the checkpoint directory.
+    """
+    for name, meta in m["files"].items():
+        if not (name and os.path.basename(name) == name and name not in (".", "..")):
+            return f"file name {name!r} is not a plain file name"
+        if not (isinstance(meta, dict) and _nat(meta.get("size"))
+                and isinstance(meta.get("sha256_tree"), str)):
+            return f"entry of file {name!r} is malformed"
+    for key, t in m["tensors"].items():
+        if not (isinstance(t, dict) and _name_in(t.get("dtype"), _ST_CODES) and _nats(t.get("shape"))
+                and isinstance(t.get("pieces"), list)):
+            return f"entry of tensor {key!r} is malformed"
+        for p in t["pieces"]:
+            if not (isinstance(p, dict) and _name_in(p.get("file"), m["files"])
+                    and _nat(p.get("offset")) and _nat(p.get("nbytes"))
+                    and isinstance(p.get("chunks"), list)
+                    and all(isinstance(c, str) for c in p["chunks"]) and _region_ok(p, t)):
+                return f"a piece of tensor {key!r} is malformed"
+    return ""
+
+
 def is_checkpoint_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
 
