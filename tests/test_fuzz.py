@@ -138,7 +138,7 @@ def test_python_harnesses_catch_a_broken_parser(monkeypatch):
     make the RPC decoder leak an IndexError and the pipeline parser accept a
     huge declaration, and the seeds alone must expose both."""
     from ringlet.pipeline import runtime as rt
-    from ringlet.rpc import serialization as ser
+    from ringlet._wire import codec as ser
 
     rpc = _load("rpc_codec")
 

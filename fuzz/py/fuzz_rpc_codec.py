@@ -1,4 +1,4 @@
-"""Fuzz the RPC object codec (``ringlet.rpc.serialization``).
+"""Fuzz the object codec (``ringlet._wire.codec``, used by RPC, the store and broadcast_object).
 
 Contract: ``loads`` of any bytes returns a value or raises ``ProtocolError``
 (a malformed frame, a limit exceeded, trailing bytes); never KeyError,
@@ -17,7 +17,7 @@ from _harness import instrumented, main  # noqa: E402
 
 with instrumented():
     from ringlet.errors import ProtocolError
-    from ringlet.rpc import serialization as ser
+    from ringlet._wire import codec as ser
 
 import numpy as np  # noqa: E402
 
