@@ -20,7 +20,10 @@ MOVED = [
     ("ringlet.mesh", "ringlet.parallel.mesh"),
     ("ringlet.dtensor", "ringlet.parallel.dtensor"),
     ("ringlet.nn.tensor_parallel", "ringlet.parallel.tensor_parallel"),
+    ("ringlet.pipeline", "ringlet.parallel.pipeline"),
 ]
+
+PIPELINE_SUBMODULES = ["layout", "runtime", "schedules", "split", "stage"]
 
 # names documented or imported by users, by the path they use
 PUBLIC = {
@@ -68,6 +71,18 @@ def test_public_names_resolve(path):
         assert hasattr(mod, name), f"{path}.__all__ names {name!r}, which does not resolve"
 
 
+@pytest.mark.parametrize("sub", PIPELINE_SUBMODULES)
+def test_pipeline_submodules_are_the_same_modules(sub):
+    # ``import ringlet.pipeline.runtime`` (and ``from ringlet.pipeline import
+    # runtime``) must give the module itself, private helpers included.
+    old = importlib.import_module(f"ringlet.pipeline.{sub}")
+    new = importlib.import_module(f"ringlet.parallel.pipeline.{sub}")
+    assert old is new
+    import ringlet.pipeline as pp
+
+    assert getattr(pp, sub) is new
+
+
 def test_same_object_on_every_path():
     import ringlet
     from ringlet import mesh, dtensor, nn, parallel
@@ -79,6 +94,8 @@ def test_same_object_on_every_path():
     assert nn.ColumnParallelLinear is nn_tp.ColumnParallelLinear is p_tp.ColumnParallelLinear
     assert parallel.DDP is parallel.DistributedDataParallel
     assert parallel.FSDP is parallel.fsdp.FullyShardedDataParallel
+    from ringlet import pipeline
+    assert pipeline.Schedule1F1B is parallel.pipeline.Schedule1F1B
 
 
 def test_importing_ringlet_loads_no_training_layer():

@@ -70,7 +70,7 @@ import numpy as np
 import ringlet
 from ringlet.errors import RingletError
 
-from .._timeout import seconds
+from ..._timeout import seconds
 from .schedules import (MAX_MICROBATCHES, Action, ActionKind, Plan, plan_1f1b, plan_gpipe,
                         multiple_hint, plan_interleaved_1f1b, simulate)
 from .stage import PipelineStage
