@@ -41,20 +41,21 @@ import enum
 import hashlib
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 import ringlet
 from ringlet import nn
 
-from ._flat import FlatLayout, MemoryTracker
-from ._fsdp_state import _StateDictMixin
+from . import _fsdp_state_dict as _sd
+from ._flat import MemoryTracker
+from ._fsdp_flat_group import _NUMPY_FLOATS, _FlatGroup, _Pending
+from ._fsdp_groups import _Grp, _hybrid_groups, _mesh_group
+from ._fsdp_unit import _WRAPPED, _FSDPUnit
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "MixedPrecision"]
 
-_WRAPPED = "_fsdp_wrapped_module"
-_NUMPY_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 class ShardingStrategy(enum.Enum):
@@ -126,157 +127,8 @@ class MixedPrecision:
                                                             "MixedPrecision.reduce_dtype"))
 
 
-# ---- process groups -----------------------------------------------------------------------
-class _Grp:
-    """A group as FSDP uses it: the handle passed to collectives, size, rank, world ranks."""
-
-    __slots__ = ("pg", "size", "rank", "ranks")
-
-    def __init__(self, pg: Any, size: int, rank: int, ranks: Sequence[int]) -> None:
-        self.pg, self.size, self.rank, self.ranks = pg, size, rank, list(ranks)
-
-    @classmethod
-    def of(cls, pg: Any, what: str) -> "_Grp":
-        if pg is None:
-            n = ringlet.get_world_size()
-            return cls(None, n, ringlet.get_rank(), range(n))
-        if not all(hasattr(pg, a) for a in ("rank", "size", "ranks")):
-            raise TypeError(f"FSDP: {what} must be a ringlet.ProcessGroup or None, got "
-                            f"{type(pg).__name__}")
-        if pg.rank < 0:
-            raise ValueError(f"FSDP: this rank (world rank {ringlet.get_rank()}) is not a member "
-                             f"of {what} (world ranks {list(pg.ranks)})")
-        return cls(pg, int(pg.size), int(pg.rank), pg.ranks)
-
-
-def _mesh_group(mesh: Any, dim: int) -> Any:
-    get = getattr(mesh, "get_group", None)
-    if not callable(get):
-        raise TypeError(f"FSDP: mesh must have a get_group(dim) method (a DeviceMesh), got "
-                        f"{type(mesh).__name__}")
-    return get(dim)
-
-
-def _hybrid_groups(parent: Any, shard_size: Any) -> Tuple[Any, Any]:
-    if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)):
-        raise TypeError(f"FSDP: shard_size must be an int, got {type(shard_size).__name__}")
-    p = _Grp.of(parent, "group")
-    s = int(shard_size)
-    if s < 1 or p.size % s:
-        raise ValueError(f"FSDP: shard_size={s} must be positive and divide the group size "
-                         f"{p.size}")
-    ranks = p.ranks
-    shard = replicate = None
-    # Every rank creates every group, in the same order (new_group's contract).
-    for i in range(p.size // s):
-        g = ringlet.new_group(ranks[i * s:(i + 1) * s], group=parent)
-        if g.rank >= 0:
-            shard = g
-    for j in range(s):
-        g = ringlet.new_group(ranks[j::s], group=parent)
-        if g.rank >= 0:
-            replicate = g
-    return shard, replicate
-
-
-# ---- per-unit flat groups ---------------------------------------------------------------------
-class _FlatGroup:
-    """One unit's parameters of one (dtype, requires_grad): layout, shard and live buffers."""
-
-    def __init__(self, name: str, params: List[nn.Parameter], names: List[str],
-                 dtype: np.dtype, requires_grad: bool, shards: int, shard_rank: int,
-                 mp: Optional[MixedPrecision]) -> None:
-        self.name = name
-        self.params = params
-        self.names = names
-        self.dtype = np.dtype(dtype)
-        self.requires_grad = requires_grad
-        self.shard_rank = shard_rank
-        self.layout = FlatLayout([p.shape for p in params], shards)
-        pd = mp.param_dtype if mp is not None else None
-        rd = mp.reduce_dtype if mp is not None else None
-        self.comm_dtype = pd if pd is not None else self.dtype
-        self.compute_dtype = (self.comm_dtype if self.comm_dtype in _NUMPY_FLOATS
-                              else np.dtype(np.float32))
-        self.reduce_dtype = rd if rd is not None else self.compute_dtype
-        self.sentinels = []
-        for p in params:
-            s = np.empty((0,), self.dtype)
-            s.flags.writeable = False
-            self.sentinels.append(s)
-        self.bindings: List[Tuple[nn.Module, str, int]] = []
-        self.shard: Optional[nn.Parameter] = None
-        # Views of the shard itself, never gathered nor freed (NO_SHARD, no cast).
-        self.permanent = shards == 1 and self.compute_dtype == self.dtype
-        self.full: Optional[np.ndarray] = None
-        self.views: Optional[List[np.ndarray]] = None
-        self.gather: Optional[Tuple[Any, np.ndarray, np.ndarray]] = None
-        self.grad_full: Optional[np.ndarray] = None
-
-
-class _Pending:
-    """A unit's gradient reduction in flight."""
-
-    __slots__ = ("fg", "work", "inp", "out", "stage")
-
-    def __init__(self, fg: _FlatGroup, work: Any, inp: np.ndarray, out: np.ndarray,
-                 stage: int) -> None:
-        self.fg, self.work, self.inp, self.out, self.stage = fg, work, inp, out, stage
-
-
-class _FSDPUnit(nn.Module):
-    """Wrapper that replaces a unit in its parent: gathers around forward and backward.
-
-    Attribute lookups it cannot answer fall through to the wrapped module, so
-    ``model.layer.weight`` still works (its ``.data`` is only the full value
-    while the unit runs).
-    """
-
-    def __init__(self, owner: "FullyShardedDataParallel", module: nn.Module, name: str,
-                 is_root: bool) -> None:
-        super().__init__()
-        self.add_module(_WRAPPED, module)
-        object.__setattr__(self, "_fsdp_owner", owner)
-        object.__setattr__(self, "unit_name", name)
-        object.__setattr__(self, "is_root", is_root)
-        object.__setattr__(self, "flat_groups", [])
-        object.__setattr__(self, "fwd_pending", 0)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fsdp_owner._unit_forward(self, args, kwargs)
-
-    def backward(self, grad_output: Any) -> Any:
-        return self._fsdp_owner._unit_backward(self, grad_output)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Assignments reach the wrapped module (``layer.weight = ...`` must not
-        # silently register a new parameter on the wrapper).
-        mods = self.__dict__.get("_modules")
-        if mods is not None and mods.get(_WRAPPED) is not None:
-            setattr(mods[_WRAPPED], name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            mods = self.__dict__.get("_modules")
-            if mods is not None and mods.get(_WRAPPED) is not None:
-                return getattr(mods[_WRAPPED], name)
-            raise
-
-    def extra_repr(self) -> str:
-        n = sum(fg.layout.numel for fg in self.flat_groups)
-        return f"unit={self.unit_name or '<root>'!r}, numel={n}"
-
-
-def _strip(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != _WRAPPED)
-
-
 # ---- the wrapper ------------------------------------------------------------------------------
-class FullyShardedDataParallel(_StateDictMixin):
+class FullyShardedDataParallel:
     """Shard a ``ringlet.nn`` model's parameters, gradients and optimizer state over ranks.
 
     Every rank of the group(s) constructs it with the same model structure and
@@ -1086,6 +938,72 @@ class FullyShardedDataParallel(_StateDictMixin):
         return norm
 
     # ---- statistics ----------------------------------------------------------------------------
+    # ---- state dicts (``_fsdp_state_dict``) ----------------------------------------------------
+    def full_state_dict(self, *, rank0_only: bool = True) -> "OrderedDict[str, np.ndarray]":
+        """The whole model's parameters and buffers, keys as the unwrapped model's ``state_dict``.
+
+        Collective.  Gathered one unit at a time into a temporary buffer, so at
+        most the result plus one unit's parameters exist at once.
+
+        Args:
+            rank0_only: only data-parallel rank 0 gets the arrays (others get
+                an empty dict and allocate nothing full-sized).
+        Returns:
+            OrderedDict name -> array (copies), loadable into the unwrapped model.
+
+        Example::
+
+            sd = fsdp.full_state_dict()
+            if ringlet.get_rank() == 0:
+                plain_model.load_state_dict(sd)
+        """
+        return _sd.full_state_dict(self, rank0_only=rank0_only)
+
+    def sharded_state_dict(self) -> "OrderedDict[str, Any]":
+        """This rank's part of the model for ``ringlet.checkpoint.save``/``load``.
+
+        Parameters are ``ShardedTensor``s whose local arrays are *views* of the
+        shard (``ShardSpec.flat``: this rank's flat range of each parameter,
+        empty where the shard misses it), so ``ringlet.checkpoint.load`` fills
+        the shards in place.  NO_SHARD gives plain arrays (views too), buffers
+        are the live arrays.
+
+        Example::
+
+            ringlet.checkpoint.save({"model": fsdp.sharded_state_dict()}, "ckpt")
+            ringlet.checkpoint.load({"model": fsdp.sharded_state_dict()}, "ckpt")
+        """
+        return _sd.sharded_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: Any, *, rank0_only: bool = False,
+                             strict: bool = True) -> nn.IncompatibleKeys:
+        """Load a full (unsharded) state dict, e.g. from ``full_state_dict`` or a plain model.
+
+        Every entry is checked before anything changes.  Collective when
+        ``rank0_only`` (rank 0's dict is broadcast one unit at a time; other
+        ranks may pass None).
+
+        Returns:
+            ``IncompatibleKeys(missing_keys, unexpected_keys)``.
+        Raises:
+            TypeError: not a mapping.  KeyError: key mismatch under ``strict``.
+            ValueError: a shape or dtype differs (raised on every rank with
+            ``rank0_only``).
+        """
+        return _sd.load_full_state_dict(self, state_dict, rank0_only=rank0_only, strict=strict)
+
+    def load_sharded_state_dict(self, state_dict: Any, *, strict: bool = True
+                                ) -> nn.IncompatibleKeys:
+        """Load what ``sharded_state_dict`` describes (e.g. after ``ringlet.checkpoint.load``).
+
+        Parameters may be ``ShardedTensor``s with this rank's specs or full
+        arrays (this rank's part is taken).  Not collective.
+
+        Raises:
+            TypeError/KeyError/ValueError: wrong type, keys, spec, shape or dtype.
+        """
+        return _sd.load_sharded_state_dict(self, state_dict, strict=strict)
+
     def memory_stats(self) -> Dict[str, int]:
         """Bytes in FSDP's buffers by category, current and peak (see ``_flat.CATEGORIES``)."""
         return self.memory.stats()
