@@ -180,10 +180,8 @@ class ColumnParallelLinear(Module):
             self.out_features, self.tp_size, self.tp_rank)
         sl = slice(self.output_start, self.output_stop)
         self.weight = Parameter(np.array(full.weight.data[sl], copy=True, order="C"))
-        self.weight.tp_shard_dim = 0
         if full.bias is not None:
             self.bias = Parameter(np.array(full.bias.data[sl], copy=True, order="C"))
-            self.bias.tp_shard_dim = 0
         else:
             self.register_parameter("bias", None)
 
@@ -294,7 +292,6 @@ class RowParallelLinear(Module):
             self.in_features, self.tp_size, self.tp_rank)
         self.weight = Parameter(np.array(full.weight.data[:, self.input_start:self.input_stop],
                                          copy=True, order="C"))
-        self.weight.tp_shard_dim = 1
         if full.bias is not None:
             self.bias = Parameter(np.array(full.bias.data, copy=True, order="C"))
             if self.sequence_parallel:
@@ -412,7 +409,6 @@ class VocabParallelEmbedding(Module):
                                                         self.tp_rank)
         self.weight = Parameter(np.array(full.weight.data[self.vocab_start:self.vocab_stop],
                                          copy=True, order="C"))
-        self.weight.tp_shard_dim = 0
 
     @classmethod
     def from_full(cls, embedding: Embedding, group: Any = None,
