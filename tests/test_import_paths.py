@@ -108,3 +108,116 @@ def test_importing_ringlet_loads_no_training_layer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()
     assert out == "[]", out
+
+
+def _module_level_imports(path, modname, is_pkg):
+    """(submodule-or-attribute, module) pairs that ``path`` imports at module level."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    pkg = modname if is_pkg else modname.rpartition(".")[0]
+    out = set()
+    for node in tree.body:  # module level only; TYPE_CHECKING blocks and functions are skipped
+        if isinstance(node, ast.Import):
+            out.update((a.name, a.name) for a in node.names if a.name.startswith("ringlet"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("ringlet"):
+                continue
+            for a in node.names:  # "from . import x" may name a submodule, else an attribute
+                out.add((f"{target}.{a.name}", target))
+    return out
+
+
+def test_no_import_cycle_through_the_parallel_layers():
+    # A cycle through ringlet.parallel (such as fsdp <-> its state-dict module, or
+    # the mesh importing the package root that imports the mesh) makes import
+    # order matter; every edge of such a cycle would be listed here.
+    import pathlib
+
+    import ringlet
+
+    root = pathlib.Path(ringlet.__file__).parent
+    mods = {}
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        mods[".".join(parts)] = (f, is_pkg)
+    for f in root.rglob("*.pyx"):  # compiled modules: leaves of the graph
+        mods[".".join(f.relative_to(root.parent).with_suffix("").parts)] = (None, False)
+    graph = {}
+    for name, (f, is_pkg) in mods.items():
+        deps = set()
+        if f is None:
+            continue
+        for sub, t in _module_level_imports(f, name, is_pkg):
+            if sub in mods:
+                t = sub
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                deps.add(t)
+                # importing a.b.c runs a/__init__ and a/b/__init__ first, unless
+                # they are this module's own packages (already being imported)
+                p = t.rpartition(".")[0]
+                while p:
+                    if p != name and not name.startswith(p + "."):
+                        deps.add(p)
+                    p = p.rpartition(".")[0]
+        graph[name] = deps
+
+    def reaches(src, dst):
+        seen, todo = set(), [src]
+        while todo:
+            m = todo.pop()
+            for d in graph.get(m, ()):
+                if d == dst:
+                    return True
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return False
+
+    ours = [m for m in graph if m.startswith(("ringlet.parallel", "ringlet.pipeline"))
+            or m in ("ringlet.mesh", "ringlet.dtensor", "ringlet.nn.tensor_parallel")]
+    assert "ringlet.parallel.fsdp" in ours and "ringlet.parallel.mesh" in ours
+    cycles = sorted(m for m in ours if reaches(m, m))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_every_parallel_module_imports_first():
+    # Each module must import in a fresh interpreter before anything else of
+    # ringlet (a cycle shows up only when the "wrong" module is imported first).
+    import pathlib
+
+    import ringlet
+
+    root = pathlib.Path(ringlet.__file__).parent
+    names = ["ringlet.mesh", "ringlet.dtensor", "ringlet.nn.tensor_parallel"]
+    for f in sorted((root / "parallel").rglob("*.py")) + sorted((root / "pipeline").rglob("*.py")):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    # One interpreter: forget every ringlet module before each import.
+    code = (
+        "import importlib, sys, traceback\n"
+        "bad = []\n"
+        f"for n in {names!r}:\n"
+        "    for m in [m for m in sys.modules if m == 'ringlet' or m.startswith('ringlet.')]:\n"
+        "        del sys.modules[m]\n"
+        "    try:\n"
+        "        importlib.import_module(n)\n"
+        "    except Exception as e:\n"
+        "        bad.append(f'{n}: {type(e).__name__}: {e}')\n"
+        "print(repr(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.strip().splitlines()[-1]
+    assert "ringlet.parallel._fsdp_state_dict" in names
+    assert out == "[]", out
