@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import hashlib
 import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
@@ -53,6 +52,7 @@ from ._flat import MemoryTracker
 from ._fsdp_flat_group import _NUMPY_FLOATS, _FlatGroup, _Pending
 from ._fsdp_groups import _Grp, _hybrid_groups, _mesh_group
 from ._fsdp_unit import _WRAPPED, _FSDPUnit
+from ._replicas import broadcast_packed, gather_layouts, layout_digest
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "MixedPrecision"]
 
@@ -445,13 +445,13 @@ class FullyShardedDataParallel:
 
     def _verify(self) -> None:
         """All ranks must agree on model layout and options, and the groups must form a grid."""
-        digest = hashlib.sha256(self._describe().encode()).hexdigest()
+        digest = layout_digest(self._describe())
         problems: List[str] = []
         sh, rep = self._shard, self._replicate
         R = rep.size if rep is not None else 1
         rrank = rep.rank if rep is not None else 0
         if sh.size > 1:
-            got = ringlet.all_gather_object([digest, R, rrank], group=sh.pg)
+            got = gather_layouts(digest, sh.pg, R, rrank)
             bad = [sh.ranks[i] for i, g in enumerate(got) if g[0] != digest]
             if bad:
                 problems.append(f"world ranks {bad} of the shard group {sh.ranks} built a "
@@ -462,7 +462,7 @@ class FullyShardedDataParallel:
                                 f"positions/sizes {[tuple(g[1:]) for g in got]}; shard and "
                                 f"replicate groups must form a grid")
         if rep is not None:
-            got = ringlet.all_gather_object([digest, sh.size, sh.rank], group=rep.pg)
+            got = gather_layouts(digest, rep.pg, sh.size, sh.rank)
             bad = [rep.ranks[i] for i, g in enumerate(got) if g[0] != digest]
             if bad:
                 problems.append(f"world ranks {bad} of the replicate group {rep.ranks} built a "
@@ -539,17 +539,7 @@ class FullyShardedDataParallel:
         return out
 
     def _broadcast_buffers_now(self) -> None:
-        arrays = self._live_buffers()
-        by_dtype: Dict[np.dtype, List[np.ndarray]] = {}
-        for a in arrays:
-            by_dtype.setdefault(a.dtype, []).append(a)
-        for dt, lst in by_dtype.items():  # one broadcast per dtype
-            packed = np.concatenate([a.reshape(-1) for a in lst])
-            self._bcast_array(packed)
-            off = 0
-            for a in lst:
-                a[...] = packed[off: off + a.size].reshape(a.shape)
-                off += a.size
+        broadcast_packed(self._live_buffers(), self._bcast_array, is_src=self.rank == 0)
 
     # ---- parameter materialisation ----------------------------------------------------------
     def _check_bindings(self, fg: _FlatGroup, expect_sentinel: bool) -> None:
