@@ -40,7 +40,7 @@ import dataclasses
 import enum
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from ringlet import nn
 from . import _fsdp_state_dict as _sd
 from ._flat import MemoryTracker
 from ._fsdp_flat_group import _NUMPY_FLOATS, _FlatGroup, _Pending
+from ._fsdp_init import check_policy, own_params, plan_units, state_entries
 from ._fsdp_groups import _Grp, _hybrid_groups, _mesh_group
 from ._fsdp_unit import _WRAPPED, _FSDPUnit
 from ._replicas import broadcast_packed, gather_layouts, layout_digest
@@ -204,7 +205,7 @@ class FullyShardedDataParallel:
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"FSDP: mixed_precision must be a MixedPrecision or None, got "
                             f"{type(mixed_precision).__name__}")
-        policy = self._check_policy(auto_wrap)
+        policy = check_policy(auto_wrap)
         self.module = module
         self.prefetch = prefetch
         self.overlap_reduce = overlap_reduce
@@ -218,8 +219,8 @@ class FullyShardedDataParallel:
         self.reset_stats()
 
         # Names are taken from the model as given, before any wrapping.
-        self._entries = self._state_entries(module)
-        units = self._plan_units(module, policy)
+        self._entries = state_entries(module)
+        units = plan_units(module, policy)
         self._build(module, units)
         self._verify()
         self._materialise_shards(bool(sync_module_states))
@@ -247,26 +248,6 @@ class FullyShardedDataParallel:
                 pass
         raise ValueError(f"FSDP: strategy must be a ShardingStrategy "
                          f"({', '.join(s.name for s in ShardingStrategy)}), got {strategy!r}")
-
-    @staticmethod
-    def _check_policy(auto_wrap: Any) -> Callable[[str, nn.Module], bool]:
-        if auto_wrap is None or auto_wrap is False:
-            return lambda name, m: False
-        if isinstance(auto_wrap, str):
-            if auto_wrap != "sequential":
-                raise ValueError(f"FSDP: auto_wrap string must be 'sequential', got "
-                                 f"{auto_wrap!r}")
-            return None  # type: ignore[return-value]  # resolved with the parents in _plan_units
-        if isinstance(auto_wrap, (tuple, list, set, frozenset)):
-            classes = tuple(auto_wrap)
-            if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module)
-                                      for c in classes):
-                raise TypeError("FSDP: auto_wrap as a collection must hold nn.Module classes")
-            return lambda name, m: isinstance(m, classes)
-        if callable(auto_wrap):
-            return auto_wrap
-        raise TypeError(f"FSDP: auto_wrap must be 'sequential', None, a tuple of Module classes "
-                        f"or a callable(name, module), got {type(auto_wrap).__name__}")
 
     def _resolve_groups(self, group: Any, mesh: Any, shard_size: Any) -> None:
         st = self.strategy
@@ -321,71 +302,6 @@ class FullyShardedDataParallel:
         self.rank = (self._replicate.rank if self._replicate is not None else 0) * S \
             + self._shard.rank
 
-    @staticmethod
-    def _state_entries(root: nn.Module) -> List[tuple]:
-        # Same keys and order as root.state_dict() (shared parameters under every name).
-        out: List[tuple] = []
-
-        def walk(m: nn.Module, prefix: str) -> None:
-            for name, p in m._parameters.items():
-                if p is not None:
-                    out.append(("param", prefix + name, p))
-            for name, b in m._buffers.items():
-                if b is not None:
-                    out.append(("buffer", prefix + name, m, name))
-            for name, c in m._modules.items():
-                if c is not None:
-                    walk(c, prefix + name + ".")
-
-        walk(root, "")
-        return out
-
-    def _plan_units(self, root: nn.Module, policy: Optional[Callable]) -> List[Tuple[str, nn.Module]]:
-        named = list(root.named_modules())
-        if policy is None:  # "sequential": children of any Sequential
-            kids = set()
-            for _, m in named:
-                if isinstance(m, nn.Sequential):
-                    kids.update(id(c) for c in m.children())
-            cands = [(n, m) for n, m in named if m is not root and id(m) in kids]
-        else:
-            cands = []
-            for n, m in named:
-                if m is root:
-                    continue
-                v = policy(n, m)
-                if not isinstance(v, (bool, np.bool_)):
-                    raise TypeError(f"FSDP: auto_wrap policy returned {type(v).__name__} for "
-                                    f"'{n}', expected a bool")
-                if v:
-                    cands.append((n, m))
-        # Descendants come after ancestors in pre-order: decide them first, so
-        # a candidate owns only what no kept descendant owns.
-        kept: Dict[int, str] = {}
-        for n, m in reversed(cands):
-            if self._own_params(m, kept):
-                kept[id(m)] = n
-        return [(n, m) for n, m in cands if id(m) in kept]
-
-    @staticmethod
-    def _own_params(m: nn.Module, units: Dict[int, str]) -> List[Tuple[nn.Module, str, nn.Parameter]]:
-        out: List[Tuple[nn.Module, str, nn.Parameter]] = []
-        seen = set()
-
-        def walk(x: nn.Module) -> None:
-            if id(x) in seen:
-                return
-            seen.add(id(x))
-            for attr, p in x._parameters.items():
-                if p is not None:
-                    out.append((x, attr, p))
-            for c in x._modules.values():
-                if c is not None and id(c) not in units:
-                    walk(c)
-
-        walk(m)
-        return out
-
     def _build(self, root: nn.Module, units: List[Tuple[str, nn.Module]]) -> None:
         first_name: Dict[int, str] = {}
         for kind, name, *rest in self._entries:
@@ -397,7 +313,7 @@ class FullyShardedDataParallel:
         wrappers: Dict[int, _FSDPUnit] = {}
         for name, m in [("", root)] + units:
             w = _FSDPUnit(self, m, name, is_root=m is root)
-            owned = self._own_params(m, {k: v for k, v in unit_ids.items() if k != id(m)})
+            owned = own_params(m, {k: v for k, v in unit_ids.items() if k != id(m)})
             by_key: "OrderedDict[Tuple[str, bool], List[nn.Parameter]]" = OrderedDict()
             index: Dict[int, Tuple[Tuple[str, bool], int]] = {}
             for mod, attr, p in owned:
@@ -927,7 +843,6 @@ class FullyShardedDataParallel:
                     fg.shard.grad *= fg.shard.grad.dtype.type(scale)
         return norm
 
-    # ---- statistics ----------------------------------------------------------------------------
     # ---- state dicts (``_fsdp_state_dict``) ----------------------------------------------------
     def full_state_dict(self, *, rank0_only: bool = True) -> "OrderedDict[str, np.ndarray]":
         """The whole model's parameters and buffers, keys as the unwrapped model's ``state_dict``.
@@ -994,6 +909,7 @@ class FullyShardedDataParallel:
         """
         return _sd.load_sharded_state_dict(self, state_dict, strict=strict)
 
+    # ---- statistics ----------------------------------------------------------------------------
     def memory_stats(self) -> Dict[str, int]:
         """Bytes in FSDP's buffers by category, current and peak (see ``_flat.CATEGORIES``)."""
         return self.memory.stats()
