@@ -137,7 +137,7 @@ def test_python_harnesses_catch_a_broken_parser(monkeypatch):
     """A harness is only worth its CI minutes if it fails on a broken parser:
     make the RPC decoder leak an IndexError and the pipeline parser accept a
     huge declaration, and the seeds alone must expose both."""
-    from ringlet.pipeline import runtime as rt
+    from ringlet.parallel.pipeline import _wire as rt
     from ringlet._wire import codec as ser
 
     rpc = _load("rpc_codec")

@@ -24,7 +24,7 @@ from ringlet.pipeline import (Action, ActionKind, PipelineError, PipelineStage, 
                               ScheduleInterleaved1F1B, all_reduce_gradients, bubble_fraction,
                               pipeline_data_groups, plan_1f1b, plan_gpipe,
                               plan_interleaved_1f1b, simulate, split_model)
-from ringlet.pipeline import runtime as rt
+from ringlet.parallel.pipeline import _wire as wire
 from ringlet.testing import WorldError, run_world
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -222,30 +222,30 @@ def _brute_force_runs(plan: Plan) -> bool:
 # ---- wire format ---------------------------------------------------------------------------
 def test_wire_format_round_trip_and_poison():
     a = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
-    d = rt._parse_declaration(rt._declaration(7, 2, a.shape, a.dtype), 7, 2, "x")
-    assert (d.kind, d.shape, d.dtype, d.nbytes) == (rt._KIND_DATA, (3, 4, 5), np.float32, 240)
-    assert rt._parse_declaration(rt._declaration(7, 2, a.shape, a.dtype), 8, 2,
+    d = wire._parse_declaration(wire._declaration(7, 2, a.shape, a.dtype), 7, 2, "x")
+    assert (d.kind, d.shape, d.dtype, d.nbytes) == (wire._KIND_DATA, (3, 4, 5), np.float32, 240)
+    assert wire._parse_declaration(wire._declaration(7, 2, a.shape, a.dtype), 8, 2,
                                  "x").error.startswith("x: declaration for step 7")
-    p = rt._parse_declaration(rt._poison_declaration(7, 2, origin=3), 7, 2, "x")
-    assert (p.kind, p.origin) == (rt._KIND_POISON, 3)
-    bad = rt._declaration(7, 2, a.shape, a.dtype)
+    p = wire._parse_declaration(wire._poison_declaration(7, 2, origin=3), 7, 2, "x")
+    assert (p.kind, p.origin) == (wire._KIND_POISON, 3)
+    bad = wire._declaration(7, 2, a.shape, a.dtype)
     bad[0] = 1
-    assert "malformed" in rt._parse_declaration(bad, 7, 2, "x").error
-    frame = rt._frame(7, 2, 9, a, a.nbytes)
+    assert "malformed" in wire._parse_declaration(bad, 7, 2, "x").error
+    frame = wire._frame(7, 2, 9, a, a.nbytes)
     assert frame.size == 128 + 240
-    assert rt._parse_frame(frame, 7, 2, 9, "x") == (rt._KIND_DATA, -1, None)
+    assert wire._parse_frame(frame, 7, 2, 9, "x") == (wire._KIND_DATA, -1, None)
     np.testing.assert_array_equal(frame[128:].view(np.float32).reshape(a.shape), a)
     assert "microbatch 9 where step 7, stage 2, microbatch 8" in \
-        rt._parse_frame(frame, 7, 2, 8, "x")[2]
-    poison = rt._frame(7, 2, -1, None, 240, origin=1)
+        wire._parse_frame(frame, 7, 2, 8, "x")[2]
+    poison = wire._frame(7, 2, -1, None, 240, origin=1)
     assert poison.size == frame.size
-    assert rt._parse_frame(poison, 7, 2, 4, "x")[:2] == (rt._KIND_POISON, 1)
+    assert wire._parse_frame(poison, 7, 2, 4, "x")[:2] == (wire._KIND_POISON, 1)
     with pytest.raises(ValueError, match="at most 8 dimensions"):
-        rt._declaration(1, 0, (1,) * 9, np.float64)
+        wire._declaration(1, 0, (1,) * 9, np.float64)
     with pytest.raises(TypeError, match="cannot carry dtype complex128"):
-        rt._declaration(1, 0, (2,), np.dtype(np.complex128))
+        wire._declaration(1, 0, (2,), np.dtype(np.complex128))
     # Tags of different message types, stages and microbatches never collide.
-    tags = {rt._tag(c, s, m) for c in range(1, 5) for s in (0, 1, 4095) for m in (0, 1, 65535)}
+    tags = {wire._tag(c, s, m) for c in range(1, 5) for s in (0, 1, 4095) for m in (0, 1, 65535)}
     assert len(tags) == 4 * 3 * 3 and max(tags) < 2 ** 32
 
 

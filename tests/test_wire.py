@@ -8,7 +8,7 @@ import pytest
 
 from ringlet import _core, _dtypes
 from ringlet.checkpoint import format as ckpt_format
-from ringlet.pipeline import runtime as pp_runtime
+from ringlet.parallel.pipeline import _wire as pp_runtime
 from ringlet.rpc import serialization as rpc_ser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Fuzz the pipeline runtime's header parsers (``ringlet.pipeline.runtime``).
+"""Fuzz the pipeline's header parsers (``ringlet.parallel.pipeline._wire``).
 
 A pipeline channel opens with a 128-byte declaration (magic, kind, step,
 stage, dtype, ndim, dims) and every microbatch travels as a frame with a
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import instrumented, main  # noqa: E402
 
 with instrumented():
-    from ringlet.pipeline import runtime as rt
+    from ringlet.parallel.pipeline import _wire as rt
 
 import numpy as np  # noqa: E402
 

@@ -31,8 +31,10 @@ from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, GroupP
                      PeerClosedError, ProtocolError, RendezvousError, RingletError)
 from .group import ProcessGroup
 from .work import Work
-from .mesh import DeviceMesh  # noqa: E402  (after the core: it builds on new_group)
-from .dtensor import DTensor, Partial, Placement, Replicate, Shard, distribute  # noqa: E402
+# After the core: the mesh builds on new_group.
+from .parallel.dtensor import (DTensor, Partial, Placement, Replicate, Shard,  # noqa: E402
+                               distribute)
+from .parallel.mesh import DeviceMesh  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -27,10 +27,14 @@ from .losses import cross_entropy, mse_loss
 from .module import (HookHandle, IncompatibleKeys, Module, Parameter, enable_grad,
                      is_grad_enabled, no_grad)
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelGather,
-                              SequenceParallelScatter, VocabParallelEmbedding,
-                              gather_from_sequence_parallel, mark_sequence_parallel,
-                              scatter_to_sequence_parallel, vocab_parallel_cross_entropy)
+
+# The tensor-parallel layers live in ringlet.parallel (which builds on this
+# package); they are re-exported here on first access, so importing either
+# package first works.
+_TENSOR_PARALLEL = ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+                    "vocab_parallel_cross_entropy", "SequenceParallelScatter",
+                    "SequenceParallelGather", "scatter_to_sequence_parallel",
+                    "gather_from_sequence_parallel", "mark_sequence_parallel")
 
 __all__ = [
     "Module", "Parameter", "no_grad", "enable_grad", "is_grad_enabled", "HookHandle",
@@ -41,3 +45,15 @@ __all__ = [
     "SequenceParallelGather", "scatter_to_sequence_parallel", "gather_from_sequence_parallel",
     "mark_sequence_parallel",
 ]
+
+
+def __getattr__(name: str):
+    if name in _TENSOR_PARALLEL:
+        from ..parallel import tensor_parallel
+
+        return getattr(tensor_parallel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_TENSOR_PARALLEL))

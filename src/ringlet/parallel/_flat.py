@@ -1,7 +1,9 @@
-"""Flat-buffer layout and buffer accounting for ``FullyShardedDataParallel``.
+"""The flat-buffer layout of the data-parallel wrappers, and FSDP's buffer accounting.
 
-``FlatLayout`` places a unit's parameters (one dtype) back to back in one
-1-D buffer padded to a multiple of the shard count S::
+``FlatLayout`` places a list of parameters (one dtype) back to back in one
+1-D buffer padded to a multiple of the shard count S.  FSDP lays out each
+unit with S shards; DDP lays out each gradient buffer with S = 1 (the
+unsharded case: it allocates just ``numel`` elements)::
 
     | p0 ........ | p1 .. | p2 ............ | pad |      padded = S * shard_numel
     |<- shard 0 ->|<- shard 1 ->|<- shard 2 ->|           shard r = [r*n, (r+1)*n)

@@ -36,7 +36,6 @@ learns their names (``all_gather_object``) and raises the same
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -46,6 +45,8 @@ import ringlet
 from ringlet import nn
 
 from . import comm_hooks
+from ._flat import FlatLayout
+from ._replicas import broadcast_packed, gather_layouts, layout_digest
 
 __all__ = ["DistributedDataParallel", "DDP", "GradBucket"]
 
@@ -198,24 +199,26 @@ class DistributedDataParallel:
         closed.extend((dt, idx) for dt, idx in open_.items() if idx)
 
         # One flat buffer per dtype, parameters in reverse order: each bucket is
-        # then one contiguous slice.
-        totals: Dict[np.dtype, int] = {}
+        # then one contiguous slice.  The layout is FSDP's with a single shard.
+        in_buffer: Dict[np.dtype, List[int]] = {}
         for dt, idx in closed:
-            totals[dt] = totals.get(dt, 0) + sum(self._params[i].size for i in idx)
+            in_buffer.setdefault(dt, []).extend(idx)
+        layouts = {dt: FlatLayout([self._params[i].shape for i in idx], 1)
+                   for dt, idx in in_buffer.items()}
         self.grad_buffers: Dict[np.dtype, np.ndarray] = {
-            dt: np.zeros(n, dt) for dt, n in totals.items()}
-        fill = {dt: 0 for dt in totals}
+            dt: np.zeros(lay.numel, dt) for dt, lay in layouts.items()}
         self._slots: List[Optional[np.ndarray]] = [None] * len(self._params)
+        for dt, idx in in_buffer.items():
+            for i, view in zip(idx, layouts[dt].views(self.grad_buffers[dt])):
+                self._slots[i] = view
+        fill = {dt: 0 for dt in layouts}
         self.buckets: List[GradBucket] = []
         self._bucket_of = [0] * len(self._params)
         for b, (dt, idx) in enumerate(closed):
             start = fill[dt]
             for i in idx:
-                p = self._params[i]
-                flat = self.grad_buffers[dt][fill[dt]: fill[dt] + p.size]
-                self._slots[i] = flat.reshape(p.shape)
                 self._bucket_of[i] = b
-                fill[dt] += p.size
+                fill[dt] += self._params[i].size
             buf = self.grad_buffers[dt][start: fill[dt]]
             self.buckets.append(GradBucket(b, buf, [self._params[i] for i in idx],
                                            [self._names[i] for i in idx], self.group,
@@ -232,11 +235,10 @@ class DistributedDataParallel:
         # all-reduce; compare a digest once, with names of what differs.
         if self.world_size == 1:
             return
-        desc = repr(([(n, p.shape, str(p.dtype)) for n, p in zip(self._names, self._params)],
-                     self.bucket_cap_mb, self.find_unused_parameters)).encode()
-        mine = hashlib.sha256(desc).hexdigest()
-        digests = ringlet.all_gather_object(mine, group=self.group)
-        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        layout = [(n, p.shape, str(p.dtype)) for n, p in zip(self._names, self._params)]
+        mine = layout_digest((layout, self.bucket_cap_mb, self.find_unused_parameters))
+        got = gather_layouts(mine, self.group)
+        bad = [r for r, g in enumerate(got) if g[0] != got[0][0]]
         if bad:
             raise ValueError(f"DistributedDataParallel: ranks {bad} have a different parameter "
                              f"layout (names, shapes, dtypes), bucket_cap_mb or "
@@ -463,22 +465,8 @@ class DistributedDataParallel:
     def _broadcast_arrays(self, arrays: Sequence[np.ndarray], src: int) -> None:
         if self.world_size == 1:
             return
-        small: Dict[np.dtype, List[np.ndarray]] = {}
-        for a in arrays:
-            if a.nbytes >= _SMALL_BYTES and a.flags.c_contiguous and a.flags.writeable:
-                ringlet.broadcast(a, src, group=self.group)  # in place, no copy
-            else:
-                small.setdefault(a.dtype, []).append(a)
-        # Small arrays travel packed, one broadcast per dtype.
-        for dt, group_arrays in small.items():
-            packed = np.concatenate([a.reshape(-1) for a in group_arrays]) \
-                if self.rank == src else np.empty(sum(a.size for a in group_arrays), dt)
-            ringlet.broadcast(packed, src, group=self.group)
-            if self.rank != src:
-                off = 0
-                for a in group_arrays:
-                    a[...] = packed[off: off + a.size].reshape(a.shape)
-                    off += a.size
+        broadcast_packed(arrays, lambda a: ringlet.broadcast(a, src, group=self.group),
+                         is_src=self.rank == src, alone_bytes=_SMALL_BYTES)
 
     # ---- conveniences delegating to the module ---------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -41,50 +41,14 @@ zero gradient), so every rank of a group reduces the same layout.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional
 
 import numpy as np
 
 from .._dtypes import ReduceOp
+from ._grads import chunk_list, flat_reduce, params_of, trainable, zero_missing_grads
 
 __all__ = ["finalize_model_grads"]
-
-
-def _items(model_chunks: Any) -> List[Any]:
-    if isinstance(model_chunks, (list, tuple)):
-        return list(model_chunks)
-    return [model_chunks]
-
-
-def _params_of(item: Any) -> List[Any]:
-    if hasattr(item, "data") and hasattr(item, "grad") and not callable(
-            getattr(item, "parameters", None)):
-        return [item]
-    params = getattr(item, "parameters", None)
-    if not callable(params):
-        raise TypeError(f"finalize_model_grads: model_chunks must be Modules, PipelineStages, "
-                        f"data-parallel wrappers or Parameters, got {type(item).__name__}")
-    return list(params())
-
-
-def _flat_reduce(params: Sequence[Any], group: Any, op: ReduceOp, scale: float,
-                 timeout: Optional[float]) -> None:
-    """All-reduce the gradients of ``params`` over ``group`` in one buffer per dtype."""
-    by_dtype: Dict[np.dtype, List[Any]] = {}
-    for p in params:
-        by_dtype.setdefault(np.dtype(p.grad.dtype), []).append(p)
-    for dt in sorted(by_dtype, key=str):  # the same order on every rank
-        ps = by_dtype[dt]
-        flat = np.concatenate([p.grad.reshape(-1) for p in ps])
-        if group is not None and group.size > 1:
-            group.all_reduce(flat, op, timeout=timeout)
-        if scale != 1.0:
-            flat *= dt.type(scale)
-        off = 0
-        for p in ps:
-            n = p.grad.size
-            p.grad[...] = flat[off:off + n].reshape(p.grad.shape)  # in place: may be a view
-            off += n
 
 
 def _dim_group(mesh: Any, name: Optional[str]):
@@ -144,20 +108,14 @@ def finalize_model_grads(model_chunks: Any, *, mesh: Any, dp_dim: Optional[str] 
     params: List[Any] = []
     seen: set = set()
     handled: set = set()
-    for item in _items(model_chunks):
+    for item in chunk_list(model_chunks):
         sync = getattr(item, "sync_gradients", None)
-        ps = _params_of(item)
+        ps = params_of(item, "finalize_model_grads")
         if callable(sync):
             sync()  # (1) the wrapper finishes its own data-parallel reduction
             handled.update(id(p) for p in ps)
-        for p in ps:
-            if id(p) in seen or not getattr(p, "requires_grad", True):
-                continue
-            seen.add(id(p))
-            params.append(p)
-    for p in params:
-        if p.grad is None:
-            p.grad = np.zeros_like(p.data, order="C")
+        params.extend(trainable(ps, seen))
+    zero_missing_grads(params)
 
     # (2) tied embeddings between the first and last pipeline stages.
     if pp_dim is not None and pp_dim in tuple(mesh.dim_names) and mesh.size(pp_dim) > 1:
@@ -171,7 +129,7 @@ def finalize_model_grads(model_chunks: Any, *, mesh: Any, dp_dim: Optional[str] 
     tp_group, tp_size = _dim_group(mesh, tp_dim)
     sp = [p for p in params if getattr(p, "sequence_parallel", False)]
     if tp_size > 1 and sp:
-        _flat_reduce(sp, tp_group, ReduceOp.SUM, 1.0, timeout)
+        flat_reduce(sp, tp_group, ReduceOp.SUM, 1.0, timeout)
 
     # (4) data parallelism: dense over dp and ep, experts over dp only.
     dp_group, dp_size = _dim_group(mesh, dp_dim)
@@ -182,16 +140,16 @@ def finalize_model_grads(model_chunks: Any, *, mesh: Any, dp_dim: Optional[str] 
     expert = [p for p in todo if getattr(p, "expert", False)]
     if dense and dp_size * ep_size > 1:
         if dp_size > 1:
-            _flat_reduce(dense, dp_group, ReduceOp.AVG, 1.0, timeout)
+            flat_reduce(dense, dp_group, ReduceOp.AVG, 1.0, timeout)
         if ep_size > 1:
-            _flat_reduce(dense, ep_group, ReduceOp.AVG, 1.0, timeout)
+            flat_reduce(dense, ep_group, ReduceOp.AVG, 1.0, timeout)
     if expert and dp_size * ep_size > 1:
         # Each expert already summed its tokens from every ep rank; the global
         # mean loss divides by all dp*ep replicas.
         if dp_size > 1:
-            _flat_reduce(expert, dp_group, ReduceOp.AVG, 1.0 / ep_size, timeout)
+            flat_reduce(expert, dp_group, ReduceOp.AVG, 1.0 / ep_size, timeout)
         else:
-            _flat_reduce(expert, None, ReduceOp.SUM, 1.0 / ep_size, timeout)
+            flat_reduce(expert, None, ReduceOp.SUM, 1.0 / ep_size, timeout)
 
 
 def _reduce_tied(shared: Iterable[Any], group: Any, timeout: Optional[float]) -> None:

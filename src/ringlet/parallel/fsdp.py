@@ -38,23 +38,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import hashlib
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 import ringlet
 from ringlet import nn
 
-from ._flat import FlatLayout, MemoryTracker
-from ._fsdp_state import _StateDictMixin
+from . import _fsdp_state_dict as _sd
+from ._flat import MemoryTracker
+from ._fsdp_flat_group import _NUMPY_FLOATS, _FlatGroup, _Pending
+from ._fsdp_init import check_policy, own_params, plan_units, state_entries
+from ._fsdp_groups import _Grp, _hybrid_groups, _mesh_group
+from ._fsdp_unit import _WRAPPED, _FSDPUnit
+from ._replicas import broadcast_packed, gather_layouts, layout_digest
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "MixedPrecision"]
 
-_WRAPPED = "_fsdp_wrapped_module"
-_NUMPY_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 class ShardingStrategy(enum.Enum):
@@ -126,157 +128,8 @@ class MixedPrecision:
                                                             "MixedPrecision.reduce_dtype"))
 
 
-# ---- process groups -----------------------------------------------------------------------
-class _Grp:
-    """A group as FSDP uses it: the handle passed to collectives, size, rank, world ranks."""
-
-    __slots__ = ("pg", "size", "rank", "ranks")
-
-    def __init__(self, pg: Any, size: int, rank: int, ranks: Sequence[int]) -> None:
-        self.pg, self.size, self.rank, self.ranks = pg, size, rank, list(ranks)
-
-    @classmethod
-    def of(cls, pg: Any, what: str) -> "_Grp":
-        if pg is None:
-            n = ringlet.get_world_size()
-            return cls(None, n, ringlet.get_rank(), range(n))
-        if not all(hasattr(pg, a) for a in ("rank", "size", "ranks")):
-            raise TypeError(f"FSDP: {what} must be a ringlet.ProcessGroup or None, got "
-                            f"{type(pg).__name__}")
-        if pg.rank < 0:
-            raise ValueError(f"FSDP: this rank (world rank {ringlet.get_rank()}) is not a member "
-                             f"of {what} (world ranks {list(pg.ranks)})")
-        return cls(pg, int(pg.size), int(pg.rank), pg.ranks)
-
-
-def _mesh_group(mesh: Any, dim: int) -> Any:
-    get = getattr(mesh, "get_group", None)
-    if not callable(get):
-        raise TypeError(f"FSDP: mesh must have a get_group(dim) method (a DeviceMesh), got "
-                        f"{type(mesh).__name__}")
-    return get(dim)
-
-
-def _hybrid_groups(parent: Any, shard_size: Any) -> Tuple[Any, Any]:
-    if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)):
-        raise TypeError(f"FSDP: shard_size must be an int, got {type(shard_size).__name__}")
-    p = _Grp.of(parent, "group")
-    s = int(shard_size)
-    if s < 1 or p.size % s:
-        raise ValueError(f"FSDP: shard_size={s} must be positive and divide the group size "
-                         f"{p.size}")
-    ranks = p.ranks
-    shard = replicate = None
-    # Every rank creates every group, in the same order (new_group's contract).
-    for i in range(p.size // s):
-        g = ringlet.new_group(ranks[i * s:(i + 1) * s], group=parent)
-        if g.rank >= 0:
-            shard = g
-    for j in range(s):
-        g = ringlet.new_group(ranks[j::s], group=parent)
-        if g.rank >= 0:
-            replicate = g
-    return shard, replicate
-
-
-# ---- per-unit flat groups ---------------------------------------------------------------------
-class _FlatGroup:
-    """One unit's parameters of one (dtype, requires_grad): layout, shard and live buffers."""
-
-    def __init__(self, name: str, params: List[nn.Parameter], names: List[str],
-                 dtype: np.dtype, requires_grad: bool, shards: int, shard_rank: int,
-                 mp: Optional[MixedPrecision]) -> None:
-        self.name = name
-        self.params = params
-        self.names = names
-        self.dtype = np.dtype(dtype)
-        self.requires_grad = requires_grad
-        self.shard_rank = shard_rank
-        self.layout = FlatLayout([p.shape for p in params], shards)
-        pd = mp.param_dtype if mp is not None else None
-        rd = mp.reduce_dtype if mp is not None else None
-        self.comm_dtype = pd if pd is not None else self.dtype
-        self.compute_dtype = (self.comm_dtype if self.comm_dtype in _NUMPY_FLOATS
-                              else np.dtype(np.float32))
-        self.reduce_dtype = rd if rd is not None else self.compute_dtype
-        self.sentinels = []
-        for p in params:
-            s = np.empty((0,), self.dtype)
-            s.flags.writeable = False
-            self.sentinels.append(s)
-        self.bindings: List[Tuple[nn.Module, str, int]] = []
-        self.shard: Optional[nn.Parameter] = None
-        # Views of the shard itself, never gathered nor freed (NO_SHARD, no cast).
-        self.permanent = shards == 1 and self.compute_dtype == self.dtype
-        self.full: Optional[np.ndarray] = None
-        self.views: Optional[List[np.ndarray]] = None
-        self.gather: Optional[Tuple[Any, np.ndarray, np.ndarray]] = None
-        self.grad_full: Optional[np.ndarray] = None
-
-
-class _Pending:
-    """A unit's gradient reduction in flight."""
-
-    __slots__ = ("fg", "work", "inp", "out", "stage")
-
-    def __init__(self, fg: _FlatGroup, work: Any, inp: np.ndarray, out: np.ndarray,
-                 stage: int) -> None:
-        self.fg, self.work, self.inp, self.out, self.stage = fg, work, inp, out, stage
-
-
-class _FSDPUnit(nn.Module):
-    """Wrapper that replaces a unit in its parent: gathers around forward and backward.
-
-    Attribute lookups it cannot answer fall through to the wrapped module, so
-    ``model.layer.weight`` still works (its ``.data`` is only the full value
-    while the unit runs).
-    """
-
-    def __init__(self, owner: "FullyShardedDataParallel", module: nn.Module, name: str,
-                 is_root: bool) -> None:
-        super().__init__()
-        self.add_module(_WRAPPED, module)
-        object.__setattr__(self, "_fsdp_owner", owner)
-        object.__setattr__(self, "unit_name", name)
-        object.__setattr__(self, "is_root", is_root)
-        object.__setattr__(self, "flat_groups", [])
-        object.__setattr__(self, "fwd_pending", 0)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fsdp_owner._unit_forward(self, args, kwargs)
-
-    def backward(self, grad_output: Any) -> Any:
-        return self._fsdp_owner._unit_backward(self, grad_output)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Assignments reach the wrapped module (``layer.weight = ...`` must not
-        # silently register a new parameter on the wrapper).
-        mods = self.__dict__.get("_modules")
-        if mods is not None and mods.get(_WRAPPED) is not None:
-            setattr(mods[_WRAPPED], name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            mods = self.__dict__.get("_modules")
-            if mods is not None and mods.get(_WRAPPED) is not None:
-                return getattr(mods[_WRAPPED], name)
-            raise
-
-    def extra_repr(self) -> str:
-        n = sum(fg.layout.numel for fg in self.flat_groups)
-        return f"unit={self.unit_name or '<root>'!r}, numel={n}"
-
-
-def _strip(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != _WRAPPED)
-
-
 # ---- the wrapper ------------------------------------------------------------------------------
-class FullyShardedDataParallel(_StateDictMixin):
+class FullyShardedDataParallel:
     """Shard a ``ringlet.nn`` model's parameters, gradients and optimizer state over ranks.
 
     Every rank of the group(s) constructs it with the same model structure and
@@ -352,7 +205,7 @@ class FullyShardedDataParallel(_StateDictMixin):
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"FSDP: mixed_precision must be a MixedPrecision or None, got "
                             f"{type(mixed_precision).__name__}")
-        policy = self._check_policy(auto_wrap)
+        policy = check_policy(auto_wrap)
         self.module = module
         self.prefetch = prefetch
         self.overlap_reduce = overlap_reduce
@@ -366,8 +219,8 @@ class FullyShardedDataParallel(_StateDictMixin):
         self.reset_stats()
 
         # Names are taken from the model as given, before any wrapping.
-        self._entries = self._state_entries(module)
-        units = self._plan_units(module, policy)
+        self._entries = state_entries(module)
+        units = plan_units(module, policy)
         self._build(module, units)
         self._verify()
         self._materialise_shards(bool(sync_module_states))
@@ -395,26 +248,6 @@ class FullyShardedDataParallel(_StateDictMixin):
                 pass
         raise ValueError(f"FSDP: strategy must be a ShardingStrategy "
                          f"({', '.join(s.name for s in ShardingStrategy)}), got {strategy!r}")
-
-    @staticmethod
-    def _check_policy(auto_wrap: Any) -> Callable[[str, nn.Module], bool]:
-        if auto_wrap is None or auto_wrap is False:
-            return lambda name, m: False
-        if isinstance(auto_wrap, str):
-            if auto_wrap != "sequential":
-                raise ValueError(f"FSDP: auto_wrap string must be 'sequential', got "
-                                 f"{auto_wrap!r}")
-            return None  # type: ignore[return-value]  # resolved with the parents in _plan_units
-        if isinstance(auto_wrap, (tuple, list, set, frozenset)):
-            classes = tuple(auto_wrap)
-            if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module)
-                                      for c in classes):
-                raise TypeError("FSDP: auto_wrap as a collection must hold nn.Module classes")
-            return lambda name, m: isinstance(m, classes)
-        if callable(auto_wrap):
-            return auto_wrap
-        raise TypeError(f"FSDP: auto_wrap must be 'sequential', None, a tuple of Module classes "
-                        f"or a callable(name, module), got {type(auto_wrap).__name__}")
 
     def _resolve_groups(self, group: Any, mesh: Any, shard_size: Any) -> None:
         st = self.strategy
@@ -469,71 +302,6 @@ class FullyShardedDataParallel(_StateDictMixin):
         self.rank = (self._replicate.rank if self._replicate is not None else 0) * S \
             + self._shard.rank
 
-    @staticmethod
-    def _state_entries(root: nn.Module) -> List[tuple]:
-        # Same keys and order as root.state_dict() (shared parameters under every name).
-        out: List[tuple] = []
-
-        def walk(m: nn.Module, prefix: str) -> None:
-            for name, p in m._parameters.items():
-                if p is not None:
-                    out.append(("param", prefix + name, p))
-            for name, b in m._buffers.items():
-                if b is not None:
-                    out.append(("buffer", prefix + name, m, name))
-            for name, c in m._modules.items():
-                if c is not None:
-                    walk(c, prefix + name + ".")
-
-        walk(root, "")
-        return out
-
-    def _plan_units(self, root: nn.Module, policy: Optional[Callable]) -> List[Tuple[str, nn.Module]]:
-        named = list(root.named_modules())
-        if policy is None:  # "sequential": children of any Sequential
-            kids = set()
-            for _, m in named:
-                if isinstance(m, nn.Sequential):
-                    kids.update(id(c) for c in m.children())
-            cands = [(n, m) for n, m in named if m is not root and id(m) in kids]
-        else:
-            cands = []
-            for n, m in named:
-                if m is root:
-                    continue
-                v = policy(n, m)
-                if not isinstance(v, (bool, np.bool_)):
-                    raise TypeError(f"FSDP: auto_wrap policy returned {type(v).__name__} for "
-                                    f"'{n}', expected a bool")
-                if v:
-                    cands.append((n, m))
-        # Descendants come after ancestors in pre-order: decide them first, so
-        # a candidate owns only what no kept descendant owns.
-        kept: Dict[int, str] = {}
-        for n, m in reversed(cands):
-            if self._own_params(m, kept):
-                kept[id(m)] = n
-        return [(n, m) for n, m in cands if id(m) in kept]
-
-    @staticmethod
-    def _own_params(m: nn.Module, units: Dict[int, str]) -> List[Tuple[nn.Module, str, nn.Parameter]]:
-        out: List[Tuple[nn.Module, str, nn.Parameter]] = []
-        seen = set()
-
-        def walk(x: nn.Module) -> None:
-            if id(x) in seen:
-                return
-            seen.add(id(x))
-            for attr, p in x._parameters.items():
-                if p is not None:
-                    out.append((x, attr, p))
-            for c in x._modules.values():
-                if c is not None and id(c) not in units:
-                    walk(c)
-
-        walk(m)
-        return out
-
     def _build(self, root: nn.Module, units: List[Tuple[str, nn.Module]]) -> None:
         first_name: Dict[int, str] = {}
         for kind, name, *rest in self._entries:
@@ -545,7 +313,7 @@ class FullyShardedDataParallel(_StateDictMixin):
         wrappers: Dict[int, _FSDPUnit] = {}
         for name, m in [("", root)] + units:
             w = _FSDPUnit(self, m, name, is_root=m is root)
-            owned = self._own_params(m, {k: v for k, v in unit_ids.items() if k != id(m)})
+            owned = own_params(m, {k: v for k, v in unit_ids.items() if k != id(m)})
             by_key: "OrderedDict[Tuple[str, bool], List[nn.Parameter]]" = OrderedDict()
             index: Dict[int, Tuple[Tuple[str, bool], int]] = {}
             for mod, attr, p in owned:
@@ -593,13 +361,13 @@ class FullyShardedDataParallel(_StateDictMixin):
 
     def _verify(self) -> None:
         """All ranks must agree on model layout and options, and the groups must form a grid."""
-        digest = hashlib.sha256(self._describe().encode()).hexdigest()
+        digest = layout_digest(self._describe())
         problems: List[str] = []
         sh, rep = self._shard, self._replicate
         R = rep.size if rep is not None else 1
         rrank = rep.rank if rep is not None else 0
         if sh.size > 1:
-            got = ringlet.all_gather_object([digest, R, rrank], group=sh.pg)
+            got = gather_layouts(digest, sh.pg, R, rrank)
             bad = [sh.ranks[i] for i, g in enumerate(got) if g[0] != digest]
             if bad:
                 problems.append(f"world ranks {bad} of the shard group {sh.ranks} built a "
@@ -610,7 +378,7 @@ class FullyShardedDataParallel(_StateDictMixin):
                                 f"positions/sizes {[tuple(g[1:]) for g in got]}; shard and "
                                 f"replicate groups must form a grid")
         if rep is not None:
-            got = ringlet.all_gather_object([digest, sh.size, sh.rank], group=rep.pg)
+            got = gather_layouts(digest, rep.pg, sh.size, sh.rank)
             bad = [rep.ranks[i] for i, g in enumerate(got) if g[0] != digest]
             if bad:
                 problems.append(f"world ranks {bad} of the replicate group {rep.ranks} built a "
@@ -687,17 +455,7 @@ class FullyShardedDataParallel(_StateDictMixin):
         return out
 
     def _broadcast_buffers_now(self) -> None:
-        arrays = self._live_buffers()
-        by_dtype: Dict[np.dtype, List[np.ndarray]] = {}
-        for a in arrays:
-            by_dtype.setdefault(a.dtype, []).append(a)
-        for dt, lst in by_dtype.items():  # one broadcast per dtype
-            packed = np.concatenate([a.reshape(-1) for a in lst])
-            self._bcast_array(packed)
-            off = 0
-            for a in lst:
-                a[...] = packed[off: off + a.size].reshape(a.shape)
-                off += a.size
+        broadcast_packed(self._live_buffers(), self._bcast_array, is_src=self.rank == 0)
 
     # ---- parameter materialisation ----------------------------------------------------------
     def _check_bindings(self, fg: _FlatGroup, expect_sentinel: bool) -> None:
@@ -1084,6 +842,72 @@ class FullyShardedDataParallel(_StateDictMixin):
                 if fg.shard.grad is not None:
                     fg.shard.grad *= fg.shard.grad.dtype.type(scale)
         return norm
+
+    # ---- state dicts (``_fsdp_state_dict``) ----------------------------------------------------
+    def full_state_dict(self, *, rank0_only: bool = True) -> "OrderedDict[str, np.ndarray]":
+        """The whole model's parameters and buffers, keys as the unwrapped model's ``state_dict``.
+
+        Collective.  Gathered one unit at a time into a temporary buffer, so at
+        most the result plus one unit's parameters exist at once.
+
+        Args:
+            rank0_only: only data-parallel rank 0 gets the arrays (others get
+                an empty dict and allocate nothing full-sized).
+        Returns:
+            OrderedDict name -> array (copies), loadable into the unwrapped model.
+
+        Example::
+
+            sd = fsdp.full_state_dict()
+            if ringlet.get_rank() == 0:
+                plain_model.load_state_dict(sd)
+        """
+        return _sd.full_state_dict(self, rank0_only=rank0_only)
+
+    def sharded_state_dict(self) -> "OrderedDict[str, Any]":
+        """This rank's part of the model for ``ringlet.checkpoint.save``/``load``.
+
+        Parameters are ``ShardedTensor``s whose local arrays are *views* of the
+        shard (``ShardSpec.flat``: this rank's flat range of each parameter,
+        empty where the shard misses it), so ``ringlet.checkpoint.load`` fills
+        the shards in place.  NO_SHARD gives plain arrays (views too), buffers
+        are the live arrays.
+
+        Example::
+
+            ringlet.checkpoint.save({"model": fsdp.sharded_state_dict()}, "ckpt")
+            ringlet.checkpoint.load({"model": fsdp.sharded_state_dict()}, "ckpt")
+        """
+        return _sd.sharded_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: Any, *, rank0_only: bool = False,
+                             strict: bool = True) -> nn.IncompatibleKeys:
+        """Load a full (unsharded) state dict, e.g. from ``full_state_dict`` or a plain model.
+
+        Every entry is checked before anything changes.  Collective when
+        ``rank0_only`` (rank 0's dict is broadcast one unit at a time; other
+        ranks may pass None).
+
+        Returns:
+            ``IncompatibleKeys(missing_keys, unexpected_keys)``.
+        Raises:
+            TypeError: not a mapping.  KeyError: key mismatch under ``strict``.
+            ValueError: a shape or dtype differs (raised on every rank with
+            ``rank0_only``).
+        """
+        return _sd.load_full_state_dict(self, state_dict, rank0_only=rank0_only, strict=strict)
+
+    def load_sharded_state_dict(self, state_dict: Any, *, strict: bool = True
+                                ) -> nn.IncompatibleKeys:
+        """Load what ``sharded_state_dict`` describes (e.g. after ``ringlet.checkpoint.load``).
+
+        Parameters may be ``ShardedTensor``s with this rank's specs or full
+        arrays (this rank's part is taken).  Not collective.
+
+        Raises:
+            TypeError/KeyError/ValueError: wrong type, keys, spec, shape or dtype.
+        """
+        return _sd.load_sharded_state_dict(self, state_dict, strict=strict)
 
     # ---- statistics ----------------------------------------------------------------------------
     def memory_stats(self) -> Dict[str, int]:

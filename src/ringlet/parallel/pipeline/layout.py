@@ -10,16 +10,20 @@ stage in different replicas form a data-parallel group::
 
 After a pipelined step every replica holds the gradients of its own data;
 ``all_reduce_gradients`` averages each stage's gradients over its data group
-before the optimizer step.  (A device mesh will offer the same groups.)
+before the optimizer step.  The groups are those of a ``DeviceMesh`` of shape
+``(dp, pp)`` and the reduction is the one ``finalize_model_grads`` uses.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-import ringlet
+from ..._dtypes import ReduceOp
+from ..._world import _require, get_world_size
+from .._grads import chunk_list, flat_reduce, params_of, trainable, zero_missing_grads
+from ..mesh import DeviceMesh
 
 __all__ = ["PipelineDataGroups", "pipeline_data_groups", "all_reduce_gradients"]
 
@@ -46,8 +50,8 @@ def pipeline_data_groups(pp_size: Optional[int] = None, dp_size: Optional[int] =
     """Create the pipeline and data-parallel groups of a ``pp_size × dp_size`` layout.
 
     Every rank of the world calls it (it creates every group, in the same
-    order, with ``ringlet.new_group``).  World rank ``d·pp_size + s`` is stage
-    s of replica d.
+    order: it builds a ``DeviceMesh((dp_size, pp_size), (dp_dim, pp_dim))``).
+    World rank ``d·pp_size + s`` is stage s of replica d.
 
     Args:
         pp_size: ranks per pipeline.
@@ -80,39 +84,13 @@ def pipeline_data_groups(pp_size: Optional[int] = None, dp_size: Optional[int] =
     for v, what in ((pp_size, "pp_size"), (dp_size, "dp_size")):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{what} must be a positive int, got {v!r}")
-    world = ringlet.get_world_size()
+    world = get_world_size()
     if pp_size * dp_size != world:
         raise ValueError(f"pp_size {pp_size} x dp_size {dp_size} = {pp_size * dp_size} ranks, "
                          f"but the world has {world}")
-    me = ringlet.get_rank()
-    replica, stage = divmod(me, pp_size)
-    pp_group = dp_group = None
-    for d in range(dp_size):
-        g = ringlet.new_group([d * pp_size + s for s in range(pp_size)], timeout=timeout)
-        if d == replica:
-            pp_group = g
-    for s in range(pp_size):
-        g = ringlet.new_group([d * pp_size + s for d in range(dp_size)], timeout=timeout)
-        if s == stage:
-            dp_group = g
-    return PipelineDataGroups(pp_group, dp_group, stage, replica)
-
-
-def _params(items: Iterable[Any]) -> List[Any]:
-    out, seen = [], set()
-    for it in items:
-        if hasattr(it, "parameters") and callable(it.parameters):
-            ps = list(it.parameters())
-        elif hasattr(it, "data") and hasattr(it, "grad"):
-            ps = [it]
-        else:
-            raise TypeError(f"all_reduce_gradients takes PipelineStages, Modules or Parameters, "
-                            f"got {type(it).__name__}")
-        for p in ps:
-            if id(p) not in seen and getattr(p, "requires_grad", True):
-                seen.add(id(p))
-                out.append(p)
-    return out
+    # Row-major (dp, pp): world rank d*pp_size + s sits at coordinate (d, s).
+    mesh = DeviceMesh((int(dp_size), int(pp_size)), (dp_dim, pp_dim), timeout=timeout)
+    return pipeline_data_groups(mesh=mesh, pp_dim=pp_dim, dp_dim=dp_dim)
 
 
 def all_reduce_gradients(stages: Any, group: Any, *, average: bool = True,
@@ -141,22 +119,12 @@ def all_reduce_gradients(stages: Any, group: Any, *, average: bool = True,
         all_reduce_gradients(stage, dp_group)
         optimizer.step()
     """
-    items = stages if isinstance(stages, (list, tuple)) else [stages]
-    params = _params(items)
-    if ringlet.get_world_size(group) == 1 or not params:
+    seen: set = set()
+    params = []
+    for item in chunk_list(stages):
+        params.extend(trainable(params_of(item, "all_reduce_gradients", "stages"), seen))
+    group = _require(group)
+    if group.size == 1 or not params:
         return
-    by_dtype: dict = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = np.zeros_like(p.data, order="C")
-        by_dtype.setdefault(np.dtype(p.grad.dtype), []).append(p)
-    op = ringlet.ReduceOp.AVG if average else ringlet.ReduceOp.SUM
-    for dt in sorted(by_dtype, key=str):  # same order on every rank
-        ps = by_dtype[dt]
-        flat = np.concatenate([p.grad.reshape(-1) for p in ps])
-        ringlet.all_reduce(flat, op, group=group, timeout=timeout)
-        off = 0
-        for p in ps:
-            n = p.grad.size
-            p.grad[...] = flat[off:off + n].reshape(p.grad.shape)
-            off += n
+    zero_missing_grads(params)
+    flat_reduce(params, group, ReduceOp.AVG if average else ReduceOp.SUM, 1.0, timeout)

@@ -1,0 +1,667 @@
+"""``DTensor``: one logical array spread over a ``DeviceMesh``, one placement per mesh dimension.
+
+Placements
+----------
+For every mesh dimension a DTensor says how the array relates to the ranks
+along that dimension:
+
+* ``Shard(d)``: each rank holds one piece of tensor dimension ``d``.  Pieces
+  follow ``numpy.array_split``: a length L over n ranks gives the first
+  ``L % n`` ranks ``L // n + 1`` elements and the rest ``L // n`` (so a
+  piece may be empty).  The piece at coordinate c starts at
+  ``sum(sizes[:c])``.
+* ``Replicate()``: every rank holds the same values.
+* ``Partial(op)``: every rank holds an array of the full (piece) shape and
+  the logical value is their reduction with ``op`` (SUM by default; PROD,
+  MIN, MAX and AVG too).  Partial sums are what a row-parallel matmul
+  leaves before its all-reduce.
+
+Several mesh dimensions may shard the same tensor dimension; they nest in
+mesh-dimension order (mesh dimension 0 cuts the array, dimension 1 cuts
+each of those pieces, ...), as in torch.
+
+Redistribution
+--------------
+``redistribute(placements)`` changes placements with real collectives over
+the mesh's groups, never by collecting the whole array on one rank.  One
+mesh dimension changes at a time:
+
+=========================  ==============================================
+from -> to                 data movement along that mesh dimension
+=========================  ==============================================
+Shard(d) -> Replicate      ``all_gather`` (pieces padded to the largest)
+Partial -> Replicate       ``all_reduce(op)``
+Partial -> Shard(d)        ``reduce_scatter(op)`` (blocks padded)
+Shard(d) -> Shard(e)       ``all_to_all_v`` (exact per-pair counts)
+Replicate -> Shard(d)      local slice
+Replicate -> Partial(op)   local: SUM keeps the value on coordinate 0 and
+                           zeros elsewhere, PROD ones elsewhere; MIN, MAX
+                           and AVG keep it everywhere
+Shard(d) -> Partial(op)    local: the piece in an array filled with op's
+                           identity (AVG goes through Replicate)
+Partial(a) -> Partial(b)   ``all_reduce(a)`` then as Replicate -> Partial(b)
+=========================  ==============================================
+
+A change on a mesh dimension whose tensor dimensions no other mesh
+dimension shards is done directly as above.  When shards nest (two mesh
+dimensions cut the same tensor dimension), the affected mesh dimensions are
+first turned into Replicate from the innermost out (all-gathers) and then
+into their targets from the outermost in (local slices), which keeps the
+nesting order right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from .._dtypes import ReduceOp
+from .mesh import DeviceMesh
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "DTensor", "distribute",
+           "shard_sizes"]
+
+_PARTIAL_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
+
+
+class Placement:
+    """Base class of ``Shard``, ``Replicate`` and ``Partial``."""
+
+    def is_shard(self, dim: Optional[int] = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    """Split tensor dimension ``dim`` across the ranks of a mesh dimension (array_split sizes)."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)):
+            raise TypeError(f"Shard(dim): dim must be an int, got {type(self.dim).__name__}")
+        object.__setattr__(self, "dim", int(self.dim))
+
+    def is_shard(self, dim: Optional[int] = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    """Every rank of the mesh dimension holds the same values."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    """Each rank holds a partial value; the logical value is their reduction with ``op``."""
+
+    op: ReduceOp = ReduceOp.SUM
+
+    def __post_init__(self) -> None:
+        try:
+            op = ReduceOp(self.op)
+        except ValueError:
+            raise ValueError(f"Partial(op): unknown reduction {self.op!r}") from None
+        if op not in _PARTIAL_OPS:
+            raise ValueError(f"Partial(op): op must be one of SUM, AVG, PROD, MIN, MAX, got "
+                             f"{op.name}")
+        object.__setattr__(self, "op", op)
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"Partial({self.op.name})"
+
+
+def shard_sizes(length: int, n: int) -> List[int]:
+    """Piece sizes of ``length`` elements over ``n`` ranks: ``numpy.array_split``'s rule.
+
+    Example::
+
+        shard_sizes(7, 3)   # [3, 2, 2]
+    """
+    q, r = divmod(int(length), int(n))
+    return [q + 1] * r + [q] * (n - r)
+
+
+def _offsets(sizes: Sequence[int]) -> List[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def _take(x: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    idx = [slice(None)] * x.ndim
+    idx[axis] = slice(start, stop)
+    return x[tuple(idx)]
+
+
+# ---- collectives along one line of the mesh ------------------------------------------
+# ``order[c]`` is the group rank of the member at line coordinate c (mesh.line_order).
+
+def gather_axis(group: Any, order: Sequence[int], x: np.ndarray, axis: int,
+                sizes: Sequence[int], *, timeout: Optional[float] = None) -> np.ndarray:
+    """All-gather pieces of ``axis`` (array_split ``sizes``, coordinate order) into the whole.
+
+    Pieces are padded to the largest size so one ``all_gather`` moves them;
+    the padding is dropped on arrival.  Used by DTensor and the tensor-parallel
+    layers (sequence-parallel gathers).
+    """
+    n = len(sizes)
+    xt = np.moveaxis(x, axis, 0)
+    rest = xt.shape[1:]
+    m = max(sizes)
+    if m == 0 or int(np.prod(rest, dtype=np.int64)) == 0:
+        return np.zeros(x.shape[:axis] + (sum(sizes),) + x.shape[axis + 1:], x.dtype)
+    uniform = all(s == m for s in sizes) and list(order) == list(range(n))
+    buf = np.ascontiguousarray(xt) if xt.shape[0] == m else None
+    if buf is None:
+        buf = np.zeros((m,) + rest, x.dtype)
+        buf[:xt.shape[0]] = xt
+    out = np.empty((n * m,) + rest, x.dtype)
+    group.all_gather(out, buf, timeout=timeout)
+    if not uniform:
+        out = np.concatenate([out[order[c] * m: order[c] * m + sizes[c]] for c in range(n)],
+                             axis=0)
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+
+
+def reduce_scatter_axis(group: Any, order: Sequence[int], x: np.ndarray, axis: int,
+                        sizes: Sequence[int], coord: int, op: ReduceOp = ReduceOp.SUM, *,
+                        timeout: Optional[float] = None) -> np.ndarray:
+    """Reduce ``x`` over the line and keep this rank's piece of ``axis`` (array_split sizes).
+
+    Each coordinate's segment is copied into an equal, zero-padded block so
+    one ``reduce_scatter`` does the work.
+    """
+    n = len(sizes)
+    xt = np.moveaxis(x, axis, 0)
+    rest = xt.shape[1:]
+    m = max(sizes)
+    mine = sizes[coord]
+    if m == 0 or int(np.prod(rest, dtype=np.int64)) == 0:
+        return np.zeros(x.shape[:axis] + (mine,) + x.shape[axis + 1:], x.dtype)
+    inp = np.zeros((n, m) + rest, x.dtype)
+    for c, off in enumerate(_offsets(sizes)):
+        inp[order[c], :sizes[c]] = xt[off: off + sizes[c]]
+    out = np.empty((m,) + rest, x.dtype)
+    group.reduce_scatter(out, inp, op, timeout=timeout)
+    return np.ascontiguousarray(np.moveaxis(out[:mine], 0, axis))
+
+
+def all_to_all_axes(group: Any, order: Sequence[int], x: np.ndarray, src_axis: int,
+                    dst_axis: int, src_sizes: Sequence[int], dst_sizes: Sequence[int],
+                    coord: int, *, timeout: Optional[float] = None) -> np.ndarray:
+    """Re-shard from ``src_axis`` to ``dst_axis`` along the line with one ``all_to_all_v``.
+
+    ``x`` holds piece ``coord`` of ``src_axis`` and all of ``dst_axis``.  The
+    block for coordinate c is ``x``'s piece c of ``dst_axis``; the block from
+    coordinate c is its piece of ``src_axis`` restricted to this rank's piece
+    of ``dst_axis``.  Exact counts, no padding.
+    """
+    n = len(src_sizes)
+    dst_off = _offsets(dst_sizes)
+    send: List[Optional[np.ndarray]] = [None] * n
+    for c in range(n):
+        blk = _take(x, dst_axis, dst_off[c], dst_off[c] + dst_sizes[c])
+        send[order[c]] = np.ascontiguousarray(blk).reshape(-1)
+    in_counts = [int(b.size) for b in send]
+    shapes = []
+    for c in range(n):
+        shp = list(x.shape)
+        shp[src_axis] = src_sizes[c]
+        shp[dst_axis] = dst_sizes[coord]
+        shapes.append(tuple(shp))
+    out_counts = [0] * n
+    for c in range(n):
+        out_counts[order[c]] = int(np.prod(shapes[c], dtype=np.int64))
+    inp = np.concatenate(send) if n else np.zeros(0, x.dtype)
+    out = np.empty(sum(out_counts), x.dtype)
+    # Skip only when the whole line moves nothing, which every rank computes
+    # alike; a rank whose own piece is empty must still join the others.
+    rest = int(np.prod([s for a, s in enumerate(x.shape) if a != src_axis], dtype=np.int64))
+    if sum(src_sizes) * rest:
+        group.all_to_all_v(out, out_counts, inp, in_counts, timeout=timeout)
+    g_off = _offsets(out_counts)  # offsets in group-rank order
+    pieces = [out[g_off[order[c]]: g_off[order[c]] + out_counts[order[c]]].reshape(shapes[c])
+              for c in range(n)]
+    return np.ascontiguousarray(np.concatenate(pieces, axis=src_axis))
+
+
+def _identity(op: ReduceOp, dtype: np.dtype) -> Any:
+    if op == ReduceOp.SUM:
+        return 0
+    if op == ReduceOp.PROD:
+        return 1
+    if dtype.kind == "f":
+        return -np.inf if op == ReduceOp.MAX else np.inf
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return info.min if op == ReduceOp.MAX else info.max
+    if dtype.kind == "b":
+        return op == ReduceOp.MIN
+    raise TypeError(f"no identity element of {op.name} for dtype {dtype}")
+
+
+def _check_placements(placements: Any, mesh: DeviceMesh, ndim: int) -> Tuple[Placement, ...]:
+    if isinstance(placements, Placement):
+        placements = (placements,)
+    try:
+        ps = tuple(placements)
+    except TypeError:
+        raise TypeError(f"placements must be a sequence of Shard/Replicate/Partial, got "
+                        f"{type(placements).__name__}") from None
+    if len(ps) != mesh.ndim:
+        raise ValueError(f"placements {ps} has {len(ps)} entries but the mesh has "
+                         f"{mesh.ndim} dimensions {mesh.dim_names}")
+    out = []
+    for p in ps:
+        if not isinstance(p, Placement) or type(p) is Placement:
+            raise TypeError(f"each placement must be Shard(dim), Replicate() or Partial(op), "
+                            f"got {p!r}")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(f"{p!r} is out of range for a {ndim}-D array")
+            p = Shard(p.dim % ndim)
+        out.append(p)
+    return tuple(out)
+
+
+def _tdims(p: Placement) -> Set[int]:
+    return {p.dim} if isinstance(p, Shard) else set()
+
+
+class DTensor:
+    """An array distributed over a ``DeviceMesh`` (see the module docstring for placements).
+
+    Create one with ``distribute`` (from a whole array) or ``DTensor.from_local``
+    (from each rank's piece).  Every method that moves data is collective over
+    the mesh: every rank of the mesh calls it with the same arguments.
+
+    Attributes:
+        mesh: the ``DeviceMesh``.
+        placements: tuple with one placement per mesh dimension.
+        shape: the global shape.
+        dtype: the element type.
+
+    Example::
+
+        mesh = DeviceMesh((2,), ("tp",))
+        x = distribute(np.arange(12.0).reshape(3, 4), mesh, [Shard(1)])
+        x.to_local().shape                 # (3, 2)
+        y = x.redistribute([Replicate()])  # all_gather
+        y.to_local()                       # the whole array on every rank
+    """
+
+    def __init__(self, local: np.ndarray, mesh: DeviceMesh, placements: Sequence[Placement],
+                 shape: Sequence[int], *, _checked: bool = False) -> None:
+        if not _checked:
+            if not isinstance(mesh, DeviceMesh):
+                raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+            if not isinstance(local, np.ndarray):
+                raise TypeError(f"local must be a numpy.ndarray, got {type(local).__name__}")
+            shape = tuple(int(s) for s in shape)
+            placements = _check_placements(placements, mesh, len(shape))
+            mesh._require_member("DTensor")
+            want = _local_shape(shape, mesh, placements, mesh.coordinate)
+            if tuple(local.shape) != want:
+                raise ValueError(f"local array has shape {local.shape}, but placements "
+                                 f"{placements} of a global {shape} give this rank {want}")
+            local = np.ascontiguousarray(local)
+        self._local = local
+        self.mesh = mesh
+        self.placements: Tuple[Placement, ...] = tuple(placements)
+        self.shape: Tuple[int, ...] = tuple(shape)
+
+    # ---- construction --------------------------------------------------------------
+    @classmethod
+    def from_local(cls, local: np.ndarray, mesh: DeviceMesh, placements: Sequence[Placement],
+                   *, shape: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None) -> "DTensor":
+        """Wrap this rank's piece ``local`` as a DTensor (no data is copied between ranks).
+
+        Args:
+            local: this rank's piece (for Partial dimensions, its partial value).
+            mesh: the mesh.
+            placements: one per mesh dimension.
+            shape: the global shape.  When omitted it is inferred collectively:
+                the piece sizes along each sharded mesh dimension are
+                all-gathered (a small int64 collective per sharded dimension).
+            timeout: for that inference.
+        Returns:
+            The ``DTensor``.
+        Raises:
+            TypeError / ValueError: bad arguments, or pieces whose sizes do not
+                follow ``numpy.array_split`` (every rank of that line raises).
+
+        Example::
+
+            part = x_local @ w_local.T                       # row-parallel partial sums
+            y = DTensor.from_local(part, mesh, [Partial()])
+            y = y.redistribute([Replicate()])                # all_reduce
+        """
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        if not isinstance(local, np.ndarray):
+            raise TypeError(f"local must be a numpy.ndarray, got {type(local).__name__}")
+        ps = _check_placements(placements, mesh, local.ndim)
+        mesh._require_member("from_local")
+        if shape is None:
+            shape = _infer_shape(local, mesh, ps, timeout)
+        else:
+            shape = tuple(int(s) for s in shape)
+            if len(shape) != local.ndim:
+                raise ValueError(f"shape {shape} has {len(shape)} dimensions, the local array "
+                                 f"{local.ndim}")
+        return cls(local, mesh, ps, shape)
+
+    # ---- accessors -----------------------------------------------------------------
+    @property
+    def dtype(self) -> np.dtype:
+        return self._local.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        return tuple(self._local.shape)
+
+    def to_local(self) -> np.ndarray:
+        """This rank's piece (the array itself, not a copy)."""
+        return self._local
+
+    def local_offsets(self) -> Tuple[int, ...]:
+        """Global index of this rank's piece's first element along each tensor dimension."""
+        return _local_extent(self.shape, self.mesh, self.placements, self.mesh.coordinate)[0]
+
+    def __repr__(self) -> str:
+        return (f"DTensor(shape={self.shape}, dtype={self.dtype}, placements={self.placements}, "
+                f"mesh={self.mesh.dim_names})")
+
+    # ---- data movement ---------------------------------------------------------------
+    def full_tensor(self, *, timeout: Optional[float] = None) -> np.ndarray:
+        """The whole logical array on every rank (redistributes to all-Replicate).
+
+        Collective over the mesh.  When already replicated, returns the local
+        array itself.
+        """
+        return self.redistribute([Replicate()] * self.mesh.ndim, timeout=timeout).to_local()
+
+    def redistribute(self, placements: Sequence[Placement], *,
+                     timeout: Optional[float] = None) -> "DTensor":
+        """A DTensor of the same values with new placements; moves data with collectives.
+
+        Collective over the mesh (every rank, same arguments).  See the module
+        docstring for the collective each change uses.  The result may share
+        memory with this DTensor when little or nothing changes.
+
+        Args:
+            placements: one per mesh dimension.
+            timeout: seconds for each collective.
+        Returns:
+            The new ``DTensor``.
+        Raises:
+            TypeError / ValueError: bad placements; this rank is not in the mesh.
+
+        Example::
+
+            y = x.redistribute([Shard(0), Replicate()])
+        """
+        dst = _check_placements(placements, self.mesh, self.ndim)
+        self.mesh._require_member("redistribute")
+        src = self.placements
+        cur = list(src)
+        local = self._local
+        changing = [i for i in range(self.mesh.ndim) if src[i] != dst[i]]
+        if not changing:
+            return self
+        nested = self._nested_dims(src, dst, changing)
+        # Exclusive changes commute with everything else: do them directly.
+        for i in changing:
+            if i not in nested:
+                local = self._step(local, i, cur, dst[i], timeout)
+                cur[i] = dst[i]
+        # Nested shards: unwind the innermost first, then rebuild outermost first.
+        for i in sorted(nested, reverse=True):
+            if not cur[i].is_replicate():
+                local = self._step(local, i, cur, Replicate(), timeout)
+                cur[i] = Replicate()
+        for i in sorted(nested):
+            if cur[i] != dst[i]:
+                local = self._step(local, i, cur, dst[i], timeout)
+                cur[i] = dst[i]
+        return DTensor(local, self.mesh, dst, self.shape, _checked=True)
+
+    @staticmethod
+    def _nested_dims(src, dst, changing) -> Set[int]:
+        """Mesh dimensions that must go through Replicate because their shards nest."""
+        n = len(src)
+        touch = [_tdims(src[k]) | _tdims(dst[k]) for k in range(n)]
+        nested = {i for i in changing
+                  if any(k != i and touch[k] & touch[i] for k in range(n))}
+        grew = True
+        while grew:  # a nested dim drags every later dim that cuts the same tensor dims
+            grew = False
+            for i in sorted(nested):
+                for j in range(i + 1, n):
+                    if j not in nested and touch[j] & touch[i]:
+                        nested.add(j)
+                        grew = True
+        return nested
+
+    def _piece_len(self, d: int, i: int, cur: Sequence[Placement]) -> int:
+        """Length along tensor dim ``d`` of the piece that mesh dim ``i`` splits.
+
+        Only mesh dims before ``i`` (outer) are applied: at the time ``i``
+        changes, no later dim shards ``d`` (guaranteed by the ordering).
+        """
+        length = self.shape[d]
+        coord = self.mesh.coordinate
+        for k in range(i):
+            if isinstance(cur[k], Shard) and cur[k].dim == d:
+                length = shard_sizes(length, self.mesh.shape[k])[coord[k]]
+        return length
+
+    def _step(self, x: np.ndarray, i: int, cur: Sequence[Placement], to: Placement,
+              timeout: Optional[float]) -> np.ndarray:
+        """Change mesh dim ``i`` from ``cur[i]`` to ``to``; returns the new local array."""
+        frm = cur[i]
+        mesh = self.mesh
+        n = mesh.shape[i]
+        c = mesh.coordinate[i]
+        if n == 1:
+            return x  # a single rank: every placement holds the same data
+        group = mesh.get_group(i)
+        order = mesh.line_order(i)
+        if isinstance(frm, Replicate):
+            if isinstance(to, Shard):
+                sizes = shard_sizes(self._piece_len(to.dim, i, cur), n)
+                off = _offsets(sizes)[c]
+                return np.ascontiguousarray(_take(x, to.dim, off, off + sizes[c]))
+            return _replicate_to_partial(x, to.op, c)
+        if isinstance(frm, Shard):
+            sizes = shard_sizes(self._piece_len(frm.dim, i, cur), n)
+            if isinstance(to, Replicate):
+                return gather_axis(group, order, x, frm.dim, sizes, timeout=timeout)
+            if isinstance(to, Shard):
+                dsizes = shard_sizes(self._piece_len(to.dim, i, cur), n)
+                return all_to_all_axes(group, order, x, frm.dim, to.dim, sizes, dsizes, c,
+                                       timeout=timeout)
+            if to.op == ReduceOp.AVG:  # no identity element: go through Replicate
+                full = gather_axis(group, order, x, frm.dim, sizes, timeout=timeout)
+                return _replicate_to_partial(full, to.op, c)
+            shp = list(x.shape)
+            shp[frm.dim] = sum(sizes)
+            out = np.full(shp, _identity(to.op, x.dtype), x.dtype)
+            off = _offsets(sizes)[c]
+            idx = [slice(None)] * x.ndim
+            idx[frm.dim] = slice(off, off + sizes[c])
+            out[tuple(idx)] = x
+            return out
+        # frm is Partial
+        if isinstance(to, Shard):
+            sizes = shard_sizes(self._piece_len(to.dim, i, cur), n)
+            return reduce_scatter_axis(group, order, x, to.dim, sizes, c, frm.op,
+                                       timeout=timeout)
+        full = np.array(x, copy=True, order="C")
+        group.all_reduce(full, frm.op, timeout=timeout)
+        if isinstance(to, Replicate):
+            return full
+        return _replicate_to_partial(full, to.op, c)
+
+
+def _replicate_to_partial(x: np.ndarray, op: ReduceOp, c: int) -> np.ndarray:
+    if op in (ReduceOp.SUM, ReduceOp.PROD) and c != 0:
+        return np.full(x.shape, _identity(op, x.dtype), x.dtype)
+    return np.array(x, copy=True, order="C")
+
+
+def _local_extent(shape, mesh, placements, coord) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(offsets, sizes) of the piece at ``coord``: nested array_split in mesh-dim order."""
+    off = [0] * len(shape)
+    size = list(shape)
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            sizes = shard_sizes(size[p.dim], mesh.shape[i])
+            off[p.dim] += sum(sizes[:coord[i]])
+            size[p.dim] = sizes[coord[i]]
+    return tuple(off), tuple(size)
+
+
+def _local_shape(shape, mesh, placements, coord) -> Tuple[int, ...]:
+    return _local_extent(shape, mesh, placements, coord)[1]
+
+
+def _infer_shape(local: np.ndarray, mesh: DeviceMesh, ps: Tuple[Placement, ...],
+                 timeout: Optional[float]) -> Tuple[int, ...]:
+    shape = list(local.shape)
+    # Innermost first: each all-gather recovers the piece one nesting level out.
+    for i in reversed(range(mesh.ndim)):
+        p = ps[i]
+        if not isinstance(p, Shard) or mesh.shape[i] == 1:
+            continue
+        group = mesh.get_group(i)
+        order = mesh.line_order(i)
+        got = np.zeros(mesh.shape[i], np.int64)
+        group.all_gather(got, np.array([shape[p.dim]], np.int64), timeout=timeout)
+        sizes = [int(got[order[c]]) for c in range(mesh.shape[i])]
+        if sizes != shard_sizes(sum(sizes), len(sizes)):
+            raise ValueError(f"from_local: pieces along mesh dimension {mesh.dim_names[i]!r} "
+                             f"have sizes {sizes}; uneven shards must follow numpy.array_split "
+                             f"({shard_sizes(sum(sizes), len(sizes))}); pass shape= otherwise")
+        shape[p.dim] = sum(sizes)
+    return tuple(shape)
+
+
+def distribute(array: Optional[np.ndarray], mesh: DeviceMesh, placements: Sequence[Placement],
+               *, src: Optional[int] = None, timeout: Optional[float] = None) -> DTensor:
+    """Distribute a whole array over ``mesh`` with ``placements``.
+
+    Two ways to provide the data:
+
+    * ``src=None`` (default): every rank of the mesh passes the same whole
+      array and keeps its piece; no communication (not verified).
+    * ``src=r`` (a world rank in the mesh): only rank r needs the array
+      (others may pass None).  Its shape, dtype and values are broadcast
+      over the mesh one dimension at a time (along dimension 0 through r,
+      then along dimension 1 from every rank that has it, ...), then every
+      rank keeps its piece.
+
+    Partial placements treat the array as the logical value: for SUM the
+    rank at coordinate 0 of that mesh dimension holds it and the others
+    zeros (PROD: ones; MIN, MAX, AVG: every rank holds it).
+
+    Args:
+        array: the whole array (or None on non-source ranks with ``src``).
+        mesh: the mesh; collective over its ranks.
+        placements: one per mesh dimension.
+        src: world rank holding the array, or None.
+        timeout: seconds for each broadcast.
+    Returns:
+        The ``DTensor``.
+    Raises:
+        TypeError / ValueError: bad arguments or placements.
+
+    Example::
+
+        mesh = DeviceMesh((2, 3), ("dp", "tp"))
+        w = distribute(np.arange(35.0).reshape(7, 5), mesh, [Replicate(), Shard(0)])
+        w.to_local().shape   # (3, 5), (2, 5) or (2, 5) by tp coordinate
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    mesh._require_member("distribute")
+    if src is None:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"distribute: array must be a numpy.ndarray (pass src= to send it "
+                            f"from one rank), got {type(array).__name__}")
+        full = array
+    else:
+        full = _broadcast_over_mesh(array, mesh, src, timeout)
+    ps = _check_placements(placements, mesh, full.ndim)
+    shape = tuple(full.shape)
+    # From all-Replicate, outermost mesh dim first: local slices only.
+    cur: List[Placement] = [Replicate()] * mesh.ndim
+    tmp = DTensor(np.ascontiguousarray(full), mesh, cur, shape, _checked=True)
+    local = tmp._local
+    for i in range(mesh.ndim):
+        if ps[i] != cur[i]:
+            local = tmp._step(local, i, cur, ps[i], timeout)
+            cur[i] = ps[i]
+    if np.shares_memory(local, full):  # never alias the caller's array
+        local = np.array(local, copy=True, order="C")
+    return DTensor(local, mesh, ps, shape, _checked=True)
+
+
+def _broadcast_over_mesh(array: Optional[np.ndarray], mesh: DeviceMesh, src: int,
+                         timeout: Optional[float]) -> np.ndarray:
+    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(f"distribute: src must be a world rank (int) or None, got "
+                        f"{type(src).__name__}")
+    where = np.argwhere(mesh.mesh == int(src))
+    if not len(where):
+        raise ValueError(f"distribute: src={src} is not in the mesh "
+                         f"{mesh.mesh.reshape(-1).tolist()}")
+    scoord = tuple(int(c) for c in where[0])
+    coord = mesh.coordinate
+    is_src = coord == scoord
+    if is_src and not isinstance(array, np.ndarray):
+        raise TypeError(f"distribute: the source rank must pass a numpy.ndarray, got "
+                        f"{type(array).__name__}")
+    have = is_src
+    full = np.ascontiguousarray(array) if is_src else None
+    for k in range(mesh.ndim):
+        # Ranks agreeing with the source on every dim after k take part at step k.
+        if coord[k + 1:] != scoord[k + 1:] or mesh.shape[k] == 1:
+            continue
+        group = mesh.get_group(k)
+        root = mesh.line_order(k)[scoord[k]]
+        meta = [list(full.shape), full.dtype.str] if have else None
+        meta = group.broadcast_object(meta, root, timeout=timeout)
+        if not have:
+            full = np.empty(tuple(meta[0]), np.dtype(meta[1]))
+        group.broadcast(full, root, timeout=timeout)
+        have = True
+    return full
