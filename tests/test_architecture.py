@@ -42,17 +42,6 @@ MAY_IMPORT = {
     "tools": {"base", "binding", "wire", "groups", "mesh", "root", "training", "tools"},
 }
 
-# Known today and being removed by issue 30 parts A and B. The lead empties these lists after
-# merging those branches; an entry that no longer occurs fails the test so it is not forgotten.
-KNOWN_CYCLES = [
-    {"ringlet", "ringlet.mesh", "ringlet.dtensor"},             # part A: mesh imports the root
-    {"ringlet.parallel.fsdp", "ringlet.parallel._fsdp_state"},  # part A
-]
-KNOWN_LAYER_BREAKS = {
-    ("ringlet.nn.tensor_parallel", "ringlet._world"),  # part A: groups through the mesh
-    ("ringlet.mesh", "ringlet"),                       # part A: the mesh imports the root
-}
-
 
 def _modules():
     mods = {}
@@ -168,19 +157,14 @@ def test_layers_import_only_what_they_may():
         for t in ts:
             if layer_of(t) not in allowed:
                 bad.add((m, t))
-    new = sorted(bad - KNOWN_LAYER_BREAKS)
-    assert not new, ("imports across layers that docs/architecture.md forbids "
-                     f"(importer, imported): {new}")
-    gone = sorted(KNOWN_LAYER_BREAKS - bad)
-    assert not gone, f"fixed, so remove from KNOWN_LAYER_BREAKS: {gone}"
+    assert not bad, ("imports across layers that docs/architecture.md forbids "
+                     f"(importer, imported): {sorted(bad)}")
 
 
 def test_no_import_cycles():
     found = cycles(import_graph())
-    new = [sorted(c) for c in found if c not in KNOWN_CYCLES]
-    assert not new, f"import cycles (each a set of modules importing each other): {new}"
-    gone = [sorted(c) for c in KNOWN_CYCLES if c not in found]
-    assert not gone, f"cycles removed, so delete them from KNOWN_CYCLES: {gone}"
+    assert not found, ("import cycles (each a set of modules importing each other): "
+                       f"{[sorted(c) for c in found]}")
 
 
 def test_cycle_finder_finds_a_planted_cycle():

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .._world import get_rank, get_world_size, new_group
+from .._world import _require, get_rank, get_world_size, new_group
 from ..group import ProcessGroup
 
 __all__ = ["DeviceMesh"]
@@ -54,6 +54,11 @@ class _Shared:
         # (full-mesh dim, coordinates along it) -> this rank's group, or None
         self.subgroups: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
 
+
+
+def _group_or_world(group: Optional[ProcessGroup]) -> ProcessGroup:
+    """``group``, or the default group for None: how the training layers resolve one."""
+    return _require(group)
 
 class DeviceMesh:
     """An N-D grid of ranks with a process group along every dimension.

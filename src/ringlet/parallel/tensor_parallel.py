@@ -61,9 +61,9 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 def _tp_group(group: Any, what: str) -> Tuple[Any, int, int]:
     """(group, rank, size), with ``group`` resolved to a ProcessGroup."""
     if group is None:
-        from .._world import _require
+        from .mesh import _group_or_world
 
-        group = _require(None)
+        group = _group_or_world(None)
     if not isinstance(group, ringlet.ProcessGroup):
         raise TypeError(f"{what}: group must be a ringlet.ProcessGroup or None, got "
                         f"{type(group).__name__}")

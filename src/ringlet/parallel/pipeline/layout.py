@@ -21,9 +21,9 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ..._dtypes import ReduceOp
-from ..._world import _require, get_world_size
+from ... import get_world_size
 from .._grads import chunk_list, flat_reduce, params_of, trainable, zero_missing_grads
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, _group_or_world
 
 __all__ = ["PipelineDataGroups", "pipeline_data_groups", "all_reduce_gradients"]
 
@@ -123,7 +123,7 @@ def all_reduce_gradients(stages: Any, group: Any, *, average: bool = True,
     params = []
     for item in chunk_list(stages):
         params.extend(trainable(params_of(item, "all_reduce_gradients", "stages"), seen))
-    group = _require(group)
+    group = _group_or_world(group)
     if group.size == 1 or not params:
         return
     zero_missing_grads(params)
