@@ -70,7 +70,7 @@ def test_skipped_collective_is_named_by_ringlet_trace(trace_dir, capsys):
     assert sorted(os.listdir(trace_dir)) == ["rank0.json", "rank1.json", "rank2.json"]
     d0 = json.loads((trace_dir / "rank0.json").read_text())
     assert d0["rank"] == 0 and d0["world_size"] == 3 and d0["pid"] != os.getpid()
-    assert "CollectiveTimeout" in d0["reason"] and d0["host"]
+    assert "timed out" in d0["reason"] and d0["host"]  # its own timeout, or rank 2's first
     coll = next(c for c in d0["communicators"] if c["kind"] == "collective")
     assert coll["ranks"] == [0, 1, 2] and coll["seq"] == 4 and coll["capacity"] == 2000
     last = coll["entries"][-1]
