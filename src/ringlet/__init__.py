@@ -33,7 +33,7 @@ from .work import Work
 from .mesh import DeviceMesh  # noqa: E402  (after the core: it builds on new_group)
 from .dtensor import DTensor, Partial, Placement, Replicate, Shard, distribute  # noqa: E402
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_rank", "get_world_size",
