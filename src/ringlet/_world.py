@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import json
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -314,6 +315,11 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
             if rank is not None or world_size is not None:
                 raise ValueError("give both rank and world_size, or neither")
             rank, world_size, source = 0, 1, "single"
+            # A forgotten launcher would otherwise train N copies silently.
+            if os.environ.get("RINGLET_QUIET") != "1":
+                print("ringlet: no launcher detected, running as a world of 1 (start N ranks "
+                      "with `ringlet run -n N`, mpirun or torchrun; RINGLET_QUIET=1 hides "
+                      "this)", file=sys.stderr, flush=True)
         else:
             rank = env.rank if rank is None else rank
             world_size = env.world_size if world_size is None else world_size
