@@ -1,11 +1,13 @@
 """Build the C core and its Cython binding.
 
-Only the extension is described here; metadata lives in pyproject.toml.
+Only the extension and the PyPI description are described here; the rest of
+the metadata lives in pyproject.toml.
 -O3 without -march=native: the wheel must run on any x86-64 (or other) CPU;
 the reduction kernels pick SIMD paths at run time (target_clones).
 """
 import glob
 import os
+import re
 
 import numpy
 from Cython.Build import cythonize
@@ -35,7 +37,24 @@ ext = Extension(
                    ("RL_BUILD_FLAGS", '"%s"' % " ".join(CFLAGS))],
 )
 
+
+def long_description():
+    """README.md with its relative docs/*.md links pointed at the docs site.
+
+    PyPI shows the README without docs/, so relative links would break there;
+    in the repository they stay relative.  The site is mkdocs.yml's site_url.
+    """
+    with open("mkdocs.yml") as f:
+        site = re.search(r"(?m)^site_url:\s*(\S+)", f.read()).group(1).rstrip("/") + "/"
+    with open("README.md", encoding="utf-8") as f:
+        text = f.read()
+    return re.sub(r"\]\(docs/([\w-]+)\.md(#[\w-]+)?\)",
+                  lambda m: "](%s%s/%s)" % (site, m.group(1), m.group(2) or ""), text)
+
+
 setup(
+    long_description=long_description(),
+    long_description_content_type="text/markdown",
     ext_modules=cythonize([ext], language_level=3,
                           compiler_directives={"boundscheck": False, "wraparound": False}),
 )

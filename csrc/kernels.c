@@ -20,8 +20,8 @@
  * loop (always_inline) and instantiated twice: in a baseline function and in
  * a function compiled with __attribute__((target("avx2,f16c"))), where GCC
  * and Clang vectorise the same loops with 256-bit registers.  The variant is
- * picked once, at the first call, with __builtin_cpu_supports (which also
- * checks that the OS saves the YMM registers).  Setting the environment
+ * picked once, at the first call, from cpuid (which also tells whether the
+ * OS saves the YMM registers).  Setting the environment
  * variable RINGLET_SIMD=baseline forces the portable path, so a suspected
  * SIMD bug can be ruled out (and so the tests can compare both paths).
  * float16 on the AVX2 path uses the F16C conversion instructions directly;
@@ -46,6 +46,7 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define RL_X86_DISPATCH 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define RL_X86_DISPATCH 0
@@ -524,19 +525,31 @@ enum { LEVEL_UNKNOWN = 0, LEVEL_BASELINE = 1, LEVEL_AVX2_F16C = 2 };
  * access well defined. */
 static _Atomic int simd_level;
 
+#if RL_X86_DISPATCH
+/* 1 if this CPU has AVX2 and F16C and the OS saves the YMM registers.  Read
+ * from cpuid itself: __builtin_cpu_supports needs its runtime half from the
+ * compiler's support library, and zig's (which builds the manylinux wheels)
+ * answers 0 for everything. */
+static int cpu_has_avx2_f16c(void) {
+    unsigned a, b, c, d;
+    const unsigned osxsave = 1u << 27, avx = 1u << 28, f16c = 1u << 29; /* leaf 1, ecx */
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    if ((c & (osxsave | avx | f16c)) != (osxsave | avx | f16c)) return 0;
+    unsigned xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 6u) != 6u) return 0; /* XMM and YMM state enabled by the OS */
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (int)((b >> 5) & 1u); /* leaf 7, ebx bit 5: AVX2 */
+}
+#endif
+
 static int detect_level(void) {
     const char *force = getenv("RINGLET_SIMD");
     if (force && strcmp(force, "baseline") == 0) return LEVEL_BASELINE;
 #if RL_X86_DISPATCH
-    __builtin_cpu_init(); /* needed if we run before libgcc's constructor */
-    /* AVX2 CPUs all have F16C; requiring both keeps one fast variant.
-     * clang before 15 cannot name f16c here (the fuzz build uses clang). */
-#if defined(__clang__) && __clang_major__ < 15
-    if (__builtin_cpu_supports("avx2"))
-#else
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-#endif
-        return LEVEL_AVX2_F16C;
+    /* AVX2 CPUs all have F16C; requiring both keeps one fast variant. */
+    if (cpu_has_avx2_f16c()) return LEVEL_AVX2_F16C;
 #endif
     return LEVEL_BASELINE;
 }

@@ -36,7 +36,7 @@ from .parallel.dtensor import (DTensor, Partial, Placement, Replicate, Shard,  #
                                distribute)
 from .parallel.mesh import DeviceMesh  # noqa: E402
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_rank", "get_world_size",

@@ -29,6 +29,7 @@ import hmac
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -390,6 +391,11 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
             if rank is not None or world_size is not None:
                 raise ValueError("give both rank and world_size, or neither")
             rank, world_size, source = 0, 1, "single"
+            # A forgotten launcher would otherwise train N copies silently.
+            if os.environ.get("RINGLET_QUIET") != "1":
+                print("ringlet: no launcher detected, running as a world of 1 (start N ranks "
+                      "with `ringlet run -n N`, mpirun or torchrun; RINGLET_QUIET=1 hides "
+                      "this)", file=sys.stderr, flush=True)
         else:
             if world_size is not None and world_size != env.world_size:
                 raise ValueError(

@@ -4,7 +4,8 @@
 Examples::
 
     ringlet run -n 4 train.py
-    ringlet info
+    ringlet info --json
+    ringlet --version
     ringlet bench --help
     ringlet trace /tmp/ringlet-trace-0123456789abcdef
 """
@@ -12,9 +13,10 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["main"]
 
@@ -31,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="ringlet", description="ringlet: collectives for distributed training.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="commands:\n" + "\n".join(f"  {k:<6} {v}" for k, v in _COMMANDS.items()))
+    p.add_argument("-V", "--version", action="version", version=f"ringlet {_version()}",
+                   help="print the version and exit")
     p.add_argument("command", choices=sorted(_COMMANDS), metavar="command",
                    help="one of: " + ", ".join(_COMMANDS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the command")
@@ -38,65 +42,91 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    mod = sys.modules.get("ringlet")
-    v = getattr(mod, "__version__", None)
-    if v:
-        return str(v)
-    try:
-        from importlib.metadata import version
+    from ._version import __version__
 
-        return version("ringlet")
-    except Exception:  # noqa: BLE001 - not installed (source tree)
-        return "unknown"
+    return __version__
+
+
+def info_dict() -> Dict[str, Any]:
+    """What ``ringlet info`` reports, as data (``ringlet info --json`` prints it).
+
+    Keys: ``version``, ``python``, ``executable``, ``platform``, ``numpy`` (None
+    when missing), ``launch`` (None when no launcher is detected, else source,
+    ranks and master; ``{"error": ...}`` for an invalid launcher environment),
+    ``secret`` ("set", "not set" or "invalid: ..."; never the secret), ``env``
+    (launcher variables, secrets redacted) and ``core`` (the build facts, or
+    ``{"error": ...}`` when the extension is not built).
+    """
+    from . import environment
+
+    d: Dict[str, Any] = {"version": _version(), "python": platform.python_version(),
+                         "executable": sys.executable, "platform": platform.platform()}
+    try:
+        import numpy
+
+        d["numpy"] = numpy.__version__
+    except ImportError as exc:
+        d["numpy"] = None
+        d["numpy_error"] = str(exc)
+    try:
+        env = environment.detect()
+    except Exception as exc:  # noqa: BLE001 - report, do not crash
+        d["launch"] = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        d["launch"] = None if env is None else {
+            "source": env.source, "rank": env.rank, "world_size": env.world_size,
+            "local_rank": env.local_rank, "local_world_size": env.local_world_size,
+            "master_addr": env.master_addr, "master_port": env.master_port}
+    try:
+        d["secret"] = "set" if environment.load_secret() else "not set"
+    except ValueError as exc:
+        d["secret"] = f"invalid: {exc}"
+    d["env"] = dict(environment._environ_summary())
+    try:
+        from . import _core
+
+        d["core"] = dict(_core.build_info())
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken build
+        d["core"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return d
 
 
 def info_lines() -> List[str]:
     """The lines ``ringlet info`` prints (versions, launch environment, core build)."""
-    from . import environment
-
-    lines = [f"ringlet {_version()}",
-             f"python {platform.python_version()} ({sys.executable})",
-             f"platform {platform.platform()}"]
-    try:
-        import numpy
-
-        lines.append(f"numpy {numpy.__version__}")
-    except ImportError as exc:
-        lines.append(f"numpy: not installed ({exc})")
-    try:
-        env = environment.detect()
-    except Exception as exc:  # noqa: BLE001 - report, do not crash
-        lines.append(f"launch: invalid launcher environment ({type(exc).__name__}: {exc})")
+    d = info_dict()
+    lines = [f"ringlet {d['version']}", f"python {d['python']} ({d['executable']})",
+             f"platform {d['platform']}"]
+    lines.append(f"numpy {d['numpy']}" if d["numpy"] is not None
+                 else f"numpy: not installed ({d['numpy_error']})")
+    env = d["launch"]
+    if env is None:
+        lines.append("launch: none detected (a stand-alone process is a world of one)")
+    elif "error" in env:
+        lines.append(f"launch: invalid launcher environment ({env['error']})")
     else:
-        if env is None:
-            lines.append("launch: none detected (a stand-alone process is a world of one)")
-        else:
-            where = (f"{env.master_addr}:{env.master_port}" if env.master_addr
-                     else "none (bootstrap through mpi4py)")
-            lines.append(f"launch: {env.source} rank {env.rank}/{env.world_size} local "
-                         f"{env.local_rank}/{env.local_world_size} master {where}")
-    try:
-        secret = environment.load_secret()
-        lines.append("secret: " + ("set" if secret else "not set"))
-    except ValueError as exc:
-        lines.append(f"secret: invalid ({exc})")
-    for k, v in environment._environ_summary().items():
+        where = (f"{env['master_addr']}:{env['master_port']}" if env["master_addr"]
+                 else "none (bootstrap through mpi4py)")
+        lines.append(f"launch: {env['source']} rank {env['rank']}/{env['world_size']} local "
+                     f"{env['local_rank']}/{env['local_world_size']} master {where}")
+    lines.append(f"secret: {d['secret']}")
+    for k, v in d["env"].items():
         lines.append(f"env {k}={v}")
-    try:
-        from . import _core
-
-        build = _core.build_info()
-    except Exception as exc:  # noqa: BLE001 - ImportError or a broken build
-        lines.append(f"core: not built ({type(exc).__name__}: {exc})")
+    if set(d["core"]) == {"error"}:
+        lines.append(f"core: not built ({d['core']['error']})")
     else:
-        for k, v in dict(build).items():
+        for k, v in d["core"].items():
             lines.append(f"core {k}: {v}")
     return lines
 
 
 def _info(args: Sequence[str]) -> int:
-    argparse.ArgumentParser(prog="ringlet info",
-                            description=_COMMANDS["info"]).parse_args(list(args))
+    p = argparse.ArgumentParser(prog="ringlet info", description=_COMMANDS["info"])
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (see ringlet.cli.info_dict) instead of lines")
+    ns = p.parse_args(list(args))
+    if ns.json:
+        print(json.dumps(info_dict(), indent=2, sort_keys=True, default=str))
+        return 0
     for line in info_lines():
         print(line)
     return 0
@@ -120,6 +150,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(main(["info"]))
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"ringlet {_version()}")
+        return 0
     # `run` and `bench` own everything after their name (the program's own
     # options included), so they are dispatched before argparse sees them.
     if argv and argv[0] == "run":

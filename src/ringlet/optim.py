@@ -80,7 +80,7 @@ class Optimizer:
 
         Raises:
             TypeError/ValueError: bad parameters, a parameter already in another
-            group, unknown or invalid hyper-parameters.
+                group, unknown or invalid hyper-parameters.
         """
         if not isinstance(group, dict):
             raise TypeError(f"a parameter group must be a dict, got {type(group).__name__}")
@@ -143,7 +143,7 @@ class Optimizer:
 
         Raises:
             TypeError/ValueError: the structure, group sizes or array shapes do
-            not match this optimizer's parameters.
+                not match this optimizer's parameters.
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict \
                 or "param_groups" not in state_dict:

@@ -1,0 +1,139 @@
+"""The release-facing CLI bits: ``ringlet --version``, ``ringlet info --json``, and
+the one-line notice ``init()`` prints when no launcher is detected."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ringlet
+from ringlet import _version, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = str(Path(ringlet.__file__).resolve().parents[1])
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT")
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))
+           and k not in _LAUNCHER_VARS}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _clear_launcher(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")) or k in _LAUNCHER_VARS:
+            monkeypatch.delenv(k)
+
+
+def test_version_is_one_source():
+    assert re.fullmatch(r"\d+\.\d+\.\d+([ab]|rc)?\d*(\.dev\d+)?", _version.__version__)
+    assert ringlet.__version__ == _version.__version__
+    # pyproject.toml takes it from _version.py rather than repeating it.
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    dynamic = re.search(r'(?m)^dynamic\s*=\s*\[([^]]*)\]', pyproject)
+    assert dynamic and '"version"' in dynamic.group(1)
+    assert 'attr = "ringlet._version.__version__"' in pyproject
+    assert not re.search(r'(?m)^version\s*=\s*"', pyproject)
+    # CHANGELOG.md has a section for it.
+    assert f"## {_version.__version__}" in (ROOT / "CHANGELOG.md").read_text()
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_flag(flag, capsys):
+    assert cli.main([flag]) == 0
+    assert capsys.readouterr().out == f"ringlet {ringlet.__version__}\n"
+
+
+def test_version_flag_console_process():
+    out = subprocess.run([sys.executable, "-m", "ringlet.cli", "--version"], env=_clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"ringlet {ringlet.__version__}"
+
+
+def test_info_json(capsys, monkeypatch):
+    _clear_launcher(monkeypatch)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    monkeypatch.setenv("RINGLET_SECRET", "do-not-print-this-secret")
+    assert cli.main(["info", "--json"]) == 0
+    raw = capsys.readouterr().out
+    assert "do-not-print-this-secret" not in raw
+    d = json.loads(raw)
+    assert d["version"] == ringlet.__version__
+    assert d["python"] == "%d.%d.%d" % sys.version_info[:3]
+    import numpy
+
+    assert d["numpy"] == numpy.__version__
+    assert d["launch"] == {"source": "torchrun", "rank": 1, "world_size": 3, "local_rank": 1,
+                           "local_world_size": 3, "master_addr": "127.0.0.1",
+                           "master_port": 29511}
+    assert d["secret"] == "set"
+    assert d["env"]["RANK"] == "1"
+    assert d["core"]["protocol_version"] == ringlet._core.build_info()["protocol_version"]
+    assert "simd" in d["core"]
+
+
+def test_info_json_without_launcher_and_invalid(capsys, monkeypatch):
+    _clear_launcher(monkeypatch)
+    assert cli.main(["info", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["launch"] is None and d["secret"] == "not set"
+    monkeypatch.setenv("RANK", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["info", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "ValueError" in d["launch"]["error"] and "RANK" in d["launch"]["error"]
+    # The line form says the same.
+    assert cli.main(["info"]) == 0
+    assert "launch: invalid launcher environment (ValueError" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["info", "--jsn"])
+    assert ei.value.code == 2
+
+
+_INIT = ("import ringlet; g = ringlet.init(timeout=30); "
+         "print('world', ringlet.get_world_size()); ringlet.shutdown()")
+
+
+def test_no_launcher_notice():
+    out = subprocess.run([sys.executable, "-c", _INIT], env=_clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "world 1"
+    notice = [ln for ln in out.stderr.splitlines() if "no launcher detected" in ln]
+    assert len(notice) == 1, out.stderr
+    assert "world of 1" in notice[0] and "RINGLET_QUIET=1" in notice[0]
+
+
+def test_no_launcher_notice_quiet_and_launched():
+    quiet = subprocess.run([sys.executable, "-c", _INIT], env=_clean_env(RINGLET_QUIET="1"),
+                           capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.strip() == "world 1"
+    assert "no launcher" not in quiet.stderr
+    # A launched rank (here explicit arguments, a world of one by choice) is not told.
+    explicit = subprocess.run(
+        [sys.executable, "-c", _INIT.replace("init(timeout=30)",
+                                             "init(rank=0, world_size=1, timeout=30)")],
+        env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert explicit.returncode == 0, explicit.stderr
+    assert "no launcher" not in explicit.stderr
+    launched = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "1", sys.executable,
+                               "-c", _INIT], env=_clean_env(), capture_output=True, text=True,
+                              timeout=60)
+    assert launched.returncode == 0, launched.stderr
+    assert "no launcher" not in launched.stderr and "world 1" in launched.stdout
