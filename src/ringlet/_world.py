@@ -249,16 +249,23 @@ def _serve_store(host: str, port: int, key: bytes, *, kept_as: Optional[tuple] =
 _AGENT_KEY = "ringlet/store_addr/{}"
 
 
-def _via_agent_store(rank: int, addr: str, port: int, host: str, key: bytes,
-                     timeout: float):
+def _via_agent_store(rank: int, addr: str, port: Optional[int], host: str, key: bytes,
+                     timeout: float, agent=None):
     """Rendezvous under torchrun, whose agent already serves a TCPStore on MASTER_PORT.
 
     Rank 0 serves ringlet's store on a port the OS picks and publishes
     "host:port" in torch's store; the other ranks read it there.  torch's store
     carries only that address: ringlet's store still authenticates every rank
     with the job secret, so a forged address cannot join the job.
+    ``agent``: a torch store to use (the torch backend passes its group's);
+    default: a client of torchrun's store at ``addr:port``.
     Returns (store address, store port, the server rank 0 runs or None).
     """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
+    slot = _AGENT_KEY.format(restart)
+    if agent is not None:
+        return _publish_store_addr(agent, slot, rank, addr, host, key, timeout,
+                                   f"the torch group's store", ("torch-store", id(agent)))
     try:
         from datetime import timedelta
 
@@ -268,27 +275,32 @@ def _via_agent_store(rank: int, addr: str, port: int, host: str, key: bytes,
             f"rank {rank}: TORCHELASTIC_USE_AGENT_STORE is set (torchrun's agent serves "
             f"{addr}:{port}) but torch is not importable here; set RINGLET_MASTER_PORT to a "
             f"free port for ringlet's own store", rank=rank) from None
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
-    slot = _AGENT_KEY.format(restart)
     try:
         agent = tdist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
                                timeout=timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - torch raises several types here
         raise RendezvousError(f"rank {rank}: cannot reach torchrun's agent store on "
                               f"{addr}:{port}: {exc}", rank=rank) from exc
+    return _publish_store_addr(agent, slot, rank, addr, host, key, timeout,
+                               f"torchrun's agent store {addr}:{port}",
+                               ("torchrun-agent", addr, port, restart))
+
+
+def _publish_store_addr(agent, slot: str, rank: int, addr: str, host: str, key: bytes,
+                        timeout: float, where: str, kept_as: tuple):
     if rank == 0:
         from .environment import is_loopback
 
         bind = addr if is_loopback(addr) else host
-        server = _serve_store(bind, 0, key, kept_as=("torchrun-agent", addr, port, restart))
+        server = _serve_store(bind, 0, key, kept_as=kept_as)
         agent.set(slot, f"{bind}:{server.port}")
         return bind, server.port, server
     try:
         raw = agent.get(slot).decode()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - torch raises several types here
         raise RendezvousError(f"rank {rank}: rank 0 never published ringlet's store address "
-                              f"under {slot!r} in torchrun's agent store {addr}:{port} within "
-                              f"{timeout:g}s: {exc}", rank=rank, peer=0) from exc
+                              f"under {slot!r} in {where} within {timeout:g}s: {exc}",
+                              rank=rank, peer=0) from exc
     h, _, p = raw.rpartition(":")
     return h.strip("[]"), int(p), None
 
@@ -401,7 +413,8 @@ def _secret_from(arg) -> Optional[bytes]:
 def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
          master_addr: Optional[str] = None, master_port: Optional[int] = None,
          timeout: float = 300.0, secret: Optional[bytes] = None,
-         bind_addr: Optional[str] = None, _external_store: Optional[bool] = None) -> ProcessGroup:
+         bind_addr: Optional[str] = None, _external_store: Optional[bool] = None,
+         _torch_store: Any = None) -> ProcessGroup:
     """Join the job and return the world ``ProcessGroup`` (also the default group).
 
     Rank, world size and the rendezvous address come from the arguments, else
@@ -477,7 +490,9 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
         _r, _s, master_addr, master_port, mpi_secret, server = envmod.mpi_bootstrap(timeout)
         secret_b = secret_b or mpi_secret
         _external_store = True
-    if world_size > 1 and (not master_addr or not master_port):
+    if _torch_store is not None:  # the torch backend: rendezvous through torch's store
+        master_addr = master_addr or "127.0.0.1"
+    elif world_size > 1 and (not master_addr or not master_port):
         raise RendezvousError(
             f"rank {rank}: world size {world_size} needs a rendezvous address: set "
             f"RINGLET_MASTER_ADDR and RINGLET_MASTER_PORT (or MASTER_ADDR/MASTER_PORT), pass "
@@ -487,8 +502,9 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
 
     host = bind_addr or envmod.select_bind_address(master_addr, os.environ.get("RINGLET_IFNAME"))
     # torchrun's agent already serves its own store on MASTER_PORT.
-    agent = (world_size > 1 and source == "torchrun" and port_from_env
-             and master_port is not None and envmod.torchrun_agent_store())
+    agent = world_size > 1 and (_torch_store is not None or (
+        source == "torchrun" and port_from_env and master_port is not None
+        and envmod.torchrun_agent_store()))
     if secret_b is None:
         loop = envmod.is_loopback(host) and (not master_addr or envmod.is_loopback(master_addr))
         if not loop and os.environ.get("RINGLET_ALLOW_INSECURE") != "1":
@@ -504,8 +520,8 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
     key = secret_b or _INSECURE_KEY
 
     if agent:
-        master_addr, master_port, server = _via_agent_store(rank, master_addr, int(master_port),
-                                                            host, key, timeout)
+        master_addr, master_port, server = _via_agent_store(
+            rank, master_addr, master_port, host, key, timeout, agent=_torch_store)
         _external_store = True
     world = World(rank, world_size, timeout=timeout)
     world.secret = key
