@@ -69,3 +69,27 @@ def test_real_torchrun_plain_init(tmp_path):
     assert "Address already in use" not in out.stderr
     assert sorted(re.findall(r"OK rank=\d size=\d sum=\d", out.stdout)) == \
         [f"OK rank={r} size=2 sum=3" for r in range(2)]
+
+
+BACKEND = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    import ringlet.torch
+    dist.init_process_group("ringlet")
+    r, n = dist.get_rank(), dist.get_world_size()
+    t = torch.full((3,), float(r + 1))
+    dist.all_reduce(t)
+    assert torch.all(t == n * (n + 1) / 2), t
+    print(f"OK rank={r} size={n} sum={t[0].item():g}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_ringlet_run_supplies_torch_env(tmp_path):
+    # `ringlet run` sets RINGLET_* only; ringlet.torch supplies RANK, MASTER_PORT, ...
+    script = tmp_path / "job.py"
+    script.write_text(BACKEND)
+    out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
+                         env=_env(), capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(re.findall(r"OK rank=\d size=\d sum=\d", out.stdout)) == \
+        [f"OK rank={r} size=2 sum=3" for r in range(2)]

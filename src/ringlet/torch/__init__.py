@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch.distributed as _dist
 
+from ._launch import export_env as _export_env
 from ._process_group import RingletProcessGroup, create_process_group
 
 __all__ = ["RingletProcessGroup", "BACKEND"]
@@ -33,3 +34,5 @@ def _register() -> None:
 
 
 _register()
+# Under `ringlet run`: supply torch's env:// variables (RANK, MASTER_PORT, ...).
+_export_env()
