@@ -5,7 +5,8 @@ subclass of ``ProcessGroup`` returned by the backend's creator is used as the
 group itself (DDP, comm hooks, FSDP2 and pipelining call its methods).
 
 Every operation runs asynchronously on the ringlet group's progress thread
-(its ``async_op=True`` path) and returns a torch ``Work`` built from a
+(its ``async_op=True`` path), or inline when torch's ``asyncOp`` is False (a
+blocking call: no hand-off), and returns a torch ``Work`` built from a
 ``torch.futures.Future`` whose value is the list of output tensors, as DDP's
 comm hooks expect (``fut.value()[0]``).  Operations that torch hands over as
 lists of tensors go through one flat buffer; the copies in or out happen on
@@ -102,6 +103,12 @@ class RingletProcessGroup(dist.ProcessGroup):
             return t.total_seconds()
         return self._timeout
 
+    @staticmethod
+    def _async(opts: Any) -> bool:
+        # torch sets asyncOp=False for a blocking call: run it inline on this thread
+        # (ringlet's synchronous path), with no hand-off to the progress thread.
+        return bool(getattr(opts, "asyncOp", True))
+
     def _work(self, works: List[Any], result: List[torch.Tensor],
               after: Optional[Callable[[], None]] = None) -> Any:
         """A torch Work that completes when the last ringlet work does.
@@ -110,6 +117,7 @@ class RingletProcessGroup(dist.ProcessGroup):
         means all are; a failure poisons the group, so it reaches the last.
         """
         fut: torch.futures.Future = torch.futures.Future()
+        works = [w for w in works if w is not None]  # None: ran synchronously, done
         last = works[-1] if works else None
 
         def done(w: Any) -> None:
@@ -133,58 +141,68 @@ class RingletProcessGroup(dist.ProcessGroup):
     # ---- collectives -------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.AllreduceOptions()
+        a = self._async(opts)
         op, t = _op(opts), self._t(opts)
-        works = [self._g.all_reduce(x, op, async_op=True, timeout=t) for x in tensors]
+        works = [self._g.all_reduce(x, op, async_op=a, timeout=t) for x in tensors]
         return self._work(works, tensors)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.AllreduceCoalescedOptions()
+        a = self._async(opts)
         op, t = _op(opts), self._t(opts)
         if len({x.dtype for x in tensors}) > 1:
             raise TypeError("allreduce_coalesced: tensors must share one dtype, got "
                             f"{sorted({str(x.dtype) for x in tensors})}")
         flat = _flat(tensors)
-        w = self._g.all_reduce(flat, op, async_op=True, timeout=t)
+        w = self._g.all_reduce(flat, op, async_op=a, timeout=t)
         return self._work([w], tensors, lambda: _unflat_into(flat, tensors))
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.BroadcastOptions()
+        a = self._async(opts)
         t, root = self._t(opts), opts.rootRank
-        works = [self._g.broadcast(x, root, async_op=True, timeout=t) for x in tensors]
+        works = [self._g.broadcast(x, root, async_op=a, timeout=t) for x in tensors]
         return self._work(works, tensors)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.ReduceOptions()
+        a = self._async(opts)
         op, t, root = _op(opts), self._t(opts), opts.rootRank
-        works = [self._g.reduce(x, root, op, async_op=True, timeout=t) for x in tensors]
+        works = [self._g.reduce(x, root, op, async_op=a, timeout=t) for x in tensors]
         return self._work(works, tensors)
 
     def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                   opts: Any = None) -> Any:
-        t = self._t(opts or dist.AllgatherOptions())
+        opts = opts or dist.AllgatherOptions()
+        a = self._async(opts)
+        t = self._t(opts)
         works, copies = [], []
         for outs, x in zip(output_lists, inputs):
             if len(outs) != self.size():
                 raise ValueError(f"allgather: {len(outs)} output tensors for a group of "
                                  f"{self.size()} ranks")
             flat = torch.empty(x.numel() * self.size(), dtype=x.dtype)
-            works.append(self._g.all_gather(flat, x.contiguous(), async_op=True, timeout=t))
+            works.append(self._g.all_gather(flat, x.contiguous(), async_op=a, timeout=t))
             copies.append((flat, outs))
         return self._work(works, [o for outs in output_lists for o in outs],
                           lambda: [_unflat_into(f, outs) for f, outs in copies])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Any:
-        t = self._t(opts or dist.AllgatherOptions())
-        w = self._g.all_gather(output, input, async_op=True, timeout=t)
+        opts = opts or dist.AllgatherOptions()
+        a = self._async(opts)
+        t = self._t(opts)
+        w = self._g.all_gather(output, input, async_op=a, timeout=t)
         return self._work([w], [output])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor], opts: Any = None) -> Any:
-        t = self._t(opts or dist.AllgatherOptions())
-        works = [self._g.all_gather(o, i, async_op=True, timeout=t)
+        opts = opts or dist.AllgatherOptions()
+        a = self._async(opts)
+        t = self._t(opts)
+        works = [self._g.all_gather(o, i, async_op=a, timeout=t)
                  for o, i in zip(outputs, inputs)]
         return self._work(works, outputs)
 
@@ -197,19 +215,21 @@ class RingletProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs: List[torch.Tensor],
                        input_lists: List[List[torch.Tensor]], opts: Any = None) -> Any:
         opts = opts or dist.ReduceScatterOptions()
+        a = self._async(opts)
         op, t = _op(opts), self._t(opts)
         works = []
         for o, ins in zip(outputs, input_lists):
             if len(ins) != self.size():
                 raise ValueError(f"reduce_scatter: {len(ins)} input tensors for a group of "
                                  f"{self.size()} ranks")
-            works.append(self._g.reduce_scatter(o, _flat(ins), op, async_op=True, timeout=t))
+            works.append(self._g.reduce_scatter(o, _flat(ins), op, async_op=a, timeout=t))
         return self._work(works, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> Any:
         opts = opts or dist.ReduceScatterOptions()
-        w = self._g.reduce_scatter(output, input, _op(opts), async_op=True,
+        a = self._async(opts)
+        w = self._g.reduce_scatter(output, input, _op(opts), async_op=a,
                                    timeout=self._t(opts))
         return self._work([w], [output])
 
@@ -218,8 +238,9 @@ class RingletProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.ReduceScatterOptions()
+        a = self._async(opts)
         op, t = _op(opts), self._t(opts)
-        works = [self._g.reduce_scatter(o, i, op, async_op=True, timeout=t)
+        works = [self._g.reduce_scatter(o, i, op, async_op=a, timeout=t)
                  for o, i in zip(outputs, inputs)]
         return self._work(works, outputs)
 
@@ -228,10 +249,12 @@ class RingletProcessGroup(dist.ProcessGroup):
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Optional[List[int]],
                           input_split_sizes: Optional[List[int]], opts: Any = None) -> Any:
-        t = self._t(opts or dist.AllToAllOptions())
+        opts = opts or dist.AllToAllOptions()
+        a = self._async(opts)
+        t = self._t(opts)
         P = self.size()
         if not output_split_sizes and not input_split_sizes:
-            w = self._g.all_to_all(output, input, async_op=True, timeout=t)
+            w = self._g.all_to_all(output, input, async_op=a, timeout=t)
             return self._work([w], [output])
         # Splits count rows (the first dimension); ringlet counts elements.
         orow = output[0].numel() if output.dim() > 0 and output.shape[0] else 1
@@ -239,43 +262,49 @@ class RingletProcessGroup(dist.ProcessGroup):
         oc = list(output_split_sizes) if output_split_sizes else [output.shape[0] // P] * P
         ic = list(input_split_sizes) if input_split_sizes else [input.shape[0] // P] * P
         w = self._g.all_to_all_v(output, [c * orow for c in oc], input, [c * irow for c in ic],
-                                 async_op=True, timeout=t)
+                                 async_op=a, timeout=t)
         return self._work([w], [output])
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                  opts: Any = None) -> Any:
-        t = self._t(opts or dist.AllToAllOptions())
+        opts = opts or dist.AllToAllOptions()
+        a = self._async(opts)
+        t = self._t(opts)
         flat_in = _flat(inputs)
         flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
         w = self._g.all_to_all_v(flat_out, [o.numel() for o in outputs], flat_in,
-                                 [i.numel() for i in inputs], async_op=True, timeout=t)
+                                 [i.numel() for i in inputs], async_op=a, timeout=t)
         return self._work([w], outputs, lambda: _unflat_into(flat_out, outputs))
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                opts: Any = None) -> Any:
         opts = opts or dist.GatherOptions()
+        a = self._async(opts)
         t, root = self._t(opts), opts.rootRank
         x = inputs[0].contiguous()
         if self.rank() == root:
             outs = output_lists[0]
             flat = torch.empty(x.numel() * self.size(), dtype=x.dtype)
-            w = self._g.gather(flat, x, root, async_op=True, timeout=t)
+            w = self._g.gather(flat, x, root, async_op=a, timeout=t)
             return self._work([w], outs, lambda: _unflat_into(flat, outs))
-        w = self._g.gather(None, x, root, async_op=True, timeout=t)
+        w = self._g.gather(None, x, root, async_op=a, timeout=t)
         return self._work([w], [])
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                 opts: Any = None) -> Any:
         opts = opts or dist.ScatterOptions()
+        a = self._async(opts)
         t, root = self._t(opts), opts.rootRank
         flat = _flat(input_lists[0]) if self.rank() == root else None
-        w = self._g.scatter(outputs[0], flat, root, async_op=True, timeout=t)
+        w = self._g.scatter(outputs[0], flat, root, async_op=a, timeout=t)
         return self._work([w], outputs)
 
     def barrier(self, opts: Any = None) -> Any:
-        w = self._g.barrier(async_op=True, timeout=self._t(opts or dist.BarrierOptions()))
+        opts = opts or dist.BarrierOptions()
+        a = self._async(opts)
+        w = self._g.barrier(async_op=a, timeout=self._t(opts))
         return self._work([w], [])
 
     # ---- point to point ------------------------------------------------------------
