@@ -95,6 +95,8 @@ def sweep(a, groups, P):
     while s <= a.max:
         sizes.append(s)
         s *= 4
+    if sizes and sizes[-1] < a.max:
+        sizes.append(a.max)  # the largest size is always measured
     for op in a.ops.split(","):
         for nbytes in sizes:
             fns = {name: _op_fn(op, nbytes, P, g) for name, g in groups.items()}
