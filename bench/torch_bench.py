@@ -51,6 +51,8 @@ def _args(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="DDP rounds (one step each backend)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-ddp", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads per rank (ranks already share the cores)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -173,6 +175,7 @@ def _fmt_bytes(n: int) -> str:
 
 def main(argv=None) -> None:
     a = _args(argv)
+    torch.set_num_threads(a.threads)
     dist.init_process_group("ringlet")
     P, rank = dist.get_world_size(), dist.get_rank()
     groups = {"ringlet": dist.group.WORLD,

@@ -5,6 +5,7 @@ Run by tests/test_torch_backend.py under the real torchrun; prints "OK rank=R si
 
 import functools
 import operator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -141,6 +142,14 @@ sub, _ = dist.new_subgroups(group_size=2) if P % 2 == 0 else (dist.group.WORLD, 
 t = full(1.0, 1)
 dist.all_reduce(t, group=sub)
 assert t.item() == (2 if P % 2 == 0 else P)
+
+# torch's timeouts reach ringlet: the group's, from new_group(timeout=), bounds every op.
+timed = dist.new_group(list(range(P)), timeout=timedelta(seconds=7))
+assert isinstance(timed, ringlet.torch.RingletProcessGroup)
+assert timed.ringlet_group.timeout == 7.0, timed.ringlet_group.timeout
+t = full(1.0, 1)
+dist.all_reduce(t, group=timed)
+assert t.item() == P
 
 dist.barrier()
 print(f"OK rank={r} size={P}", flush=True)
