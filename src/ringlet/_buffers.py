@@ -75,6 +75,12 @@ def as_array(x: Any, what: str, writable: bool) -> np.ndarray:
 
 
 def _torch_view(t: Any, what: str) -> np.ndarray:
+    try:  # the common case in one call: a CPU tensor numpy can view
+        a = t.numpy()
+        if a.flags.c_contiguous:
+            return a
+    except (TypeError, RuntimeError):
+        pass  # off the CPU, tracking gradients or bfloat16: the checks below say which
     dev = t.device
     if dev.type != "cpu":
         raise TypeError(f"{what} is a torch tensor on {dev}; ringlet reduces host memory: pass "
