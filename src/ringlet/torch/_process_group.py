@@ -71,6 +71,8 @@ class RingletProcessGroup(dist.ProcessGroup):
         super().__init__(group.rank, group.size)
         self._g = group
         self._timeout = timeout
+        # Passed per op only where torch's differs from the ringlet group's own.
+        self._default_t = None if timeout == group.timeout else timeout
         self._name = ""
 
     # ---- identity ---------------------------------------------------------------
@@ -97,11 +99,12 @@ class RingletProcessGroup(dist.ProcessGroup):
         return f"RingletProcessGroup(rank={self.rank()}, size={self.size()}, {self._g!r})"
 
     # ---- plumbing -----------------------------------------------------------------
-    def _t(self, opts: Any) -> float:
+    def _t(self, opts: Any) -> Optional[float]:
+        # None: the ringlet group's own deadline (equal to torch's), its fast path.
         t = getattr(opts, "timeout", None)
-        if isinstance(t, timedelta) and t.total_seconds() > 0:
+        if isinstance(t, timedelta) and t.days >= 0 and t.total_seconds() > 0:
             return t.total_seconds()
-        return self._timeout
+        return self._default_t
 
     @staticmethod
     def _async(opts: Any) -> bool:
@@ -117,8 +120,10 @@ class RingletProcessGroup(dist.ProcessGroup):
         means all are; a failure poisons the group, so it reaches the last.
         """
         fut: torch.futures.Future = torch.futures.Future()
-        works = [w for w in works if w is not None]  # None: ran synchronously, done
-        last = works[-1] if works else None
+        last = works[-1] if works else None  # None: ran synchronously, done
+        if last is None and after is None:
+            fut.set_result(result)
+            return _create_work_from_future(fut)
 
         def done(w: Any) -> None:
             exc = w.exception() if w is not None else None
