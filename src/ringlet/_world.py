@@ -265,7 +265,7 @@ def _via_agent_store(rank: int, addr: str, port: Optional[int], host: str, key: 
     slot = _AGENT_KEY.format(restart)
     if agent is not None:
         return _publish_store_addr(agent, slot, rank, addr, host, key, timeout,
-                                   f"the torch group's store", ("torch-store", id(agent)))
+                                   "the torch group's store", ("torch-store", id(agent)))
     try:
         from datetime import timedelta
 
