@@ -1,5 +1,5 @@
-"""torch DDP (plain and with a futures comm hook) and FSDP2 over "ringlet", against "gloo"
-and against one process training on the whole batch.  Run under torchrun; prints "OK ...".
+"""torch DDP (plain and with a futures comm hook), FSDP2 and a pipelining schedule over
+"ringlet", against "gloo" and against one process training on the whole batch.  Run under torchrun; prints "OK ...".
 """
 
 import copy
@@ -87,6 +87,29 @@ for name, pg in (("ringlet", ring), ("gloo", gloo)):
         fsdp_ring = got
     else:
         same(fsdp_ring, got, "FSDP2 ringlet vs gloo", 1e-6)
+
+# torch.distributed.pipelining: a 2-stage GPipe schedule, 4 microbatches, over each backend;
+# every stage's gradients equal one process's on the same microbatches.
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe  # noqa: E402
+
+assert P == 2, "the pipeline check splits the model in two stages"
+pmodel = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                       nn.Linear(32, 4))
+x, y = data[0]
+ref = copy.deepcopy(pmodel)
+for xm, ym in zip(x.chunk(4), y.chunk(4)):
+    (nn.functional.mse_loss(ref(xm), ym) / 4).backward()  # the schedule averages microbatches
+ref_part = [ref[:2], ref[2:]][r]
+for name, pg in (("ringlet", ring), ("gloo", gloo)):
+    part = copy.deepcopy([pmodel[:2], pmodel[2:]][r])
+    stage = PipelineStage(part, r, P, torch.device("cpu"), group=pg)
+    sched = ScheduleGPipe(stage, 4, loss_fn=nn.functional.mse_loss)
+    if r == 0:
+        sched.step(x)
+    else:
+        sched.step(target=y)
+    same([p.grad for p in part.parameters()], [q.grad for q in ref_part.parameters()],
+         f"pipelining GPipe over {name}: stage {r} gradients vs one process", 1e-6)
 
 dist.barrier()
 print(f"OK rank={r} size={P} hook_calls={len(calls)}", flush=True)
