@@ -3,6 +3,8 @@
 """
 
 import copy
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ringlet
 import ringlet.torch  # noqa: F401
 
 dist.init_process_group("ringlet")
@@ -111,6 +114,19 @@ for name, pg in (("ringlet", ring), ("gloo", gloo)):
     same([p.grad for p in part.parameters()], [q.grad for q in ref_part.parameters()],
          f"pipelining GPipe over {name}: stage {r} gradients vs one process", 1e-6)
 
-dist.barrier()
+# torch's timeouts are honoured: a group made with timeout=2s fails a collective that its
+# other member never joins with ringlet's CollectiveTimeout, after 2 s and not much later.
+# Last, as it aborts the ringlet job; rank 1 waits in a gloo barrier meanwhile.
+timed = dist.new_group(list(range(P)), timeout=timedelta(seconds=2))
+if r == 0:
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=timed)
+        raise AssertionError("the all_reduce that rank 1 never joined did not time out")
+    except ringlet.CollectiveTimeout as exc:
+        took = time.monotonic() - t0
+        assert "all_reduce" in str(exc) and "peer 1" in str(exc), exc
+        assert 1.9 <= took < 30, took
+dist.barrier(group=gloo)
 print(f"OK rank={r} size={P} hook_calls={len(calls)}", flush=True)
 dist.destroy_process_group()
