@@ -225,16 +225,17 @@ class World:
 _kept: Dict[tuple, Any] = {}  # (host, port) -> [key, StoreServer]
 
 
-def _serve_store(host: str, port: int, key: bytes):
+def _serve_store(host: str, port: int, key: bytes, *, kept_as: Optional[tuple] = None):
     from .store import StoreServer
 
+    slot = (host, port) if kept_as is None else kept_as
     with _lock:
-        entry = _kept.get((host, port))
+        entry = _kept.get(slot)
         if entry is not None:
             if entry[0] == key and not entry[1]._closed:
                 return entry[1]
             entry[1].close()
-            del _kept[(host, port)]
+            del _kept[slot]
         try:
             server = StoreServer(host, port, secret=key)
         except OSError as exc:
@@ -242,8 +243,67 @@ def _serve_store(host: str, port: int, key: bytes):
                 f"rank 0 cannot serve the store on {host}:{port}: {exc}; another process "
                 f"holds that port (another job, or a program that is not ringlet): choose "
                 f"another MASTER_PORT", rank=0) from exc
-        _kept[(host, port)] = [key, server]
+        _kept[slot] = [key, server]
         return server
+
+
+_AGENT_KEY = "ringlet/store_addr/{}"
+
+
+def _via_agent_store(rank: int, addr: str, port: Optional[int], host: str, key: bytes,
+                     timeout: float, agent=None):
+    """Rendezvous under torchrun, whose agent already serves a TCPStore on MASTER_PORT.
+
+    Rank 0 serves ringlet's store on a port the OS picks and publishes
+    "host:port" in torch's store; the other ranks read it there.  torch's store
+    carries only that address: ringlet's store still authenticates every rank
+    with the job secret, so a forged address cannot join the job.
+    ``agent``: a torch store to use (the torch backend passes its group's);
+    default: a client of torchrun's store at ``addr:port``.
+    Returns (store address, store port, the server rank 0 runs or None).
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
+    slot = _AGENT_KEY.format(restart)
+    if agent is not None:
+        return _publish_store_addr(agent, slot, rank, addr, host, key, timeout,
+                                   "the torch group's store", ("torch-store", id(agent)))
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as tdist
+    except ImportError:
+        raise RendezvousError(
+            f"rank {rank}: TORCHELASTIC_USE_AGENT_STORE is set (torchrun's agent serves "
+            f"{addr}:{port}) but torch is not importable here; set RINGLET_MASTER_PORT to a "
+            f"free port for ringlet's own store", rank=rank) from None
+    try:
+        agent = tdist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - torch raises several types here
+        raise RendezvousError(f"rank {rank}: cannot reach torchrun's agent store on "
+                              f"{addr}:{port}: {exc}", rank=rank) from exc
+    return _publish_store_addr(agent, slot, rank, addr, host, key, timeout,
+                               f"torchrun's agent store {addr}:{port}",
+                               ("torchrun-agent", addr, port, restart))
+
+
+def _publish_store_addr(agent, slot: str, rank: int, addr: str, host: str, key: bytes,
+                        timeout: float, where: str, kept_as: tuple):
+    if rank == 0:
+        from .environment import is_loopback
+
+        bind = addr if is_loopback(addr) else host
+        server = _serve_store(bind, 0, key, kept_as=kept_as)
+        agent.set(slot, f"{bind}:{server.port}")
+        return bind, server.port, server
+    try:
+        raw = agent.get(slot).decode()
+    except Exception as exc:  # noqa: BLE001 - torch raises several types here
+        raise RendezvousError(f"rank {rank}: rank 0 never published ringlet's store address "
+                              f"under {slot!r} in {where} within {timeout:g}s: {exc}",
+                              rank=rank, peer=0) from exc
+    h, _, p = raw.rpartition(":")
+    return h.strip("[]"), int(p), None
 
 
 def _is_kept(server) -> bool:
@@ -347,7 +407,8 @@ def _secret_from(arg) -> Optional[bytes]:
 def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
          master_addr: Optional[str] = None, master_port: Optional[int] = None,
          timeout: float = 300.0, secret: Optional[bytes] = None,
-         bind_addr: Optional[str] = None, _external_store: Optional[bool] = None) -> ProcessGroup:
+         bind_addr: Optional[str] = None, _external_store: Optional[bool] = None,
+         _torch_store: Any = None) -> ProcessGroup:
     """Join the job and return the world ``ProcessGroup`` (also the default group).
 
     Rank, world size and the rendezvous address come from the arguments, else
@@ -385,6 +446,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
 
     env = None
     source = "args"
+    port_from_env = False
     if rank is None or world_size is None:
         env = envmod.detect()
         if env is None:
@@ -405,6 +467,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
             rank = env.rank if rank is None else rank
             world_size = env.world_size if world_size is None else world_size
             master_addr = master_addr or env.master_addr
+            port_from_env = master_port is None
             master_port = master_port or env.master_port
             source = env.source
     if isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(world_size, int) \
@@ -426,7 +489,9 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
         _r, _s, master_addr, master_port, mpi_secret, server = envmod.mpi_bootstrap(timeout)
         secret_b = secret_b or mpi_secret
         _external_store = True
-    if world_size > 1 and (not master_addr or not master_port):
+    if _torch_store is not None:  # the torch backend: rendezvous through torch's store
+        master_addr = master_addr or "127.0.0.1"
+    elif world_size > 1 and (not master_addr or not master_port):
         raise RendezvousError(
             f"rank {rank}: world size {world_size} needs a rendezvous address: set "
             f"RINGLET_MASTER_ADDR and RINGLET_MASTER_PORT (or MASTER_ADDR/MASTER_PORT), pass "
@@ -435,6 +500,10 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
         master_addr = "127.0.0.1"
 
     host = bind_addr or envmod.select_bind_address(master_addr, os.environ.get("RINGLET_IFNAME"))
+    # torchrun's agent already serves its own store on MASTER_PORT.
+    agent = world_size > 1 and (_torch_store is not None or (
+        source == "torchrun" and port_from_env and master_port is not None
+        and envmod.torchrun_agent_store()))
     if secret_b is None:
         loop = envmod.is_loopback(host) and (not master_addr or envmod.is_loopback(master_addr))
         if not loop and os.environ.get("RINGLET_ALLOW_INSECURE") != "1":
@@ -449,6 +518,10 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
                           RuntimeWarning, stacklevel=2)
     key = secret_b or _INSECURE_KEY
 
+    if agent:
+        master_addr, master_port, server = _via_agent_store(
+            rank, master_addr, master_port, host, key, timeout, agent=_torch_store)
+        _external_store = True
     world = World(rank, world_size, timeout=timeout)
     world.secret = key
     world.host = host

@@ -46,7 +46,7 @@ from .errors import RendezvousError
 if TYPE_CHECKING:
     from .store import StoreServer
 
-__all__ = ["LaunchEnv", "detect", "is_loopback", "select_bind_address", "list_interfaces",
+__all__ = ["LaunchEnv", "detect", "torchrun_agent_store", "is_loopback", "select_bind_address", "list_interfaces",
            "parse_nodelist", "load_secret", "mpi_bootstrap", "own_session_note",
            "MIN_SECRET_BYTES"]
 
@@ -193,6 +193,18 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
                     port = 20000 + job % 20000
         return LaunchEnv(rank, size, lrank, lsize, addr, port, source)
     return None
+
+
+def torchrun_agent_store(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when torchrun's agent serves its own TCPStore on MASTER_PORT.
+
+    torchrun (torch >= 2.4) sets TORCHELASTIC_USE_AGENT_STORE=True; rank 0 then
+    cannot bind MASTER_PORT, and ringlet's store goes on a port the OS picks,
+    published through torch's store.  An explicit RINGLET_MASTER_PORT wins.
+    """
+    env = os.environ if environ is None else environ
+    flag = (_get(env, "TORCHELASTIC_USE_AGENT_STORE") or "").lower()
+    return flag in ("true", "1") and _get(env, "RINGLET_MASTER_PORT") is None
 
 
 def _slurm_local_size(env: Mapping[str, str]) -> Tuple[Optional[int], Optional[str]]:

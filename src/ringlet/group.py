@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _core
 from . import trace as _trace
+from ._buffers import as_array as _as_array
 from ._timeout import millis as _millis
 from ._dtypes import ReduceOp, check_op, dtype_code
 from .errors import GroupPoisonedError, RingletError
@@ -38,6 +39,11 @@ _array = _core.check_array
 _acode = _core.array_code
 # _overlap(a, b): whether two checked (C-contiguous) arrays share a byte.
 _overlap = _core.overlap
+
+
+# Any accepted buffer (torch tensor, DLPack, buffer protocol) becomes a numpy
+# view first; the check is one type comparison when it already is one.
+_ND = np.ndarray
 
 
 def _addr(x: np.ndarray) -> int:
@@ -211,7 +217,9 @@ class ProcessGroup:
         """Reduce ``array`` over the group in place; every rank gets the result.
 
         Args:
-            array: C-contiguous, writable numpy array, same shape and dtype everywhere.
+            array: C-contiguous, writable numpy array, same shape and dtype everywhere;
+                or a CPU torch tensor, a DLPack or buffer-protocol object, reduced
+                in place through a numpy view of its memory (every op takes these).
             op: a ``ReduceOp`` (AVG: floating dtypes; BAND/BOR/BXOR: integers and bool).
         Returns:
             None, or a ``Work`` when ``async_op``.
@@ -223,6 +231,8 @@ class ProcessGroup:
             g = np.full(4, ringlet.get_rank(), np.float32)
             ringlet.all_reduce(g)  # every rank: sum of all ranks
         """
+        if type(array) is not _ND:
+            array = _as_array(array, "array", True)
         code = _acode(array, "array", True, dtype_code)
         op = 0 if op is _SUM else check_op(op, code, array.dtype)
         ms = self._default_ms if timeout is None else self._ms(timeout)
@@ -231,6 +241,8 @@ class ProcessGroup:
     def broadcast(self, array: np.ndarray, src: int = 0, *, async_op: bool = False,
                   timeout: Optional[float] = None):
         """Copy ``array`` from group rank ``src`` into ``array`` on every rank."""
+        if type(array) is not _ND:
+            array = _as_array(array, "array", True)
         code = _acode(array, "array", True, dtype_code)
         if type(src) is not int or not 0 <= src < self.size:
             src = self._peer(src, "src")
@@ -240,6 +252,8 @@ class ProcessGroup:
     def reduce(self, array: np.ndarray, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False, timeout: Optional[float] = None):
         """Reduce ``array`` over the group into ``array`` on rank ``dst`` (others unchanged)."""
+        if type(array) is not _ND:
+            array = _as_array(array, "array", True)
         code = _acode(array, "array", True, dtype_code)
         op = 0 if op is _SUM else check_op(op, code, array.dtype)
         if type(dst) is not int or not 0 <= dst < self.size:
@@ -250,6 +264,10 @@ class ProcessGroup:
     def all_gather(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
                    timeout: Optional[float] = None):
         """Concatenate every rank's ``input`` into ``output`` (size × input.size), rank order."""
+        if type(output) is not _ND:
+            output = _as_array(output, "output", True)
+        if type(input) is not _ND:
+            input = _as_array(input, "input", False)
         code = _acode(output, "output", True, dtype_code)
         o = output
         i = _array(input, "input", False)
@@ -265,6 +283,10 @@ class ProcessGroup:
                        op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
                        timeout: Optional[float] = None):
         """Reduce ``input`` (size × output.size) over ranks; rank r gets block r in ``output``."""
+        if type(output) is not _ND:
+            output = _as_array(output, "output", True)
+        if type(input) is not _ND:
+            input = _as_array(input, "input", False)
         code = _acode(output, "output", True, dtype_code)
         o = output
         i = _array(input, "input", False)
@@ -283,6 +305,10 @@ class ProcessGroup:
     def all_to_all(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
                    timeout: Optional[float] = None):
         """Rank r sends block j of ``input`` to rank j, which stores it as block r of ``output``."""
+        if type(output) is not _ND:
+            output = _as_array(output, "output", True)
+        if type(input) is not _ND:
+            input = _as_array(input, "input", False)
         i = _array(input, "input", False)
         code = _acode(output, "output", True, dtype_code)
         o = output
@@ -303,6 +329,10 @@ class ProcessGroup:
                      input_counts: Sequence[int], *, async_op: bool = False,
                      timeout: Optional[float] = None):
         """All-to-all with per-rank element counts (blocks laid out back to back, rank order)."""
+        if type(output) is not _ND:
+            output = _as_array(output, "output", True)
+        if type(input) is not _ND:
+            input = _as_array(input, "input", False)
         i = _array(input, "input", False)
         code = _acode(output, "output", True, dtype_code)
         o = output
@@ -331,6 +361,10 @@ class ProcessGroup:
     def gather(self, output: Optional[np.ndarray], input: np.ndarray, dst: int = 0, *,
                async_op: bool = False, timeout: Optional[float] = None):
         """Collect every rank's ``input`` into ``output`` on ``dst`` (output may be None elsewhere)."""
+        if output is not None and type(output) is not _ND:
+            output = _as_array(output, "output", True)
+        if type(input) is not _ND:
+            input = _as_array(input, "input", False)
         code = _acode(input, "input", False, dtype_code)
         i = input
         dst = self._peer(dst, "dst")
@@ -350,6 +384,10 @@ class ProcessGroup:
     def scatter(self, output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *,
                 async_op: bool = False, timeout: Optional[float] = None):
         """Rank ``src`` sends block r of ``input`` to rank r's ``output`` (input may be None elsewhere)."""
+        if type(output) is not _ND:
+            output = _as_array(output, "output", True)
+        if input is not None and type(input) is not _ND:
+            input = _as_array(input, "input", False)
         code = _acode(output, "output", True, dtype_code)
         o = output
         src = self._peer(src, "src")
@@ -380,6 +418,8 @@ class ProcessGroup:
     # ---- point to point -----------------------------------------------------
     def _p2p(self, fn: Callable[..., Any], kind: str, array: Any, peer: Any, tag: Any,
              timeout: Optional[float], async_op: bool, what: str) -> Any:
+        if type(array) is not _ND:
+            array = _as_array(array, "array", kind == "recv")
         code = _acode(array, "array", kind == "recv", dtype_code)
         a = array
         if type(peer) is not int or not 0 <= peer < self.size or peer == self.rank:

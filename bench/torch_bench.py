@@ -1,0 +1,212 @@
+"""torch.distributed over "ringlet" against "gloo": a collective sweep and a DDP step.
+
+Both backends live in one job: the default group is "ringlet", and a second
+group over the same ranks is "gloo".  Every measurement alternates between
+them (round by round, which one goes first alternating too), so background
+load hits both alike; each cell is the median over ``--rounds`` rounds of the
+slowest rank's time.
+
+Sweep: ``--ops`` (default all_reduce) from ``--min`` to ``--max`` bytes of
+float32, by factors of 4, through ``torch.distributed`` calls.
+DDP: ``DistributedDataParallel`` on an MLP of ``--layers`` Linear(width, width)
++ ReLU (``--width 2048 --layers 6``: 25.2 M parameters), ``--batch`` rows per
+rank (small by default, so communication dominates), SGD step included.
+
+Run under any launcher, e.g.::
+
+    ringlet run -n 4 bench/torch_bench.py
+    torchrun --nproc-per-node 2 bench/torch_bench.py --json out.json
+
+Rank 0 prints markdown tables (time per op in microseconds, speed-up of
+ringlet over gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ringlet.torch  # noqa: F401  (registers "ringlet")
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default="all_reduce",
+                    help="comma list of all_reduce, broadcast, all_gather, reduce_scatter")
+    ap.add_argument("--min", type=int, default=8)
+    ap.add_argument("--max", type=int, default=256 << 20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--target-s", type=float, default=0.05,
+                    help="about this long per round and cell (at least one op)")
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5, help="DDP rounds (one step each backend)")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-ddp", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads per rank (ranks already share the cores)")
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+def _op_fn(op, nbytes, P, group):
+    n = max(1, nbytes // 4)
+    if op == "all_reduce":
+        x = torch.ones(n)
+        return lambda: dist.all_reduce(x, group=group)
+    if op == "broadcast":
+        x = torch.ones(n)
+        return lambda: dist.broadcast(x, src=0, group=group)
+    if op == "all_gather":  # nbytes is the output size
+        m = max(1, n // P)
+        out, x = torch.empty(m * P), torch.ones(m)
+        return lambda: dist.all_gather_into_tensor(out, x, group=group)
+    if op == "reduce_scatter":  # nbytes is the input size
+        m = max(1, n // P)
+        out, x = torch.empty(m), torch.ones(m * P)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+    raise SystemExit(f"unknown op {op!r}")
+
+
+def _slowest(seconds: float, group) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def _timed(fn, iters: int, group) -> float:
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return _slowest((time.perf_counter() - t0) / iters, group)
+
+
+def sweep(a, groups, P):
+    rows = []
+    sizes = []
+    s = a.min
+    while s <= a.max:
+        sizes.append(s)
+        s *= 4
+    if sizes and sizes[-1] < a.max:
+        sizes.append(a.max)  # the largest size is always measured
+    for op in a.ops.split(","):
+        for nbytes in sizes:
+            fns = {name: _op_fn(op, nbytes, P, g) for name, g in groups.items()}
+            # Iterations per round from one warm-up op of each (the slower decides).
+            warm = max(_timed(fns[name], 1, groups[name]) for name in groups)
+            iters = max(1, min(2000, int(a.target_s / max(warm, 1e-6))))
+            times = {name: [] for name in groups}
+            names = list(groups)
+            for r in range(a.rounds):
+                for name in (names if r % 2 == 0 else names[::-1]):
+                    times[name].append(_timed(fns[name], iters, groups[name]))
+            med = {name: statistics.median(v) for name, v in times.items()}
+            rows.append({"op": op, "bytes": nbytes, "iters": iters,
+                         **{f"{k}_us": v * 1e6 for k, v in med.items()}})
+            del fns
+    return rows
+
+
+def ddp(a, groups, P):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(a.layers):
+        layers += [nn.Linear(a.width, a.width), nn.ReLU()]
+    base = nn.Sequential(*layers)
+    nparams = sum(p.numel() for p in base.parameters())
+    models = {}
+    for name, g in groups.items():
+        m = nn.Sequential(*[type(l)(a.width, a.width) if isinstance(l, nn.Linear) else nn.ReLU()
+                            for l in layers])
+        m.load_state_dict(base.state_dict())
+        models[name] = (DDP(m, process_group=g), torch.optim.SGD(m.parameters(), lr=1e-4))
+    x = torch.randn(a.batch, a.width)
+    y = torch.randn(a.batch, a.width)
+
+    def step(name):
+        model, opt = models[name]
+        g = groups[name]
+        dist.barrier(group=g)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        return _slowest(time.perf_counter() - t0, g)
+
+    names = list(groups)
+    for name in names:  # warm-up: DDP's first step builds its buckets
+        step(name)
+    times = {name: [] for name in names}
+    for r in range(a.steps):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(step(name))
+    # The compute-only floor: the same step without DDP.
+    plain = nn.Sequential(*[type(l)(a.width, a.width) if isinstance(l, nn.Linear) else nn.ReLU()
+                            for l in layers])
+    opt = torch.optim.SGD(plain.parameters(), lr=1e-4)
+    local = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.mse_loss(plain(x), y).backward()
+        opt.step()
+        local.append(time.perf_counter() - t0)
+    return {"params": nparams, "ranks": P, "batch": a.batch,
+            "local_ms": statistics.median(local) * 1e3,
+            **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}}
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, f in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= f:
+            return f"{n // f} {unit}"
+    return f"{n} B"
+
+
+def main(argv=None) -> None:
+    a = _args(argv)
+    torch.set_num_threads(a.threads)
+    dist.init_process_group("ringlet")
+    P, rank = dist.get_world_size(), dist.get_rank()
+    groups = {"ringlet": dist.group.WORLD,
+              "gloo": dist.new_group(list(range(P)), backend="gloo")}
+    out = {"ranks": P, "threads": torch.get_num_threads()}
+    if not a.no_sweep:
+        out["sweep"] = sweep(a, groups, P)
+    if not a.no_ddp:
+        out["ddp"] = ddp(a, groups, P)
+    if rank == 0:
+        if "sweep" in out:
+            print(f"\n{P} ranks, torch.distributed, median of {a.rounds} interleaved rounds, "
+                  f"slowest rank (us per op)\n")
+            print("| op | size | ringlet | gloo | gloo / ringlet |")
+            print("|---|---:|---:|---:|---:|")
+            for row in out["sweep"]:
+                print(f"| {row['op']} | {_fmt_bytes(row['bytes'])} | {row['ringlet_us']:.1f} | "
+                      f"{row['gloo_us']:.1f} | {row['gloo_us'] / row['ringlet_us']:.2f}x |")
+        if "ddp" in out:
+            d = out["ddp"]
+            print(f"\nDDP step, {d['params'] / 1e6:.1f} M parameters, {P} ranks, batch "
+                  f"{d['batch']} per rank, median of {a.steps} interleaved steps (ms)\n")
+            print("| ranks | no DDP | ringlet | gloo | gloo / ringlet |")
+            print("|---:|---:|---:|---:|---:|")
+            print(f"| {P} | {d['local_ms']:.1f} | {d['ringlet_ms']:.1f} | {d['gloo_ms']:.1f} | "
+                  f"{d['gloo_ms'] / d['ringlet_ms']:.2f}x |")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

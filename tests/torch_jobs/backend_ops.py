@@ -1,0 +1,156 @@
+"""Every op of the "ringlet" torch.distributed backend against expected values.
+
+Run by tests/test_torch_backend.py under the real torchrun; prints "OK rank=R size=P".
+"""
+
+import functools
+import operator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ringlet.torch  # noqa: F401  (registers "ringlet")
+
+dist.init_process_group("ringlet")
+r, P = dist.get_rank(), dist.get_world_size()
+R = dist.ReduceOp
+assert dist.get_backend() == "ringlet"
+
+
+def full(v, n=4, dtype=torch.float32):
+    return torch.full((n,), v, dtype=dtype)
+
+
+# allreduce, every op (float and integer), in place
+for op, dtype, mine, want in [
+        (R.SUM, torch.float32, r + 1, P * (P + 1) / 2),
+        (R.AVG, torch.float64, r, (P - 1) / 2),
+        (R.PRODUCT, torch.int64, r + 1, torch.arange(1, P + 1).prod().item()),
+        (R.MIN, torch.float16, r + 3, 3),
+        (R.MAX, torch.bfloat16, r, P - 1),
+        (R.BAND, torch.int32, 0b111 ^ (1 << (r % 3)),
+         functools.reduce(operator.and_, [0b111 ^ (1 << (q % 3)) for q in range(P)])),
+        (R.BOR, torch.int64, 1 << r, (1 << P) - 1),
+        (R.BXOR, torch.uint8, 1 << r | 1, functools.reduce(operator.xor, [1 << q | 1 for q in range(P)]))]:
+    t = full(mine, 5, dtype)
+    ptr = t.data_ptr()
+    dist.all_reduce(t, op=op)
+    assert t.data_ptr() == ptr and torch.all(t.double() == want), (op, dtype, t, want)
+
+# broadcast from every root, reduce to every root
+for root in range(P):
+    t = full(r * 10.0)
+    dist.broadcast(t, src=root)
+    assert torch.all(t == root * 10)
+    t = full(r + 1.0)
+    dist.reduce(t, dst=root, op=R.SUM)
+    assert torch.all(t == (P * (P + 1) / 2 if r == root else r + 1))
+
+# all_gather (list form, shapes kept), all_gather_into_tensor
+outs = [torch.empty(2, 3) for _ in range(P)]
+dist.all_gather(outs, torch.full((2, 3), float(r)))
+assert all(torch.all(o == q) for q, o in enumerate(outs))
+o = torch.empty(P * 3, dtype=torch.int64)
+dist.all_gather_into_tensor(o, torch.tensor([r, r, -r]))
+assert o.tolist() == [v for q in range(P) for v in (q, q, -q)]
+
+# reduce_scatter_tensor and the list form
+o = torch.empty(2)
+dist.reduce_scatter_tensor(o, torch.arange(2 * P, dtype=torch.float32) + r)
+assert o.tolist() == [P * (2 * r) + P * (P - 1) / 2, P * (2 * r + 1) + P * (P - 1) / 2]
+o = torch.empty(3)
+dist.reduce_scatter(o, [torch.full((3,), float(q * r)) for q in range(P)], op=R.MAX)
+assert torch.all(o == r * (P - 1))
+
+# all_to_all_single: equal, then uneven splits (rows of 2 elements)
+o = torch.empty(P, dtype=torch.int64)
+dist.all_to_all_single(o, torch.arange(P) + 100 * r)
+assert o.tolist() == [100 * q + r for q in range(P)]
+in_splits = [q + 1 for q in range(P)]          # to rank q: q+1 rows
+out_splits = [r + 1] * P                       # from each rank: r+1 rows
+inp = torch.full((sum(in_splits), 2), float(r))
+o = torch.empty(sum(out_splits), 2)
+dist.all_to_all_single(o, inp, out_splits, in_splits)
+assert o[:, 0].tolist() == [float(q) for q in range(P) for _ in range(r + 1)]
+# all_to_all (list form)
+outs = [torch.empty(q + 1) for q in range(P)]
+dist.all_to_all(outs, [torch.full((r + 1,), float(r * 10 + q)) for q in range(P)])
+assert all(torch.all(outs[q] == q * 10 + r) for q in range(P))
+
+# gather, scatter
+g = [torch.empty(2) for _ in range(P)] if r == P - 1 else None
+dist.gather(torch.full((2,), float(r)), g, dst=P - 1)
+if r == P - 1:
+    assert [x[0].item() for x in g] == list(range(P))
+o = torch.empty(2)
+dist.scatter(o, [torch.full((2,), float(q * 7)) for q in range(P)] if r == 0 else None, src=0)
+assert torch.all(o == 7 * r)
+
+# point to point: a ring exchange with isend/irecv (must be truly asynchronous), tags
+right, left = (r + 1) % P, (r - 1) % P
+got_a, got_b = torch.empty(3), torch.empty(3)
+reqs = [dist.irecv(got_b, left, tag=2), dist.irecv(got_a, left, tag=1),
+        dist.isend(full(r * 1.0, 3), right, tag=1), dist.isend(full(r + 0.5, 3), right, tag=2)]
+for q in reqs:
+    q.wait()
+assert torch.all(got_a == left) and torch.all(got_b == left + 0.5)
+if r == 0:
+    dist.send(torch.tensor([42.0]), P - 1, tag=9)
+elif r == P - 1:
+    x = torch.empty(1)
+    dist.recv(x, 0, tag=9)
+    assert x.item() == 42
+dist.batch_isend_irecv([dist.P2POp(dist.isend, full(r * 2.0, 2), right),
+                        dist.P2POp(dist.irecv, got_a[:2], left)])[-1].wait()
+assert torch.all(got_a[:2] == left * 2)
+
+# async work and futures: wait(), get_future().then(), value is the list of tensors
+t = full(1.0, 1000)
+w = dist.all_reduce(t, async_op=True)
+fut = w.get_future().then(lambda f: f.value()[0] * 2)
+assert torch.all(fut.wait() == 2 * P) and w.wait() and torch.all(t == P)
+
+# object collectives
+objs = [None] * P
+dist.all_gather_object(objs, {"rank": r, "s": "x" * r})
+assert objs == [{"rank": q, "s": "x" * q} for q in range(P)]
+lst = [{"cfg": [1, 2]}, "two"] if r == 1 else [None, None]
+dist.broadcast_object_list(lst, src=1)
+assert lst == [{"cfg": [1, 2]}, "two"]
+out = [None] * P if r == 0 else None
+dist.gather_object(("r", r), out, dst=0)
+if r == 0:
+    assert out == [("r", q) for q in range(P)]
+recv = [None]
+dist.scatter_object_list(recv, [f"to{q}" for q in range(P)] if r == 0 else None, src=0)
+assert recv == [f"to{r}"]
+
+# subgroups: members-only formation (torch calls the creator on members only)
+evens = dist.new_group([q for q in range(P) if q % 2 == 0])
+odds = dist.new_group([q for q in range(P) if q % 2 == 1])
+mine = evens if r % 2 == 0 else odds
+t = full(float(r), 2)
+dist.all_reduce(t, group=mine)
+assert torch.all(t == sum(q for q in range(P) if q % 2 == r % 2))
+members = [q for q in range(P) if q % 2 == r % 2]
+assert dist.get_process_group_ranks(mine) == members
+objs = [None] * len(members)
+dist.all_gather_object(objs, r, group=mine)
+assert objs == members
+sub, _ = dist.new_subgroups(group_size=2) if P % 2 == 0 else (dist.group.WORLD, None)
+t = full(1.0, 1)
+dist.all_reduce(t, group=sub)
+assert t.item() == (2 if P % 2 == 0 else P)
+
+# torch's timeouts reach ringlet: the group's, from new_group(timeout=), bounds every op.
+timed = dist.new_group(list(range(P)), timeout=timedelta(seconds=7))
+assert isinstance(timed, ringlet.torch.RingletProcessGroup)
+assert timed.ringlet_group.timeout == 7.0, timed.ringlet_group.timeout
+t = full(1.0, 1)
+dist.all_reduce(t, group=timed)
+assert t.item() == P
+
+dist.barrier()
+print(f"OK rank={r} size={P}", flush=True)
+dist.destroy_process_group()
