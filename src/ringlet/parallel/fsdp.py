@@ -48,6 +48,8 @@ import ringlet
 from ringlet import nn
 
 from . import _fsdp_state_dict as _sd
+from . import comm_hooks
+from ._buckets import GradBucket, start_bucket
 from ._flat import MemoryTracker
 from ._fsdp_flat_group import _NUMPY_FLOATS, _FlatGroup, _Pending
 from ._fsdp_init import check_policy, own_params, plan_units, state_entries
@@ -603,12 +605,17 @@ class FullyShardedDataParallel:
             self.stats["reduce_scatters"] += 1
             self._pending.append(_Pending(fg, work, inp, out, 1))
         else:
-            work = None
-            if rep is not None:
-                work = ringlet.all_reduce(inp, ringlet.ReduceOp.AVG, group=rep.pg,
-                                          async_op=True)
-                self.stats["all_reduces"] += 1
+            work = self._start_replica_reduce(fg, inp) if rep is not None else None
             self._pending.append(_Pending(fg, work, inp, inp, 2))
+
+    def _start_replica_reduce(self, fg: _FlatGroup, buf: np.ndarray) -> Any:
+        """Average ``buf`` over the replica group as a DDP bucket (NO_SHARD: the unit's
+        unsharded flat gradient; HYBRID_SHARD: its reduced shard)."""
+        rep = self._replicate
+        bucket = GradBucket(self._groups.index(fg), buf, list(fg.params), list(fg.names),
+                            rep.pg, rep.size, rep.rank, False)
+        self.stats["all_reduces"] += 1
+        return start_bucket(comm_hooks.allreduce_hook, None, bucket, "FSDP")
 
     def _progress(self, block: bool, keep: int = 0) -> None:
         """Advance finished reductions, strictly in issue order (same order on every rank).
@@ -633,10 +640,9 @@ class FullyShardedDataParallel:
                     self.memory.release(pend.inp)
                 pend.inp = pend.out
                 pend.stage = 2
+                fg = pend.fg
                 if self._replicate is not None:
-                    pend.work = ringlet.all_reduce(pend.out, ringlet.ReduceOp.AVG,
-                                                   group=self._replicate.pg, async_op=True)
-                    self.stats["all_reduces"] += 1
+                    pend.work = self._start_replica_reduce(fg, pend.out)
                     continue
                 pend.work = None
             fg = pend.fg
