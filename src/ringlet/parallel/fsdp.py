@@ -22,7 +22,9 @@ How it works (details and measurements: docs/fsdp.md):
   it back-propagated) the buffer is reduce-scattered (``ReduceOp.AVG``)
   asynchronously into a shard-sized buffer that is added to the shard's
   ``.grad``.  HYBRID_SHARD then all-reduces that shard across the replica
-  group; NO_SHARD (S = 1) just all-reduces.  ``fsdp.backward`` returns when
+  group; NO_SHARD (S = 1) just all-reduces.  Those all-reduces are DDP's:
+  a ``GradBucket`` started with its default hook (``_buckets``), so NO_SHARD
+  is DDP with one bucket per unit.  ``fsdp.backward`` returns when
   every reduction has finished, so the optimizer may step right after.
 - Collectives are issued in program order, identical on every rank, on the
   shard group (gathers, reduce-scatters) and the replica group (all-reduces),
