@@ -425,6 +425,30 @@ def test_no_shard_reduces_through_ddps_bucket_path_with_ddps_bits(monkeypatch):
         assert sorted(seen, key=repr) == sorted(want_buckets, key=repr)
 
 
+def test_hybrid_replica_reduction_is_a_ddp_bucket_of_the_gradient_shard(monkeypatch):
+    # The all-reduce across replicas is the same bucket path, on the reduced shard.
+    from ringlet.parallel import comm_hooks
+
+    seen = []
+    real = comm_hooks.allreduce_hook
+
+    def spy(state, bucket):
+        seen.append((bucket.numel, bucket.world_size, bucket.buffer().dtype))
+        return real(state, bucket)
+
+    monkeypatch.setattr(comm_hooks, "allreduce_hook", spy)
+    (x, y), = batches(1)
+
+    def body(rank, n):
+        f = FSDP(seq_model(), strategy=SS.HYBRID_SHARD, shard_size=2)
+        sl = slice(rank * B // n, (rank + 1) * B // n)
+        f.backward(nn.mse_loss(f(x[sl]), y[sl])[1])
+        return sorted(fg.layout.shard_numel for fg in f._groups)
+
+    shards = run_world(body, 4)
+    assert sorted(seen) == sorted((k, 2, np.dtype(np.float64)) for s in shards for k in s)
+
+
 @pytest.mark.parametrize("strategy", [SS.FULL_SHARD, SS.NO_SHARD, SS.HYBRID_SHARD])
 def test_no_sync_accumulates_like_one_process(strategy):
     data = batches(4)

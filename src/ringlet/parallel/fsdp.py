@@ -28,7 +28,8 @@ How it works (details and measurements: docs/fsdp.md):
   every reduction has finished, so the optimizer may step right after.
 - Collectives are issued in program order, identical on every rank, on the
   shard group (gathers, reduce-scatters) and the replica group (all-reduces),
-  whose async operations run in issue order.
+  whose async operations run in issue order.  They live in
+  ``_fsdp_collectives``; this file holds the wrapper and its unit hooks.
 
 Why not parameter ready hooks: the wrapper knows exactly when its unit's
 backward is complete (forward count back to zero), including parameters that
@@ -348,6 +349,8 @@ class FullyShardedDataParallel:
             wrappers[id(m)] = w
         self._wrappers = wrappers
         self._groups: List[_FlatGroup] = [fg for u in self._units for fg in u.flat_groups]
+        for i, fg in enumerate(self._groups):
+            fg.index = i
         if not self._groups:
             raise ValueError("FSDP: the module has no parameters")
 
