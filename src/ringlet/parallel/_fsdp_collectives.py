@@ -202,8 +202,7 @@ def start_replica_reduce(fsdp: Any, fg: _FlatGroup, buf: np.ndarray) -> Any:
     gradient shard; either way DDP's default hook reduces it.
     """
     rep = fsdp._replicate
-    bucket = GradBucket(fg.index, buf, list(fg.params), list(fg.names),
-                        rep.pg, rep.size, rep.rank, False)
+    bucket = GradBucket(fg.index, buf, fg.params, fg.names, rep.pg, rep.size, rep.rank, False)
     fsdp.stats["all_reduces"] += 1
     return start_bucket(comm_hooks.allreduce_hook, None, bucket, "FSDP")
 
