@@ -376,6 +376,79 @@ def test_mixed_precision_with_float32_reduction_and_no_shard():
         assert 1e-4 < diff < 5e-3, diff
 
 
+def test_no_shard_reduces_through_ddps_bucket_path_with_ddps_bits(monkeypatch):
+    # NO_SHARD is the unsharded case: each unit's flat gradient is one GradBucket started
+    # with DDP's default hook, so on 2 ranks (a + b is exact whatever the order) its
+    # gradients equal DDP's bit for bit; with a float32 reduce_dtype the bucket is float32.
+    from ringlet.parallel import comm_hooks
+    from ringlet.parallel.ddp import DDP
+
+    seen = []
+    real = comm_hooks.allreduce_hook
+
+    def spy(state, bucket):
+        seen.append((bucket.dtype, bucket.numel, bucket.world_size, tuple(bucket.names)))
+        return real(state, bucket)
+
+    monkeypatch.setattr(comm_hooks, "allreduce_hook", spy)
+    (x, y), = batches(1)
+
+    def body(rank, n, mp):
+        sl = slice(rank * B // n, (rank + 1) * B // n)
+        ddp = DDP(seq_model())
+        ddp.register_comm_hook(real)  # the oracle's buckets bypass the spy
+        _, g = nn.mse_loss(ddp(x[sl]), y[sl])
+        ddp.backward(g)
+        ddp.sync_gradients()
+        want = {k: p.grad.copy() for k, p in ddp.module.named_parameters()}
+        f = FSDP(seq_model(), strategy=SS.NO_SHARD, mixed_precision=mp)
+        _, g = nn.mse_loss(f(x[sl]), y[sl])
+        f.backward(g)
+        got = {name: v for fg in f._groups
+               for name, v in zip(fg.names, fg.layout.views(fg.shard.grad))}
+        return want, got, [(fg.layout.padded, tuple(fg.names)) for fg in f._groups]
+
+    for mp, rdt in ((None, np.float64), (MixedPrecision(reduce_dtype=np.float32), np.float32)):
+        seen.clear()
+        res = run_world(body, 2, args=(mp,))
+        for want, got, _ in res:
+            assert sorted(got) == sorted(want)
+            for k in want:
+                assert got[k].dtype == want[k].dtype == np.float64, k
+                if mp is None:
+                    assert np.array_equal(got[k], want[k]), k
+                else:  # float32 sums of the same local gradients
+                    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+        units = res[0][2]
+        assert len(units) == 5  # the four Linears and the LayerNorm
+        want_buckets = [(np.dtype(rdt), pad, 2, names) for pad, names in units] * 2  # 2 ranks
+        assert sorted(seen, key=repr) == sorted(want_buckets, key=repr)
+
+
+def test_hybrid_replica_reduction_is_a_ddp_bucket_of_the_gradient_shard(monkeypatch):
+    # The all-reduce across replicas is the same bucket path, on the reduced shard.
+    from ringlet.parallel import comm_hooks
+
+    seen = []
+    real = comm_hooks.allreduce_hook
+
+    def spy(state, bucket):
+        seen.append((bucket.numel, bucket.world_size, bucket.buffer().dtype))
+        return real(state, bucket)
+
+    monkeypatch.setattr(comm_hooks, "allreduce_hook", spy)
+    (x, y), = batches(1)
+
+    def body(rank, n):
+        f = FSDP(seq_model(), strategy=SS.HYBRID_SHARD, shard_size=2)
+        sl = slice(rank * B // n, (rank + 1) * B // n)
+        f.backward(nn.mse_loss(f(x[sl]), y[sl])[1])
+        return sorted(fg.layout.shard_numel for fg in f._groups)
+
+    shards = run_world(body, 4)
+    assert sorted(seen) == sorted((k, 2, np.dtype(np.float64)) for s in shards for k in s)
+
+
 @pytest.mark.parametrize("strategy", [SS.FULL_SHARD, SS.NO_SHARD, SS.HYBRID_SHARD])
 def test_no_sync_accumulates_like_one_process(strategy):
     data = batches(4)

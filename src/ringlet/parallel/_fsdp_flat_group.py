@@ -22,6 +22,7 @@ class _FlatGroup:
                  dtype: np.dtype, requires_grad: bool, shards: int, shard_rank: int,
                  mp: Optional[Any]) -> None:
         self.name = name
+        self.index = 0  # position among the wrapper's flat groups (set by the wrapper)
         self.params = params
         self.names = names
         self.dtype = np.dtype(dtype)

@@ -18,6 +18,7 @@ import numpy as np
 import ringlet
 from ringlet import nn
 
+from . import _fsdp_collectives as _col
 from ._fsdp_flat_group import _FlatGroup
 
 __all__: List[str] = []
@@ -27,7 +28,7 @@ def _between_iterations(fsdp: Any, what: str) -> None:
     if fsdp._root.fwd_pending:
         raise RuntimeError(f"FSDP.{what}: call it between iterations, not while a forward "
                            f"awaits its backward")
-    fsdp._progress(block=True)
+    _col.progress(fsdp, block=True)
 
 def _param_keys(fsdp: Any) -> Dict[int, List[str]]:
     keys: Dict[int, List[str]] = {}
@@ -243,4 +244,4 @@ def load_sharded_state_dict(fsdp: Any, state_dict: Any, *, strict: bool = True
 def _after_load(fsdp: Any) -> None:
     # Cast copies (NO_SHARD mixed precision) and any gathered buffers are stale now.
     for fg in fsdp._groups:
-        fsdp._free_full(fg)
+        _col.free_full(fsdp, fg)

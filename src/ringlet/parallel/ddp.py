@@ -45,57 +45,13 @@ import ringlet
 from ringlet import nn
 
 from . import comm_hooks
+from ._buckets import GradBucket, start_bucket
 from ._flat import FlatLayout
 from ._replicas import broadcast_packed, gather_layouts, layout_digest
 
 __all__ = ["DistributedDataParallel", "DDP", "GradBucket"]
 
 _SMALL_BYTES = 1 << 20  # arrays below this are packed together for broadcasts
-
-
-class GradBucket:
-    """One bucket as seen by a communication hook.
-
-    Attributes:
-        index: position in launch order (0 is launched first).
-        parameters: the parameters whose gradients lie in the bucket, in buffer order.
-        names: their dotted names.
-        dtype: gradient dtype.
-        group: the process group to reduce over (None: the default group).
-        world_size, rank: of that group.
-    """
-
-    def __init__(self, index: int, buffer: np.ndarray, parameters: List[nn.Parameter],
-                 names: List[str], group: Any, world_size: int, rank: int, is_last: bool) -> None:
-        self.index = index
-        self._buffer = buffer
-        self.parameters = parameters
-        self.names = names
-        self.dtype = buffer.dtype
-        self.group = group
-        self.world_size = world_size
-        self.rank = rank
-        self._is_last = is_last
-
-    def buffer(self) -> np.ndarray:
-        """The bucket's flat, C-contiguous gradient slice (reduce it in place)."""
-        return self._buffer
-
-    def is_last(self) -> bool:
-        """True for the bucket launched last in an iteration."""
-        return self._is_last
-
-    @property
-    def numel(self) -> int:
-        return self._buffer.size
-
-    @property
-    def nbytes(self) -> int:
-        return self._buffer.nbytes
-
-    def __repr__(self) -> str:
-        return (f"GradBucket(index={self.index}, dtype={self.dtype}, numel={self.numel}, "
-                f"params={self.names})")
 
 
 class DistributedDataParallel:
@@ -289,11 +245,8 @@ class DistributedDataParallel:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
             b = self._next_launch
             self._next_launch += 1
-            work = self._hook(self._hook_state, self.buckets[b])
-            if not callable(getattr(work, "wait", None)):
-                raise TypeError(f"DistributedDataParallel: the comm hook returned "
-                                f"{type(work).__name__}, not a handle with wait()")
-            self._works[b] = work
+            self._works[b] = start_bucket(self._hook, self._hook_state, self.buckets[b],
+                                          "DistributedDataParallel")
 
     # ---- public API -----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -22,11 +22,14 @@ How it works (details and measurements: docs/fsdp.md):
   it back-propagated) the buffer is reduce-scattered (``ReduceOp.AVG``)
   asynchronously into a shard-sized buffer that is added to the shard's
   ``.grad``.  HYBRID_SHARD then all-reduces that shard across the replica
-  group; NO_SHARD (S = 1) just all-reduces.  ``fsdp.backward`` returns when
+  group; NO_SHARD (S = 1) just all-reduces.  Those all-reduces are DDP's:
+  a ``GradBucket`` started with its default hook (``_buckets``), so NO_SHARD
+  is DDP with one bucket per unit.  ``fsdp.backward`` returns when
   every reduction has finished, so the optimizer may step right after.
 - Collectives are issued in program order, identical on every rank, on the
   shard group (gathers, reduce-scatters) and the replica group (all-reduces),
-  whose async operations run in issue order.
+  whose async operations run in issue order.  They live in
+  ``_fsdp_collectives``; this file holds the wrapper and its unit hooks.
 
 Why not parameter ready hooks: the wrapper knows exactly when its unit's
 backward is complete (forward count back to zero), including parameters that
@@ -38,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import time
 from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -47,6 +49,7 @@ import numpy as np
 import ringlet
 from ringlet import nn
 
+from . import _fsdp_collectives as _col
 from . import _fsdp_state_dict as _sd
 from ._flat import MemoryTracker
 from ._fsdp_flat_group import _NUMPY_FLOATS, _FlatGroup, _Pending
@@ -346,6 +349,8 @@ class FullyShardedDataParallel:
             wrappers[id(m)] = w
         self._wrappers = wrappers
         self._groups: List[_FlatGroup] = [fg for u in self._units for fg in u.flat_groups]
+        for i, fg in enumerate(self._groups):
+            fg.index = i
         if not self._groups:
             raise ValueError("FSDP: the module has no parameters")
 
@@ -433,7 +438,7 @@ class FullyShardedDataParallel:
                 p.grad = None
                 p.data = fg.sentinels[i]
             if fg.permanent:
-                self._bind(fg, data)
+                _col.bind(fg, data)
         if sync and self.world_size > 1:
             self._broadcast_buffers_now()
 
@@ -457,197 +462,6 @@ class FullyShardedDataParallel:
     def _broadcast_buffers_now(self) -> None:
         broadcast_packed(self._live_buffers(), self._bcast_array, is_src=self.rank == 0)
 
-    # ---- parameter materialisation ----------------------------------------------------------
-    def _check_bindings(self, fg: _FlatGroup, expect_sentinel: bool) -> None:
-        for mod, attr, i in fg.bindings:
-            if mod._parameters.get(attr) is not fg.params[i]:
-                raise RuntimeError(f"FSDP: parameter '{fg.names[i]}' was replaced after "
-                                   f"wrapping; FSDP manages it through its shard")
-        for i, p in enumerate(fg.params):
-            want = fg.sentinels[i] if expect_sentinel else fg.views[i]  # type: ignore[index]
-            if p.data is not want:
-                raise ValueError(
-                    f"FSDP: parameter '{fg.names[i]}' changed after wrapping (its data is now "
-                    f"shape {p.data.shape}, dtype {p.data.dtype}; FSDP laid it out as "
-                    f"{fg.layout.shapes[i]}, {fg.dtype}); parameter shapes and dtypes are "
-                    f"fixed once wrapped: change the model before constructing FSDP")
-
-    def _bind(self, fg: _FlatGroup, full: np.ndarray) -> None:
-        fg.full = full
-        fg.views = fg.layout.views(full)
-        for p, v in zip(fg.params, fg.views):
-            p.data = v
-
-    def _issue_gather(self, fg: _FlatGroup) -> None:
-        if fg.full is not None or fg.gather is not None:
-            return
-        self._check_bindings(fg, expect_sentinel=True)
-        if fg.layout.shards == 1:  # NO_SHARD with a cast: a local copy
-            full = self.memory.track("full_params", fg.shard.data.astype(fg.compute_dtype))
-            self._bind(fg, full)
-            return
-        mem = self.memory
-        inp = fg.shard.data
-        if fg.comm_dtype != fg.dtype:
-            inp = mem.track("comm", inp.astype(fg.comm_dtype))
-        out = mem.alloc("full_params", fg.layout.padded, fg.comm_dtype)
-        work = ringlet.all_gather(out, inp, group=self._shard.pg, async_op=True)
-        self.stats["all_gathers"] += 1
-        fg.gather = (work, out, inp)
-
-    def _wait_gather(self, fg: _FlatGroup) -> None:
-        if fg.gather is None:
-            return
-        work, out, inp = fg.gather
-        t0 = time.perf_counter()
-        try:
-            work.wait()
-        finally:
-            self.stats["gather_wait_s"] += time.perf_counter() - t0
-            fg.gather = None
-            if inp is not fg.shard.data:
-                self.memory.release(inp)
-        if fg.compute_dtype != fg.comm_dtype:  # bfloat16 gathered, float32 compute
-            full = self.memory.track("full_params", out.astype(fg.compute_dtype))
-            self.memory.release(out)
-            out = full
-        self._bind(fg, out)
-
-    def _gather_unit(self, u: _FSDPUnit) -> None:
-        for fg in u.flat_groups:
-            if fg.permanent:
-                self._check_bindings(fg, expect_sentinel=False)
-            else:
-                self._issue_gather(fg)
-        for fg in u.flat_groups:
-            self._wait_gather(fg)
-
-    def _free_full(self, fg: _FlatGroup) -> None:
-        if fg.permanent:
-            return
-        if fg.gather is not None:  # a prefetch nobody used: let it land, then drop it
-            self._wait_gather(fg)
-        if fg.full is None:
-            return
-        self._check_bindings(fg, expect_sentinel=False)
-        for p, s in zip(fg.params, fg.sentinels):
-            p.data = s
-        self.memory.release(fg.full)
-        fg.full = fg.views = None
-
-    def _prefetch(self, u: _FSDPUnit, backward: bool) -> None:
-        if not self.prefetch:
-            return
-        if backward:
-            order = self._bwd_order_prev
-            if order is None:
-                order = self._fwd_order_prev[::-1]
-        else:
-            order = self._fwd_order_prev
-        try:
-            i = order.index(u)
-        except ValueError:
-            return
-        if i + 1 >= len(order):
-            return
-        nxt = order[i + 1]
-        if backward and nxt.fwd_pending == 0:
-            return  # it will not run backward in this pass
-        for fg in nxt.flat_groups:
-            if not fg.permanent and fg.full is None and fg.gather is None:
-                self._issue_gather(fg)
-                self.stats["prefetches"] += 1
-
-    # ---- gradients ------------------------------------------------------------------------------
-    def _prepare_grads(self, fg: _FlatGroup) -> None:
-        if fg.grad_full is None:
-            if fg.permanent and fg.reduce_dtype == fg.dtype:
-                # NO_SHARD in one dtype: gradients accumulate straight into the
-                # shard's gradient (DDP's layout); it is all-reduced in place.
-                if fg.shard.grad is None:
-                    fg.shard.grad = self.memory.alloc("sharded_grads", fg.layout.padded,
-                                                      fg.dtype, zero=True)
-                fg.grad_full = fg.shard.grad
-            else:
-                fg.grad_full = self.memory.alloc("full_grads", fg.layout.padded,
-                                                 fg.compute_dtype, zero=True)
-        for p, v in zip(fg.params, fg.layout.views(fg.grad_full)):
-            if p.grad is not v:
-                p.grad = v
-
-    def _reduce_grads(self, fg: _FlatGroup) -> None:
-        """Start the unit's gradient reduction (unless in no_sync); the buffer is then theirs."""
-        if not self._require_sync or fg.grad_full is None:
-            return
-        for p in fg.params:
-            p.grad = None
-        g, fg.grad_full = fg.grad_full, None
-        mem = self.memory
-        inp = g
-        if fg.reduce_dtype != g.dtype:
-            inp = mem.track("comm", g.astype(fg.reduce_dtype))
-            mem.release(g)
-        sh, rep = self._shard, self._replicate
-        if sh.size > 1:
-            if fg.shard.grad is None:
-                fg.shard.grad = mem.alloc("sharded_grads", fg.layout.shard_numel, fg.dtype,
-                                          zero=True)
-            # After zero_grad the shard gradient is zero: reduce straight into
-            # it, no staging buffer (else stage, then add: gradients accumulate).
-            if fg.reduce_dtype == fg.dtype and not fg.shard.grad.any():
-                out = fg.shard.grad
-            else:
-                out = mem.alloc("comm", fg.layout.shard_numel, fg.reduce_dtype)
-            work = ringlet.reduce_scatter(out, inp, ringlet.ReduceOp.AVG, group=sh.pg,
-                                          async_op=True)
-            self.stats["reduce_scatters"] += 1
-            self._pending.append(_Pending(fg, work, inp, out, 1))
-        else:
-            work = None
-            if rep is not None:
-                work = ringlet.all_reduce(inp, ringlet.ReduceOp.AVG, group=rep.pg,
-                                          async_op=True)
-                self.stats["all_reduces"] += 1
-            self._pending.append(_Pending(fg, work, inp, inp, 2))
-
-    def _progress(self, block: bool, keep: int = 0) -> None:
-        """Advance finished reductions, strictly in issue order (same order on every rank).
-
-        ``block``: wait until at most ``keep`` reductions are still in flight.
-        """
-        while self._pending:
-            pend = self._pending[0]
-            if pend.work is not None:
-                if not pend.work.is_completed():
-                    if not block or len(self._pending) <= keep:
-                        return
-                    t0 = time.perf_counter()
-                    try:
-                        pend.work.wait()
-                    finally:
-                        self.stats["reduce_wait_s"] += time.perf_counter() - t0
-                else:
-                    pend.work.wait()  # raises the operation's error, if any
-            if pend.stage == 1:
-                if pend.inp is not pend.out:
-                    self.memory.release(pend.inp)
-                pend.inp = pend.out
-                pend.stage = 2
-                if self._replicate is not None:
-                    pend.work = ringlet.all_reduce(pend.out, ringlet.ReduceOp.AVG,
-                                                   group=self._replicate.pg, async_op=True)
-                    self.stats["all_reduces"] += 1
-                    continue
-                pend.work = None
-            fg = pend.fg
-            if pend.out is not fg.shard.grad:
-                if fg.shard.grad is None:
-                    fg.shard.grad = self.memory.alloc("sharded_grads", fg.layout.shard_numel,
-                                                      fg.dtype, zero=True)
-                np.add(fg.shard.grad, pend.out, out=fg.shard.grad, casting="unsafe")
-                self.memory.release(pend.out)
-            self._pending.popleft()
-
     # ---- unit hooks (called by the wrappers) ----------------------------------------------------
     def _check_in_call(self, what: str) -> None:
         if not self._in_call:
@@ -659,8 +473,8 @@ class FullyShardedDataParallel:
         if u not in self._fwd_order_cur:
             self._fwd_order_cur.append(u)
         grad = nn.is_grad_enabled()
-        self._gather_unit(u)
-        self._prefetch(u, backward=False)
+        _col.gather_unit(self, u)
+        _col.prefetch(self, u, backward=False)
         ok = False
         try:
             out = getattr(u, "_modules")[_WRAPPED](*args, **kwargs)
@@ -670,7 +484,7 @@ class FullyShardedDataParallel:
                 object.__setattr__(u, "fwd_pending", u.fwd_pending + 1)
             if u.fwd_pending == 0 or (self.reshard_after_forward and not u.is_root):
                 for fg in u.flat_groups:
-                    self._free_full(fg)
+                    _col.free_full(self, fg)
         return out
 
     def _unit_backward(self, u: _FSDPUnit, grad_output: Any) -> Any:
@@ -684,20 +498,20 @@ class FullyShardedDataParallel:
         # At most one earlier unit's reduction stays in flight while this unit
         # allocates its gradient (none without overlap_reduce): full gradients
         # never exceed two units (one).
-        self._progress(block=True, keep=1 if self.overlap_reduce else 0)
-        self._gather_unit(u)
-        self._prefetch(u, backward=True)
+        _col.progress(self, block=True, keep=1 if self.overlap_reduce else 0)
+        _col.gather_unit(self, u)
+        _col.prefetch(self, u, backward=True)
         for fg in u.flat_groups:
             if fg.requires_grad:
-                self._prepare_grads(fg)
+                _col.prepare_grads(self, fg)
         gin = getattr(u, "_modules")[_WRAPPED].backward(grad_output)
         object.__setattr__(u, "fwd_pending", u.fwd_pending - 1)
         if u.fwd_pending == 0:
             for fg in u.flat_groups:
                 if fg.requires_grad:
-                    self._reduce_grads(fg)
-                self._free_full(fg)
-        self._progress(block=False)
+                    _col.reduce_grads(self, fg)
+                _col.free_full(self, fg)
+        _col.progress(self, block=False)
         return gin
 
     # ---- public API -----------------------------------------------------------------------------
@@ -747,18 +561,18 @@ class FullyShardedDataParallel:
         finally:
             self._in_call -= 1
         self._bwd_order_prev = self._bwd_order_cur
-        self._progress(block=True)
+        _col.progress(self, block=True)
         if self._root.fwd_pending == 0:
             for fg in self._groups:  # backward prefetches that found no taker
-                self._free_full(fg)
+                _col.free_full(self, fg)
         return gin
 
     def _start_iteration(self) -> None:
-        self._progress(block=True)
+        _col.progress(self, block=True)
         for u in self._units:
             object.__setattr__(u, "fwd_pending", 0)
             for fg in u.flat_groups:
-                self._free_full(fg)
+                _col.free_full(self, fg)
 
     def clear_context(self) -> None:
         """Abandon outstanding forwards: drop saved contexts and gathered parameters.
@@ -827,7 +641,7 @@ class FullyShardedDataParallel:
                 or not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be a positive number, got "
                              f"{max_norm!r}")
-        self._progress(block=True)
+        _col.progress(self, block=True)
         sq = np.zeros(1, np.float64)
         for fg in self._groups:
             if fg.shard.grad is not None:
