@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 # issue 30 put the mesh (ringlet.parallel.mesh) and the wire layer (ringlet._wire).
 LAYER_OF = {
     "ringlet.errors": "base", "ringlet._timeout": "base", "ringlet._dtypes": "base",
-    "ringlet._version": "base",
+    "ringlet._version": "base", "ringlet._buffers": "base",
     "ringlet._core": "binding",
     "ringlet._auth": "wire", "ringlet.store": "wire", "ringlet.environment": "wire",
     "ringlet._wire": "wire",
@@ -26,7 +26,7 @@ LAYER_OF = {
     "ringlet": "root",
     "ringlet.parallel": "training", "ringlet.nn": "training", "ringlet.pipeline": "training",
     "ringlet.checkpoint": "training", "ringlet.rpc": "training", "ringlet.optim": "training",
-    "ringlet.torch": "training",
+    "ringlet.torch": "adapter",
     "ringlet.cli": "tools", "ringlet.run": "tools", "ringlet.testing": "tools",
     "ringlet.bench": "tools",
 }
@@ -40,7 +40,10 @@ MAY_IMPORT = {
     # Training layers use the public API (the package root and the mesh), never the binding
     # or the group internals.
     "training": {"base", "wire", "mesh", "root", "training"},
-    "tools": {"base", "binding", "wire", "groups", "mesh", "root", "training", "tools"},
+    # An adapter to another framework's process-group API forms groups that framework's way
+    # (members only), so it may use the group internals; never the binding.
+    "adapter": {"base", "wire", "groups", "mesh", "root", "adapter"},
+    "tools": {"base", "binding", "wire", "groups", "mesh", "root", "training", "adapter", "tools"},
 }
 
 

@@ -354,7 +354,7 @@ def create_process_group(opts: Any, backend_options: Any = None) -> RingletProce
                            "init_process_group('ringlet') (or ringlet.init()) first")
     from ringlet import _world
 
-    world = _world.default_world()
+    world = _world._current()
     if opts.group_rank == 0:
         comm_id = 2 * world.store.add(world.prefix + "next_comm", 1)
         opts.store.set(_COMM_KEY, str(comm_id))
@@ -367,4 +367,4 @@ def create_process_group(opts: Any, backend_options: Any = None) -> RingletProce
 def _world_group() -> "ringlet.ProcessGroup":
     from ringlet import _world
 
-    return _world.default_world().group
+    return _world._require(None)
