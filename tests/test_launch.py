@@ -64,8 +64,8 @@ def test_mpirun_sets_what_detect_reads(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(DETECT_SCRIPT)
     out = subprocess.run([openmpi_mpirun(), "-n", "3", "--oversubscribe", sys.executable,
-                          str(script), str(tmp_path)], env=openmpi_env(), capture_output=True, text=True,
-                         timeout=120)
+                          str(script), str(tmp_path)], env=openmpi_env(),
+                         capture_output=True, text=True, timeout=120)
     for r in _reports(out, tmp_path, 3):
         assert (r["source"], r["master_addr"], r["master_port"]) == ("openmpi", None, None)
 
