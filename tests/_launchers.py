@@ -95,12 +95,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _job_id_with_free_port() -> int:
+    """A first job id whose derived port (20000 + id) is free and below the ephemeral range.
+
+    Ports in the ephemeral range are taken at random by every outgoing connection on
+    this host (other test runs too), so the derived port stays under it.
+    """
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = min(low, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(100):
+        job = int.from_bytes(os.urandom(2), "little") % max(low - 20001, 1) + 1
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", 20000 + job))
+            except OSError:
+                continue
+        return job
+    raise AssertionError("no free port in [20001, ephemeral range) for the Slurm job")
+
+
 class SlurmCluster:
     """slurmctld + slurmd for this host, in a temp dir, as this (root) user.
 
     Authentication is off (auth/none): the daemons listen on loopback only and
-    live as long as one test module.  Job ids start at a random number so the
-    job's derived rendezvous port (20000 + id % 20000) differs between runs.
+    live as long as one test module.  Job ids start at a random number whose
+    derived rendezvous port (20000 + id % 20000) is free, so runs side by side differ.
     """
 
     def __init__(self, root: str) -> None:
@@ -108,7 +131,7 @@ class SlurmCluster:
         self.procs = []
         self.conf = os.path.join(root, "slurm.conf")
         self.host = socket.gethostname()
-        self.first_job = int.from_bytes(os.urandom(2), "little") % 19000 + 1
+        self.first_job = _job_id_with_free_port()
         for d in ("state", "spool", "log"):
             os.makedirs(os.path.join(root, d), exist_ok=True)
         with open(self.conf, "w") as f:
