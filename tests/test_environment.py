@@ -44,21 +44,12 @@ def test_torchrun_variables():
     assert detect(env) == LaunchEnv(5, 8, 1, 4, "node1", 1234, "torchrun")
 
 
-def test_openmpi_variables():
-    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "6",
-           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
-    assert detect(env) == LaunchEnv(3, 6, 0, 3, None, None, "openmpi")
-    env["RINGLET_MASTER_ADDR"], env["RINGLET_MASTER_PORT"] = "10.1.1.1", "4000"
-    assert detect(env) == LaunchEnv(3, 6, 0, 3, "10.1.1.1", 4000, "openmpi")
-
-
-def test_mpich_variables():
-    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
-    assert detect(env) == LaunchEnv(1, 2, 1, 2, None, None, "mpich")
-    assert detect({"PMI_RANK": "0", "PMI_SIZE": "2"}).local_world_size == 2
-
-
-def test_slurm_variables_and_derived_port():
+# Open MPI, MPICH and Slurm are checked under their real launchers (test_launch.py:
+# test_mpirun_sets_what_detect_reads, test_mpich_*, test_srun_runs_a_job).  The Slurm
+# cases below are the multi-node ones a one-host cluster cannot produce.
+def test_slurm_multi_node_variables_and_overrides():
+    # Several nodes (a step list unlike the job's, two tasks on each of two nodes): a
+    # one-node test cluster cannot set these.
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
            "SLURM_STEP_NODELIST": "localhost,node[2-3]", "SLURM_JOB_NODELIST": "other[1-9]",
            "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1", "SLURM_JOB_ID": "123456"}
@@ -76,6 +67,7 @@ def test_slurm_variables_and_derived_port():
 
 
 def test_slurm_uneven_tasks_per_node():
+    # Three nodes with 2, 2 and 1 tasks: multi-node, out of a one-node cluster's reach.
     env = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0",
            "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_NODEID": "2",
            "SLURM_JOB_NODELIST": "localhost"}
@@ -83,6 +75,7 @@ def test_slurm_uneven_tasks_per_node():
 
 
 def test_slurm_master_that_does_not_resolve(monkeypatch):
+    # A broken resolver on a real cluster: not reproducible on demand, so faked.
     def fail(*a, **k):
         raise socket.gaierror(-2, "Name or service not known")
 
@@ -92,6 +85,7 @@ def test_slurm_master_that_does_not_resolve(monkeypatch):
 
 
 def test_precedence_ringlet_over_torchrun_over_mpi_over_slurm():
+    # Parsing logic: which of several launchers' variables wins (nested launches).
     ringlet_vars = {"RINGLET_RANK": "0", "RINGLET_WORLD_SIZE": "2"}
     torch_vars = {"RANK": "1", "WORLD_SIZE": "3"}
     ompi_vars = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}
@@ -200,6 +194,8 @@ def test_multi_host_never_falls_back_to_loopback():
 
 
 def test_select_bind_address_with_fake_interfaces(monkeypatch):
+    # Interface names this host lacks: the real ones (network namespaces, other hosts)
+    # are the multi-host test bed's (docs/testing.md).
     fake = [("lo", "127.0.0.1"), ("docker0", "172.17.0.1"), ("eth0", "10.0.0.5"),
             ("ib0", "10.1.0.5")]
     monkeypatch.setattr(envmod, "list_interfaces", lambda: fake)
@@ -325,9 +321,13 @@ def test_own_session_note(monkeypatch, tmp_path, autogroups, leader, cpus, local
     assert envmod.own_session_note(local) is None  # no such kernel knob: nothing to say
 
 
-def test_init_warns_ranks_in_sessions_of_their_own(tmp_path):
-    # Two torchrun-style ranks, each leading its own session (as torchrun starts
-    # them) and pinned to one CPU: init warns exactly when the kernel has autogroups.
+@pytest.mark.parametrize("launcher", ["mpich", "openmpi"])
+def test_init_warns_ranks_in_sessions_of_their_own(tmp_path, launcher):
+    # Two ranks pinned to one CPU under real launchers: MPICH's mpiexec starts each
+    # rank as a session leader (as torchrun does), so init warns exactly when the
+    # kernel has autogroups; Open MPI's mpirun keeps its ranks in one session: never.
+    from _launchers import clean_env, mpich, openmpi_env, openmpi_mpirun
+
     if not hasattr(os, "sched_setaffinity") or not os.path.exists(envmod._AUTOGROUP_SYSCTL):
         pytest.skip("needs Linux with scheduler autogroups")
     with open(envmod._AUTOGROUP_SYSCTL) as f:
@@ -341,24 +341,22 @@ def test_init_warns_ranks_in_sessions_of_their_own(tmp_path):
             warnings.simplefilter("always")
             ringlet.init(timeout=60)
         ringlet.barrier()
+        with open(os.path.join(sys.argv[1], f"{ringlet.get_rank()}.out"), "w") as f:
+            f.write(f"LEADER {os.getsid(0) == os.getpid()} WARNED "
+                    f"{any('leads a session of its own' in str(w.message) for w in seen)}")
         ringlet.shutdown()
-        print("WARNED", any("leads a session of its own" in str(w.message) for w in seen))
     """))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))}
-    base.update(PYTHONPATH=SRC, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-                LOCAL_WORLD_SIZE="2", RINGLET_SECRET="s" * 32)
-    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(base, RANK=str(r),
-                                                                      LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
-        assert f"WARNED {autogroups}" in out
+    if launcher == "mpich":
+        mpiexec, libmpi = mpich()
+        argv, env, leader = [mpiexec, "-n", "2"], clean_env(MPI4PY_LIBMPI=libmpi), True
+    else:
+        argv, env, leader = [openmpi_mpirun(), "-n", "2", "--oversubscribe"], openmpi_env(), False
+    out = subprocess.run(argv + [sys.executable, str(script), str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(2):
+        assert (tmp_path / f"{r}.out").read_text() == \
+            f"LEADER {leader} WARNED {autogroups and leader}"
 
 
 def test_spin_yield_follows_oversubscription(monkeypatch):

@@ -1,15 +1,19 @@
-"""Real launch paths: mpirun (Open MPI from PyPI), torchrun-style variables, `ringlet run`."""
+"""Real launch paths: Open MPI's mpirun, MPICH's mpiexec, Slurm's srun, `ringlet run`,
+torchrun-style variables (the real torchrun: tests/test_torch*.py)."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
+
+from _launchers import SlurmCluster, clean_env, mpich, openmpi_env, openmpi_mpirun, slurm_binaries
 
 SCRIPT = textwrap.dedent("""
     import numpy as np, ringlet
@@ -24,38 +28,130 @@ SCRIPT = textwrap.dedent("""
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")) or k in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            del env[k]
-    env.update(extra)
-    return env
+    return clean_env(**extra)
 
 
-def _mpirun():
-    exe = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
-    if not os.path.exists(exe):
-        return None
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return None
-    return exe
+# Each rank reports what detect() read from its real launcher, then runs a collective.
+DETECT_SCRIPT = textwrap.dedent("""
+    import json, os, sys, numpy as np, ringlet
+    from ringlet.environment import detect
+    e = detect()
+    ringlet.init(timeout=60)
+    x = np.arange(5, dtype=np.float64) * (ringlet.get_rank() + 1)
+    ringlet.all_reduce(x)
+    # A file per rank: launchers forward the ranks' stdout in chunks that can interleave.
+    with open(os.path.join(sys.argv[1], f"{e.rank}.json"), "w") as f:
+        json.dump(dict(vars(e), sum=x.tolist(), job=os.environ.get("SLURM_JOB_ID")), f)
+    ringlet.shutdown()
+""")
 
 
-def test_mpirun_bootstraps_through_mpi4py(tmp_path):
-    if _mpirun() is None:  # declared test dependencies: missing is a failure
-        pytest.fail("Open MPI / mpi4py not installed: pip install -e '.[test]'", pytrace=False)
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = _env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    out = subprocess.run([_mpirun(), "-n", "4", "--oversubscribe", sys.executable, str(script)],
-                         env=env, capture_output=True, text=True, timeout=120)
+def _reports(out, tmp_path, n):
     assert out.returncode == 0, out.stdout + out.stderr
-    assert sorted(l for l in out.stdout.splitlines() if l.startswith("OK")) == \
-        [f"OK rank={r} size=4 sum=10" for r in range(4)]
+    reps = sorted((json.loads(p.read_text()) for p in tmp_path.glob("*.json")),
+                  key=lambda r: r["rank"])
+    assert [r["rank"] for r in reps] == list(range(n)), out.stdout + out.stderr
+    want = (np.arange(5, dtype=np.float64) * (n * (n + 1) // 2)).tolist()
+    for r in reps:
+        assert r["sum"] == want and r["world_size"] == n and r["local_world_size"] == n, r
+    # One host: the local ranks are 0..n-1, though not always in rank order (Open MPI 5
+    # with --oversubscribe gives rank 1 local rank 2).
+    assert sorted(r["local_rank"] for r in reps) == list(range(n)), reps
+    return reps
+
+
+def test_mpirun_sets_what_detect_reads(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(DETECT_SCRIPT)
+    out = subprocess.run([openmpi_mpirun(), "-n", "3", "--oversubscribe", sys.executable,
+                          str(script), str(tmp_path)], env=openmpi_env(),
+                         capture_output=True, text=True, timeout=120)
+    for r in _reports(out, tmp_path, 3):
+        assert (r["source"], r["master_addr"], r["master_port"]) == ("openmpi", None, None)
+
+
+def test_mpich_mpiexec_runs_a_job(tmp_path):
+    # MPICH's hydra sets PMI_RANK/PMI_SIZE and MPI_LOCALRANKID/MPI_LOCALNRANKS; with
+    # mpi4py pointed at MPICH's libmpi, ringlet bootstraps through it.
+    mpiexec, libmpi = mpich()
+    script = tmp_path / "job.py"
+    script.write_text(DETECT_SCRIPT)
+    out = subprocess.run([mpiexec, "-n", "4", sys.executable, str(script), str(tmp_path)],
+                         env=clean_env(MPI4PY_LIBMPI=libmpi), capture_output=True, text=True,
+                         timeout=120)
+    for r in _reports(out, tmp_path, 4):
+        assert (r["source"], r["master_addr"], r["master_port"]) == ("mpich", None, None)
+
+
+def test_mpich_mpiexec_with_explicit_address(tmp_path):
+    # No MPI library in the ranks at all: the launcher's variables and a given address.
+    mpiexec, _ = mpich()
+    script = tmp_path / "job.py"
+    script.write_text(DETECT_SCRIPT)
+    for _attempt in range(3):
+        port = _free_port()
+        out = subprocess.run([mpiexec, "-n", "3", sys.executable, str(script), str(tmp_path)],
+                             env=clean_env(RINGLET_MASTER_ADDR="127.0.0.1",
+                                           RINGLET_MASTER_PORT=str(port)),
+                             capture_output=True, text=True, timeout=120)
+        if out.returncode == 0 or "Address already in use" not in out.stderr:
+            break
+    for r in _reports(out, tmp_path, 3):
+        assert (r["source"], r["master_addr"], r["master_port"]) == ("mpich", "127.0.0.1", port)
+
+
+def test_mpich_launcher_with_open_mpi_mpi4py_fails_fast(tmp_path):
+    # A real mismatch: the venv's mpi4py loads Open MPI, whose ranks under MPICH's
+    # mpiexec are worlds of one.  Each rank must say so at once, not time out.
+    mpiexec, _ = mpich()
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, ringlet
+        try:
+            ringlet.init(timeout=600)
+        except ringlet.errors.RendezvousError as exc:
+            with open(os.path.join(sys.argv[1], os.environ["PMI_RANK"] + ".err"), "w") as f:
+                f.write(str(exc))
+            sys.exit(3)
+    """))
+    # The run's deadline (300 s) is half init's timeout: a rank that waited instead of
+    # failing fails the test.
+    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script), str(tmp_path)],
+                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    for r in range(2):
+        err = (tmp_path / f"{r}.err").read_text()
+        assert err.startswith(f"rank {r}: the launcher (mpich) started this process as rank "
+                              f"{r} of 2 but MPI (Open MPI"), err
+        assert "sees rank 0 of 1" in err and "MPI4PY_LIBMPI" in err, err
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    slurm_binaries()
+    cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_srun_runs_a_job(slurm, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(DETECT_SCRIPT)
+    out = subprocess.run(["srun", "-n", "4", "--overcommit", sys.executable, str(script),
+                          str(tmp_path)],
+                         env=dict(slurm.env, RINGLET_SECRET="slurm-test-secret-0123456789"),
+                         capture_output=True, text=True, timeout=180)
+    reps = _reports(out, tmp_path, 4)
+    first = socket.getaddrinfo(slurm.host, None, 0, socket.SOCK_STREAM)
+    first.sort(key=lambda i: i[0] != socket.AF_INET)
+    for r in reps:
+        job = int(r["job"])
+        assert job >= slurm.first_job
+        assert (r["source"], r["master_addr"], r["master_port"]) == \
+            ("slurm", first[0][4][0], 20000 + job % 20000), r
 
 
 def _free_port() -> int:

@@ -272,22 +272,36 @@ def test_bad_launcher_arguments(capsys):
 
 def test_cli_info_and_usage(capsys, monkeypatch):
     for k in list(os.environ):
-        if k.startswith("RINGLET_"):
+        if k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")) or k in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             monkeypatch.delenv(k)
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    monkeypatch.setenv("RINGLET_SECRET", "do-not-print-this-secret")
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"ringlet {ringlet.__version__}" in out
-    assert "launch: torchrun rank 1/2" in out and "127.0.0.1:29500" in out
+    assert "launch: none detected" in out
     assert "numpy " in out and "core" in out
-    assert "do-not-print-this-secret" not in out
     assert cli.main([]) == 2
     with pytest.raises(SystemExit):
         cli.main(["frobnicate"])
+
+
+def test_cli_info_under_a_real_launcher(tmp_path):
+    # `ringlet info` in each rank of a real mpirun: what it reports is what Open MPI set.
+    from _launchers import openmpi_env, openmpi_mpirun
+
+    info = (f"{sys.executable} -c 'import sys; from ringlet.cli import main; "
+            f"sys.exit(main([\"info\"]))' > {tmp_path}/$OMPI_COMM_WORLD_RANK.out")
+    out = subprocess.run([openmpi_mpirun(), "-n", "2", "--oversubscribe", "sh", "-c", info],
+                         env=openmpi_env(RINGLET_SECRET="do-not-print-this-secret"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(2):
+        text = (tmp_path / f"{r}.out").read_text()
+        assert f"launch: openmpi rank {r}/2 local " in text, text
+        assert "master none (bootstrap through mpi4py)" in text, text
+        assert f"env OMPI_COMM_WORLD_RANK={r}" in text and "secret: set" in text, text
+        assert "env RINGLET_SECRET=<redacted>" in text, text
+        assert "do-not-print-this-secret" not in text
 
 
 def test_console_entry_point_runs_a_job():

@@ -327,9 +327,9 @@ def own_session_note(local_world_size: int) -> Optional[str]:
     take turns on cores, and a waiting rank hands its core to the others by
     yielding.  With the kernel's scheduler autogroups (every session a group
     of its own) a yield reaches only tasks of the yielder's session, so ranks
-    that each lead a session of their own (torchrun starts them so) keep half
-    a shared core while they wait.  ``ringlet run`` and mpirun keep their
-    ranks in one session.
+    that each lead a session of their own (torchrun and MPICH's mpiexec start
+    them so) keep half a shared core while they wait.  ``ringlet run`` and Open
+    MPI's mpirun keep their ranks in one session.
     """
     if local_world_size < 2:
         return None
@@ -343,10 +343,10 @@ def own_session_note(local_world_size: int) -> Optional[str]:
     if not (autogroups and leader and local_world_size > cpus):
         return None
     return (f"ringlet: {local_world_size} ranks on this host share {cpus} CPU(s) and this rank "
-            "leads a session of its own (as torchrun starts ranks); with "
+            "leads a session of its own (as torchrun and MPICH's mpiexec start ranks); with "
             "kernel.sched_autogroup_enabled=1 a waiting rank cannot yield its core to the rank "
             "it waits for, and small collectives can take twice as long. Launch with "
-            "`ringlet run` or mpirun, or set kernel.sched_autogroup_enabled=0 "
+            "`ringlet run` or Open MPI's mpirun, or set kernel.sched_autogroup_enabled=0 "
             "(docs/launching.md)")
 
 
@@ -589,8 +589,9 @@ def mpi_bootstrap(timeout: float) -> Tuple[int, int, str, int, bytes, Optional["
         is the ``StoreServer`` on rank 0 (the caller closes it) and None elsewhere.
     Raises:
         ImportError: mpi4py is not installed.
-        RendezvousError: a rank did not take part in time, or rank 0 could not
-            start the store (every rank gets the reason).
+        RendezvousError: a rank did not take part in time, rank 0 could not
+            start the store (every rank gets the reason), or MPI's rank and size
+            differ from the launcher's variables (mpi4py loaded another MPI).
 
     Example::
 
@@ -602,6 +603,19 @@ def mpi_bootstrap(timeout: float) -> Tuple[int, int, str, int, bytes, Optional["
         raise ImportError(_MPI_MISSING) from exc
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    launched = detect()
+    if launched is not None and (launched.rank, launched.world_size) != (rank, size):
+        # mpi4py loaded another MPI than the launcher's (Open MPI's libmpi under
+        # MPICH's mpiexec): every process is a world of one and would serve a
+        # store of its own, so the job could only time out.
+        lib = MPI.Get_library_version().strip().splitlines()[0][:80]
+        raise RendezvousError(
+            f"rank {launched.rank}: the launcher ({launched.source}) started this process as "
+            f"rank {launched.rank} of {launched.world_size} but MPI ({lib}) sees rank {rank} "
+            f"of {size}: mpi4py loaded a different MPI library than the launcher's. Point "
+            f"mpi4py at the launcher's library (MPI4PY_LIBMPI=/path/to/libmpi.so), launch "
+            f"with the mpiexec of mpi4py's MPI, or set RINGLET_MASTER_ADDR and "
+            f"RINGLET_MASTER_PORT", rank=launched.rank)
     deadline = time.monotonic() + timeout
 
     # Which hosts does the job span?  Fixed-size buffers, non-blocking.
