@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,12 +13,12 @@ import textwrap
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import ringlet
 from ringlet import _world
 from ringlet.errors import RendezvousError
+from _launchers import openmpi_mpirun
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
 ROUNDS = 20
@@ -124,25 +123,13 @@ def test_recovery_loop_under_torchrun_variables(tmp_path):
     _check_recovered("".join(o for o, _ in outs), 3, range(1, ROUNDS + 1))
 
 
-def _mpirun():
-    exe = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
-    if not os.path.exists(exe):
-        return None
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return None
-    return exe
-
-
-@pytest.mark.skipif(_mpirun() is None, reason="Open MPI / mpi4py not installed")
 def test_recovery_loop_under_mpirun(tmp_path):
     script = tmp_path / "recover.py"
     script.write_text(RECOVER)
     env = _env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    out = subprocess.run([_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script),
+    out = subprocess.run([openmpi_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script),
                           str(ROUNDS)], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     # Every init bootstraps a fresh store over MPI: always generation 1.
