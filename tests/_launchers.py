@@ -21,6 +21,8 @@ from typing import Dict, Optional, Tuple
 
 import pytest
 
+import ringlet
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_PREFIXES = ("RINGLET_", "OMPI_", "PMI_", "PMIX_", "PRTE_", "SLURM_", "MPI4PY_",
                    "HYDRA_")
@@ -32,7 +34,7 @@ def clean_env(**extra: str) -> Dict[str, str]:
     """This process's environment without any launcher's variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(LAUNCH_PREFIXES) and k not in LAUNCH_NAMES}
-    src = os.path.join(REPO, "src")
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))  # as installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env

@@ -32,7 +32,7 @@ from ringlet.errors import (CollectiveTimeout, DesyncError, PeerClosedError, Pro
 from ringlet.testing import WorldError, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = str(ROOT / "src")
+SRC = str(Path(ringlet.__file__).resolve().parents[1])  # the ringlet under test, as installed
 
 
 def _env(**extra):

@@ -31,7 +31,7 @@ from ringlet.errors import AuthenticationError
 from ringlet.store import Store
 from ringlet.testing import run_world
 
-_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+_SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))  # as installed
 
 # The attacker.  argv: JSON list of [port, kind, count, prefix_hex] and a
 # reopen budget per target.  Kinds: "idle" connects and says nothing; "slow"
@@ -334,6 +334,7 @@ def _through_dropping_relay(rank, P):
     x = np.full(5, rank + 1.0)
     g.all_reduce(x, timeout=60)
     out = bool(np.array_equal(x, np.full(5, 3.0)))
+    ringlet.barrier()  # on the world's direct connection: rank 1 has all its bytes before the relay stops
     if relay is not None:
         relay.stop = True
         relay.thread.join(10)

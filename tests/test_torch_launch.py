@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import ringlet  # noqa: E402
 from ringlet.environment import torchrun_agent_store  # noqa: E402
 
 PLAIN = textwrap.dedent("""
@@ -40,7 +41,7 @@ def _env():
         if k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_")) or k in (
                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             del env[k]
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))  # as installed
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     env["RINGLET_SECRET"] = "torchrun-test-secret-0123456789"
     return env

@@ -24,7 +24,7 @@ from ringlet.cli import main as cli_main
 from ringlet.errors import DesyncError, RingletError
 from ringlet.testing import run_world
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(ringlet.__file__).resolve().parents[1])  # the ringlet under test, as installed
 
 
 @pytest.fixture
