@@ -383,3 +383,70 @@ def test_example_train_ddp_runs(tmp_path):
     accs = [float(a) for a in re.findall(r"held-out accuracy ([0-9.]+\d)", proc.stdout)]
     assert len(accs) == 2, proc.stdout  # DDP and the one-process check
     assert accs[0] == accs[1] and accs[0] > 0.3, proc.stdout  # chance is 0.1
+
+
+# ---- the interface: RINGLET_IFNAME through init(); a multi-host job never binds loopback ----
+def _bind_and_sum(rank, P):
+    x = np.full(3, rank + 1.0)
+    ringlet.all_reduce(x, timeout=60)
+    return ringlet.get_bind_address(), x.tolist()
+
+
+def test_ifname_through_init_picks_the_listening_interface(monkeypatch):
+    from ringlet.environment import list_interfaces
+
+    monkeypatch.setenv("RINGLET_IFNAME", "=lo")
+    assert run_world(_bind_and_sum, 2, mode="thread", timeout=60) == [("127.0.0.1", [3.0] * 3)] * 2
+    # this host's own non-loopback address, where there is one: the bytes never leave the host
+    other = [(name, addr) for name, addr in list_interfaces() if not addr.startswith("127.")]
+    if other:
+        name, addr = other[0]
+        monkeypatch.setenv("RINGLET_IFNAME", "=" + name)
+        assert run_world(_bind_and_sum, 2, mode="thread", timeout=60) == [(addr, [3.0] * 3)] * 2
+    monkeypatch.setenv("RINGLET_IFNAME", "=no-such-interface")
+    with pytest.raises(WorldError, match="matches no interface .*interfaces seen: lo=127.0.0.1"):
+        run_world(_bind_and_sum, 2, mode="thread", timeout=60)
+
+
+def test_a_multi_host_job_never_falls_back_to_loopback():
+    # The master is another address than loopback while the interface chosen is lo: init
+    # refuses at once instead of advertising an address the other hosts cannot reach.
+    probe = textwrap.dedent("""
+        import sys, ringlet
+        try:
+            ringlet.init(rank=1, world_size=2, master_addr=sys.argv[1], master_port=9, timeout=60)
+        except ringlet.RendezvousError as exc:
+            print("refused:", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", probe, "192.0.2.77"], capture_output=True,
+                         text=True, timeout=60,
+                         env=_env(RINGLET_IFNAME="=lo", RINGLET_SECRET="ab" * 16))
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "selects loopback interface lo" in out.stdout, out.stdout
+    assert "the master 192.0.2.77 is another host" in out.stdout, out.stdout
+
+
+# ---- the watcher: a rank that shares no connection with the failed one stops too ----------
+def _watched(rank, P):
+    pair = ringlet.new_group([1, 2])
+    t0 = time.monotonic()
+    try:
+        if rank == 2:
+            pair.all_reduce(np.ones(4), timeout=2)  # rank 1 never joins it
+        else:  # ranks 0 and 1 wait on each other, with nothing to do with rank 2
+            ringlet.recv(np.empty(1), src=1 - rank, timeout=120)
+    except ringlet.RingletError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+def test_the_watcher_stops_ranks_not_connected_to_the_failed_one():
+    res = run_world(_watched, 3, mode="thread", timeout=180)
+    assert res[2][0] == "CollectiveTimeout", res
+    # The store's abort record, not their own 120 s deadline, ended the waits: the first of
+    # ranks 0 and 1 to read it names rank 2; the other may instead see that one close.
+    assert any("rank 2 failed" in res[r][1] and "timed out" in res[r][1] for r in (0, 1)), res
+    for rank in (0, 1):
+        kind, msg, took = res[rank]
+        assert "rank 2 failed" in msg or (kind == "PeerClosedError" and f"peer {1 - rank}" in msg), res
+        assert took < 100, res
