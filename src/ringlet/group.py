@@ -153,8 +153,8 @@ class ProcessGroup:
         """Run the binding ``fn(self._coll, a, b, c, d[, e])`` in issue order.
 
         Returns its result, or a ``Work`` when ``async_op``.  Fixed arguments
-        on the synchronous path: argument tuples and spreading them cost
-        ~0.2 us of a 1-rank broadcast's 0.8 (docs/experiments.md).
+        on the synchronous path: building and spreading argument tuples is a
+        measurable share of a small op (docs/experiments.md).
         """
         if async_op or self._exec._busy or self._closed or self.rank < 0:
             args = (a, b, c, d) if e is _NO else (a, b, c, d, e)

@@ -89,8 +89,8 @@ def own_process_group() -> Dict[str, Any]:
     session is a scheduling group of its own, a core is shared equally
     between groups, and ``sched_yield`` only yields within a group.  With more
     ranks than cores, a rank in a session of its own that polls for a peer's
-    frame then keeps half the core the peer needs (4 ranks on 2 cores, back
-    to back 8 B broadcasts: 22-24 against 16 us/op; docs/experiments.md).
+    frame then keeps half the core the peer needs (measured in
+    docs/experiments.md).
     Python < 3.11 has no ``process_group``; there it falls back to a new
     session.
     """
