@@ -29,7 +29,7 @@ class Work:
         work.wait()  # raises the operation's error, if any
     """
 
-    __slots__ = ("_event", "_exc", "_result", "_keep", "_op", "_lock")
+    __slots__ = ("_event", "_exc", "_result", "_keep", "_op", "_callbacks", "_lock")
 
     def __init__(self, op: str, keep: tuple = ()) -> None:
         self._event = threading.Event()
@@ -37,6 +37,7 @@ class Work:
         self._result: Any = None
         self._keep = keep  # arrays the C call uses; released once done
         self._op = op
+        self._callbacks: list = []
         self._lock = threading.Lock()
 
     def _finish(self, result: Any = None, exc: Optional[BaseException] = None) -> None:
@@ -45,6 +46,18 @@ class Work:
             self._exc = exc
             self._keep = ()
             self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def _add_done_callback(self, fn: Callable[["Work"], None]) -> None:
+        """Run ``fn(self)`` once the operation finished (at once if it has): the torch
+        adapter completes torch futures this way, without a thread per operation."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the operation finished; re-raise its error.
