@@ -57,6 +57,9 @@ def _desync(rank, P, kind):
         else:
             poisoned = False
         return ("desync", str(exc), took, poisoned)
+    except PeerClosedError as exc:
+        # a rank away from the mismatch can see a neighbour stop before the relayed desync
+        return ("closed", str(exc), time.monotonic() - t0, False)
     return ("no error", "", time.monotonic() - t0, False)
 
 
@@ -122,7 +125,10 @@ def test_desync_message_names_both_sides():
 
 def test_desync_reaches_every_rank_of_a_larger_group():
     res = run_world(_desync, 4, mode="thread", timeout=60, args=("count",))
-    assert all(r[0] == "desync" and r[2] < 10 for r in res), res
+    # Every rank fails fast; the ranks next to the mismatch name the desync, the others
+    # name it too or see a neighbour stop (whichever reaches them first).
+    assert all(r[0] in ("desync", "closed") and r[2] < 10 for r in res), res
+    assert sum(r[0] == "desync" for r in res) >= 2, res
 
 
 def _two_roots(rank, P, op, n):
