@@ -472,3 +472,24 @@ def test_handshake_server_sees_only_authentication_errors_for_garbage():
             a.shutdown(socket.SHUT_WR)
             with pytest.raises(AuthenticationError):
                 _auth.server_handshake(b, b"k", b"p", deadline=time.monotonic() + 5)
+
+
+def test_a_waiter_with_the_longest_timeout_keeps_the_server_alive():
+    # A get parked with ringlet's largest timeout (a year) is due later than epoll can wait
+    # in one call; once it is the server's only timer, the server must keep serving, and
+    # answer the get when the key appears.
+    import ringlet
+
+    got = {}
+    with StoreServer("127.0.0.1", 0, secret=SECRET, handshake_timeout=0.2) as server, \
+            Store("127.0.0.1", server.port, secret=SECRET, timeout=10) as waiter, \
+            Store("127.0.0.1", server.port, secret=SECRET, timeout=10) as other:
+        t = threading.Thread(target=lambda: got.setdefault(
+            "v", waiter.get("late", timeout=ringlet.MAX_TIMEOUT)), daemon=True)
+        t.start()
+        # the handshake deadlines pass; the parked get is left as the only timer
+        poll(lambda: len(server._timers) == 1, what="the parked get to be the only timer")
+        assert other.add("still-serving", 1) == 1
+        other.set("late", b"here")
+        t.join(30)
+    assert got == {"v": b"here"}

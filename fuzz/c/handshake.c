@@ -61,6 +61,7 @@ static void mac(const char *label, const uint8_t *hello, const uint8_t *nonce_b,
 static void send_all(int fd, const uint8_t *p, size_t n) {
     while (n) {
         ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue; /* libFuzzer's timer signals */
         if (w <= 0) return; /* the listener may close on us: that is its right */
         p += w;
         n -= (size_t)w;
@@ -75,6 +76,7 @@ static size_t recv_upto(int fd, uint8_t *p, size_t n) {
         ssize_t r = recv(fd, p + got, n - got, 0);
         if (r == 0) break;
         if (r < 0) {
+            if (errno == EINTR) continue; /* libFuzzer's timer signals */
             if (errno == ECONNRESET) break;
             fprintf(stderr, "handshake fuzzer: no answer from the listener (%s)\n",
                     strerror(errno));
@@ -97,6 +99,37 @@ static int hello_valid(const uint8_t *h) {
            memcmp(h + 8, JOB, 16) == 0 && dst == MY_RANK && src < WORLD && src != MY_RANK;
 }
 
+/* A fresh connection to the listener, or -1 when the host has no local port left.
+ * A signal (libFuzzer's timers) can interrupt connect(): start over on a new socket. */
+static int connect_listener(void) {
+    for (int attempt = 0; attempt < 100; attempt++) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) abort();
+        struct timeval tv = {10, 0};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+        /* Close with a reset: a hundred thousand inputs would otherwise leave as
+         * many ports in TIME_WAIT and run the host out of ephemeral ports. */
+        struct linger lg = {1, 0};
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+        struct sockaddr_in sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_port = htons((uint16_t)rl_ctx_port(ctx));
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        if (connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) return fd;
+        int e = errno;
+        close(fd);
+        if (e == EADDRNOTAVAIL) return -1;
+        if (e != EINTR) {
+            fprintf(stderr, "handshake fuzzer: connect to the listener failed: %s\n", strerror(e));
+            abort();
+        }
+    }
+    fprintf(stderr, "handshake fuzzer: connect interrupted 100 times in a row\n");
+    abort();
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     init_once();
     if (size < 1) return 0;
@@ -110,26 +143,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t *rest = data + hl;
     size_t nrest = size - hl;
 
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) abort();
-    struct timeval tv = {10, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    /* Close with a reset: a hundred thousand inputs would otherwise leave as many
-     * ports in TIME_WAIT and run the host out of ephemeral ports. */
-    struct linger lg = {1, 0};
-    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons((uint16_t)rl_ctx_port(ctx));
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-        /* Out of local ports is the host's limit, not the listener's fault. */
-        if (errno == EADDRNOTAVAIL) { close(fd); return 0; }
-        fprintf(stderr, "handshake fuzzer: connect to the listener failed: %s\n", strerror(errno));
-        abort();
-    }
+    int fd = connect_listener();
+    if (fd < 0) return 0; /* out of local ports: the host's limit, not the listener's fault */
 
     if ((flags & 4) && hl > 1) {
         send_all(fd, hello, hl / 2);

@@ -59,6 +59,8 @@ _NO_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _HELLO, _PROOF, _READY = 0, 1, 2
 
 
+_MAX_SELECT_S = 3600.0
+
 class _Conn:
     """One client connection as the selector loop sees it."""
 
@@ -237,6 +239,9 @@ class StoreServer:
             if self._accept_paused_until is not None:
                 left = max(0.0, self._accept_paused_until - time.monotonic())
                 timeout = left if timeout is None else min(timeout, left)
+            if timeout is not None:
+                # epoll takes at most ~24.8 days; a waiter due later just wakes the loop early.
+                timeout = min(timeout, _MAX_SELECT_S)
             try:
                 events = self._sel.select(timeout)
             except InterruptedError:
