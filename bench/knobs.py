@@ -76,6 +76,8 @@ def main() -> int:
             for i, env in enumerate(variants):
                 print(f"round {rnd + 1}/{args.rounds}: {env}", file=sys.stderr)
                 for row in _run(args.op, rest, env, os.path.join(tmp, f"{i}.json")):
+                    print(f"  {row['op']} {row['size']} B: {row['time_us']:.1f} us",
+                          file=sys.stderr)
                     key = (i, row["op"], row["size"])
                     times.setdefault(key, []).append(row["time_us"])
                     busbw.setdefault(key, []).append(row["busbw"])

@@ -109,7 +109,12 @@ class World:
     # ---- failure propagation ----------------------------------------------
     def _publish_failure(self, group: ProcessGroup, exc: BaseException) -> None:
         """Tell every rank that this rank's operation failed (first failure only)."""
-        if self._failed or self.store is None or self.size == 1:
+        if self.store is None or self.size == 1:
+            return
+        if isinstance(exc, PeerClosedError) and self._blame_earlier(exc):
+            self._failed = True
+            return
+        if self._failed:
             return
         self._failed = True
         peer = getattr(exc, "peer", None)
@@ -118,6 +123,22 @@ class World:
         else:
             peer = None
         self._publish_record(_status_of(exc), peer, group.comm_id, str(exc))
+
+    def _blame_earlier(self, exc: BaseException) -> bool:
+        """A peer that closed its connection may have done so because another rank
+        failed first and its record stopped that peer: name that first failure in
+        ``exc`` (True), rather than blame the peer for it."""
+        try:
+            raw = self.store.get(self.prefix + "abort", timeout=0)
+            rec = json.loads(raw.decode())
+        except (RingletError, OSError, ValueError):
+            return False
+        if not isinstance(rec, dict) or rec.get("rank") == self.rank:
+            return False
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]}; the job had already failed: rank {rec.get('rank')} "
+                        f"failed: {rec.get('message')}",) + exc.args[1:]
+        return True
 
     def _publish_record(self, status: int, peer: Optional[int], comm_id: int,
                         message: str) -> None:
