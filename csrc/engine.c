@@ -11,7 +11,9 @@
  * one session: ringlet run sees to that).  With no more ranks than cores
  * init() turns the yield off (rl_tune.spin_yield): two ranks that yield to
  * each other every few microseconds on one core both stay "cache hot", so
- * the scheduler never moves one to the idle core.  After the spin budget it
+ * the scheduler never moves one to the idle core.  While the host has more
+ * runnable threads than cores (wait.c) it skips the spin: a spinner there
+ * takes the slice its peer needs.  After the spin budget it
  * blocks in poll(2) in slices of at most 100 ms, calling the interrupt hook
  * between slices (so Ctrl-C works) and checking the operation's deadline.
  */
@@ -123,7 +125,7 @@ static int wait_some(rl_comm *c, const rl_opdesc *op, waiter *w,
     int64_t now = rl_now_ns();
     if (!w->spinning) {
         w->spinning = 1;
-        w->spin_until = now + rl_tune.spin_us * 1000LL;
+        w->spin_until = rl_host_contended(now) ? now : now + rl_tune.spin_us * 1000LL;
     }
     if (now < w->spin_until) {
         if (rl_tune.spin_yield) sched_yield();

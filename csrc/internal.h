@@ -280,6 +280,12 @@ void rl_log(int level, const rl_comm *c, const char *fmt, ...)
 #define RL_LOG_DETAIL 2
 
 extern rl_tuning rl_tune;
+
+/* ---- wait policy (wait.c) ---- */
+/* Nonzero while the host has more runnable threads than online CPUs (and the
+ * busy_block knob is on): a waiter should block instead of spinning.  Cheap
+ * between samples (two atomic loads); `now_ns` is rl_now_ns(). */
+int rl_host_contended(int64_t now_ns);
 int rl_call_interrupt_hook(void);
 
 #endif

@@ -87,3 +87,24 @@ def test_every_env_variable_is_read(monkeypatch):
     monkeypatch.setenv("RINGLET_SPIN_US", "fast")
     with pytest.raises(ValueError, match="RINGLET_SPIN_US must be an integer, got 'fast'"):
         _world._tuning_from_env()
+
+
+def test_host_busy_follows_the_hosts_runnable_threads():
+    """busy_block's detector: more runnable threads than CPUs reads as busy; off, never."""
+    import time
+
+    loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
+             for _ in range((os.cpu_count() or 1) + 2)]
+    saved = _core.get_tuning()
+    try:
+        deadline = time.monotonic() + 60
+        while not _core.host_busy():  # sampled every 20 ms; the loops must get going
+            assert time.monotonic() < deadline, "busy loops beside us never read as a busy host"
+        _core.set_tuning(busy_block=0)
+        assert not _core.host_busy()
+    finally:
+        _core.set_tuning(**saved)
+        for p in loops:
+            p.kill()
+        for p in loops:
+            p.wait()

@@ -38,6 +38,7 @@ cdef extern from "ringlet.h" nogil:
     void rl_scale_kernel(void *buf, size_t n, rl_dtype dt, double factor)
     const char *rl_simd_info()
 
+    int rl_host_busy()
     void rl_tuning_defaults(rl_tuning *t)
     void rl_set_tuning(const rl_tuning *t)
     void rl_get_tuning(rl_tuning *t)

@@ -154,6 +154,10 @@ def simd_info():
     return rl_simd_info().decode()
 
 
+def host_busy():
+    return bool(rl_host_busy())
+
+
 def build_info():
     """Facts about this build, for ``ringlet info`` and benchmark reports."""
     return {
