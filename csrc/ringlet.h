@@ -138,7 +138,9 @@ int rl_random_bytes(void *buf, size_t n);
     X(spin_yield, 1, "RINGLET_SPIN_YIELD",                                                          \
       "1: sched_yield between polls; init() sets 1 only when the host's ranks outnumber its CPUs")  \
     X(busy_block, 1, "RINGLET_BUSY_BLOCK",                                                          \
-      "1: skip the spin and block at once while the host has more runnable threads than CPUs")     \
+      "1: skip the spin and block at once while other processes want this host's CPUs")            \
+    X(host_ranks, 0, NULL,                                                                          \
+      "ranks of the job on this host, which the busy test does not count as load (init() sets it)") \
     X(bulk_recv_bytes, 16 << 20, "RINGLET_BULK_RECV_BYTES",                                         \
       "2-rank broadcast or p2p receive of at least this wakes once per segment; 0: never")          \
     X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                          \
@@ -163,8 +165,8 @@ typedef struct {
 extern const rl_knob rl_knobs[];
 extern const int rl_nknobs;
 
-/* Nonzero while the wait policy sees a busy host: more runnable threads than
- * online CPUs, with the busy_block knob on (then waiters block at once).
+/* Nonzero while the wait policy sees a busy host (other processes want its
+ * CPUs; wait.c), with the busy_block knob on: then waiters block at once.
  * Sampled at most every 20 ms; does not block. */
 int rl_host_busy(void);
 

@@ -496,9 +496,10 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
         raise ValueError(f"invalid rank {rank!r} for world_size {world_size!r}")
 
     _apply_tuning_env()
+    host_ranks = env.local_world_size if env is not None else world_size
     if "RINGLET_SPIN_YIELD" not in os.environ:
-        _core.set_tuning(spin_yield=_spin_yield_policy(
-            env.local_world_size if env is not None else world_size))
+        _core.set_tuning(spin_yield=_spin_yield_policy(host_ranks))
+    _core.set_tuning(host_ranks=host_ranks)
     if env is not None and world_size > 1:
         note = envmod.own_session_note(env.local_world_size)
         if note:
