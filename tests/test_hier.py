@@ -331,3 +331,51 @@ def test_fit_from_limits_figures():
     assert m.gamma == pytest.approx(0.1e-9)
     assert m.alpha_inter == pytest.approx(50e-6) and m.beta_inter == pytest.approx(8e-9)
     assert cm.fit() == cm.ModelParams()
+
+
+# ---- real processes, the environment variables, and the bench command ---------------
+def _proc_rank(rank, P):
+    import os
+
+    g = ringlet._world._require(None)
+    x = np.full(1 << 12, rank + 1, np.float32)
+    ringlet.all_reduce(x)
+    return (os.environ["RINGLET_HOST_ID"], ringlet.get_topology().ranks_per_host,
+            g._hier is not None and g._hier.intra is not None, float(x[0]),
+            g._world.algo, g._world.model.alpha_inter)
+
+
+def test_processes_with_ringlet_host_id_and_rank_0s_model(tmp_path, monkeypatch):
+    # RINGLET_HOST_ID set per process; RINGLET_MODEL read by rank 0 and used by all.
+    from ringlet.bench import main
+
+    p = tmp_path / "model.json"
+    assert main(["model", "--params", "/dev/null"]) == 2  # not JSON: a usage error
+    p.write_text('{"params": {"alpha_inter": 0.5, "beta_inter": 1e-6}}')
+    monkeypatch.setenv("RINGLET_MODEL", str(p))
+    monkeypatch.setenv("RINGLET_ALGO", "auto")
+    res = run_world(_proc_rank, 4, mode="process", timeout=120, host_ids=LAYOUTS["2x2"])
+    assert [r[0] for r in res] == LAYOUTS["2x2"]
+    assert all(r[1] == (2, 2) and r[2] and r[3] == 10.0 and r[4] == "auto" and r[5] == 0.5
+               for r in res), res
+
+
+def test_bench_model_prints_the_grid_and_saves_params(tmp_path, capsys):
+    from ringlet.bench import main
+
+    intra = tmp_path / "limits.json"
+    intra.write_text('{"limits": {"rtt_us": {"blocking_1pair": 40.0}, "tcp_both_ways": 2.0}}')
+    saved, js = tmp_path / "m.json", tmp_path / "rows.json"
+    assert main(["model", "--intra-limits", str(intra), "--save", str(saved),
+                 "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "## all_reduce" in out and "## reduce" in out and "128 hosts" in out
+    m = cm.params_from_env({"RINGLET_MODEL": str(saved)})
+    assert m.alpha_intra == pytest.approx(20e-6) and m.beta_inter == cm.ModelParams().beta_inter
+    import json
+
+    rows = json.loads(js.read_text())["rows"]
+    r = [x for x in rows if (x["op"], x["ranks"], x["hosts"]) == ("all_reduce", 8, 2)][0]
+    # 2 hosts of 4 at the largest size: flat/hier near the 2(P-1)/P / (2(H-1)/H) = 1.75 bound.
+    assert 1.5 < r["speedup"] < 1.75
+    assert r["crossovers"][-1][1] == "hier"

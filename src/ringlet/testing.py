@@ -66,7 +66,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *, mode: str = "thread",
             or killed (processes) and reported.
         init_timeout: operation timeout given to ``ringlet.init`` (default: ``timeout``).
         host_ids: each rank's same-host identity, to simulate hosts on one
-            machine (as ``RINGLET_HOST_ID`` does per process); default: the real one.
+            machine (process mode sets ``RINGLET_HOST_ID`` in each rank); default:
+            the real one.
     Raises:
         WorldError: some rank raised, died or did not finish in time.
     """
@@ -149,7 +150,10 @@ def _core_status(name: str) -> int:
 def _process_main(rank, n, fn, args, kwargs, cfg, conn) -> None:
     os.environ["RINGLET_EXTERNAL_STORE"] = "1"
     try:
-        _world.init(rank=rank, world_size=n, **_rank_cfg(cfg, rank))
+        cfg = _rank_cfg(cfg, rank)
+        if "_host_id" in cfg:  # a process simulates its host the way users do
+            os.environ["RINGLET_HOST_ID"] = cfg.pop("_host_id")
+        _world.init(rank=rank, world_size=n, **cfg)
         result = fn(rank, n, *args, **kwargs)
         _world.shutdown()
         conn.send(("ok", result))
