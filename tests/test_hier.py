@@ -379,3 +379,30 @@ def test_bench_model_prints_the_grid_and_saves_params(tmp_path, capsys):
     # 2 hosts of 4 at the largest size: flat/hier near the 2(P-1)/P / (2(H-1)/H) = 1.75 bound.
     assert 1.5 < r["speedup"] < 1.75
     assert r["crossovers"][-1][1] == "hier"
+
+
+def _one_rank_missing(rank, P):
+    from ringlet.errors import GroupPoisonedError, RingletError
+
+    if rank == 3:
+        return "skipped"  # never joins: its host's intra phase cannot finish
+    x = np.ones(4096, np.float32)
+    try:
+        ringlet.all_reduce(x, timeout=5.0)
+    except RingletError as exc:
+        msg = str(exc)
+    else:
+        return "no error"
+    try:
+        ringlet.all_reduce(x)
+    except GroupPoisonedError:
+        return msg
+    return "not poisoned"
+
+
+def test_a_failed_phase_names_the_parent_group_and_poisons_it(monkeypatch):
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    res = run_world(_one_rank_missing, 4, timeout=60, host_ids=LAYOUTS["2x2"])
+    assert res[3] == "skipped"
+    for r in range(3):
+        assert "hierarchical collective of group 0" in res[r], res[r]

@@ -24,6 +24,7 @@ import numpy as np
 from . import _core
 from . import _costmodel as cm
 from ._topology import host_groups
+from .errors import GroupPoisonedError, RingletError
 
 __all__ = ["Topology"]
 
@@ -150,6 +151,24 @@ class _Hier:
         self.intra = made[t.host]
         self.inter = made[t.num_hosts + t.local_rank]
 
+    def _phase(self, sub: Any, op: str, fn: Any, *args: Any) -> Any:
+        """Run one phase on a sub-group; its errors name the parent group's ranks."""
+        try:
+            return sub._call(op, False, fn, *args)
+        except RingletError as exc:
+            if isinstance(exc, GroupPoisonedError):
+                raise
+            g = self.group
+            peer = exc.peer
+            if isinstance(peer, int) and 0 <= peer < len(sub.ranks):
+                peer = g.ranks.index(sub.ranks[peer])
+            where = "intra-host" if sub is self.intra else "inter-host"
+            raise type(exc)(f"{exc} [group rank {g.rank}: the {where} {op} phase of a "
+                            f"hierarchical collective of group {g.comm_id}, over world ranks "
+                            f"{sub.ranks}; the peer is group rank {peer}]",
+                            rank=g.rank, peer=peer, op=exc.op, seq=exc.seq,
+                            waited=exc.waited) from exc
+
     # ---- algorithms ----------------------------------------------------------
     # Each runs as the parent group's operation: fn(coll, *args) under its lock.
     def all_reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, ms: int) -> None:
@@ -167,15 +186,15 @@ class _Hier:
         j = self.topo.local_rank
         # 1. intra reduce_scatter: local rank j gets block j summed over its host.
         part = np.empty(b, dtype=flat.dtype)
-        self.intra._call("reduce_scatter", False, _C.reduce_scatter, part, main, code, sop,
+        self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, part, main, code, sop,
                          _left(dl))
         # 2. inter all_reduce of block j among the ranks with local index j: all L
         # local ranks drive their own block at once.
-        self.inter._call("all_reduce", False, _C.all_reduce, part, code, sop, _left(dl))
+        self._phase(self.inter, "all_reduce", _C.all_reduce, part, code, sop, _left(dl))
         if op == _AVG:
             _core.scale_kernel(part, code, 1.0 / P)
         # 3. intra all_gather of the blocks into the user's buffer.
-        self.intra._call("all_gather", False, _C.all_gather, main, part, code, _left(dl))
+        self._phase(self.intra, "all_gather", _C.all_gather, main, part, code, _left(dl))
         if b * L < flat.size:
             # The count % L elements past the last whole block: one small flat all_reduce.
             _C.all_reduce(coll, flat[b * L:], code, op, _left(dl))
@@ -184,12 +203,12 @@ class _Hier:
                            dl: float) -> None:
         # Hosts of different sizes: reduce to each host's local rank 0, all_reduce
         # among those leaders, broadcast back inside each host.
-        self.intra._call("reduce", False, _C.reduce, flat, code, sop, 0, _left(dl))
+        self._phase(self.intra, "reduce", _C.reduce, flat, code, sop, 0, _left(dl))
         if self.topo.local_rank == 0:
-            self.inter._call("all_reduce", False, _C.all_reduce, flat, code, sop, _left(dl))
+            self._phase(self.inter, "all_reduce", _C.all_reduce, flat, code, sop, _left(dl))
             if op == _AVG:
                 _core.scale_kernel(flat, code, 1.0 / P)
-        self.intra._call("broadcast", False, _C.broadcast, flat, code, 0, _left(dl))
+        self._phase(self.intra, "broadcast", _C.broadcast, flat, code, 0, _left(dl))
 
     def reduce_scatter(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int, op: int,
                        ms: int) -> None:
@@ -204,10 +223,10 @@ class _Hier:
             # (those of the ranks with local index j) are contiguous.
             src = src.reshape(P, b)[self.perm].reshape(-1)
         mid = np.empty(H * b, dtype=out.dtype)
-        self.intra._call("reduce_scatter", False, _C.reduce_scatter, mid, src, code, sop,
+        self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, mid, src, code, sop,
                          _left(dl))
         o = out.reshape(-1)
-        self.inter._call("reduce_scatter", False, _C.reduce_scatter, o, mid, code, sop,
+        self._phase(self.inter, "reduce_scatter", _C.reduce_scatter, o, mid, code, sop,
                          _left(dl))
         if op == _AVG:
             _core.scale_kernel(o, code, 1.0 / P)
@@ -220,15 +239,15 @@ class _Hier:
         b = inp.size
         mid = np.empty(H * b, dtype=out.dtype)
         # 1. inter all_gather: the blocks of the ranks with this local index.
-        self.inter._call("all_gather", False, _C.all_gather, mid, inp.reshape(-1), code,
+        self._phase(self.inter, "all_gather", _C.all_gather, mid, inp.reshape(-1), code,
                          _left(dl))
         o = out.reshape(-1)
         if self.perm_is_identity:
-            self.intra._call("all_gather", False, _C.all_gather, o, mid, code, _left(dl))
+            self._phase(self.intra, "all_gather", _C.all_gather, o, mid, code, _left(dl))
             return
         # 2. intra all_gather in (local index, host) order, then into rank order.
         big = np.empty(P * b, dtype=out.dtype)
-        self.intra._call("all_gather", False, _C.all_gather, big, mid, code, _left(dl))
+        self._phase(self.intra, "all_gather", _C.all_gather, big, mid, code, _left(dl))
         o.reshape(P, b)[self.perm] = big.reshape(P, b)
 
     def broadcast(self, coll: Any, arr: np.ndarray, code: int, root: int, ms: int) -> None:
@@ -239,8 +258,8 @@ class _Hier:
         # 1. between hosts, among the ranks with the root's local index;
         # 2. inside every host, from that rank.
         if self.topo.local_rank == j0:
-            self.inter._call("broadcast", False, _C.broadcast, flat, code, h0, _left(dl))
-        self.intra._call("broadcast", False, _C.broadcast, flat, code, j0, _left(dl))
+            self._phase(self.inter, "broadcast", _C.broadcast, flat, code, h0, _left(dl))
+        self._phase(self.intra, "broadcast", _C.broadcast, flat, code, j0, _left(dl))
 
     def reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, root: int,
                ms: int) -> None:
@@ -253,9 +272,9 @@ class _Hier:
         # Only the root's buffer may change: the other hosts' collecting ranks
         # reduce into a copy.
         acc = flat if (me_root or self.topo.local_rank != j0) else flat.copy()
-        self.intra._call("reduce", False, _C.reduce, acc, code, sop, j0, _left(dl))
+        self._phase(self.intra, "reduce", _C.reduce, acc, code, sop, j0, _left(dl))
         if self.topo.local_rank == j0:
-            self.inter._call("reduce", False, _C.reduce, acc, code, sop, h0, _left(dl))
+            self._phase(self.inter, "reduce", _C.reduce, acc, code, sop, h0, _left(dl))
             if me_root and op == _AVG:
                 _core.scale_kernel(flat, code, 1.0 / self.group.size)
 
