@@ -120,7 +120,7 @@ class _Hier:
         if count == 0:
             return False
         local_root = self.topo.where(root)[1]
-        key = (op, nbytes, local_root)
+        key = (op, nbytes, count, local_root)
         hit = self._cache.get(key)
         if hit is not None:
             return hit

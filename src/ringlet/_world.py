@@ -113,10 +113,11 @@ class World:
 
     def sub_groups(self, parent: ProcessGroup, lists: Sequence[Sequence[int]]) -> list:
         """Groups of world ranks ``lists`` (collective over ``parent``: every member
-        calls it with the same lists); returns the groups this rank is in, None
-        elsewhere.  One store round trip for all of them."""
-        key = f"{self.prefix}sub/{parent.comm_id}/{parent._ngroups}"
-        parent._ngroups += 1
+        calls it with the same lists, at most once per parent); returns the groups
+        this rank is in, None elsewhere.  One store round trip for all of them."""
+        # Once per parent group, from inside one of its operations: a key of its
+        # own, so a new_group() racing on another thread cannot shift it.
+        key = f"{self.prefix}sub/{parent.comm_id}"
         want = [list(map(int, x)) for x in lists]
         if parent.rank == 0:
             last = self.store.add(self.prefix + "next_comm", len(want))
