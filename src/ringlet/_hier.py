@@ -98,7 +98,6 @@ class _Hier:
         self.algo = algo  # "auto" or "hier"
         self.params = params
         self.sizes = topo.ranks_per_host
-        self.lmin = min(self.sizes)
         self.crossing = topo.crossing()
         self._cache: Dict[tuple, bool] = {}
         self.intra: Any = None
