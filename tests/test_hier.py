@@ -406,3 +406,23 @@ def test_a_failed_phase_names_the_parent_group_and_poisons_it(monkeypatch):
     assert res[3] == "skipped"
     for r in range(3):
         assert "hierarchical collective of group 0" in res[r], res[r]
+
+
+def _algo_seen(rank, P):
+    g = ringlet._world._require(None)
+    x = np.full(4096, rank, np.float32)
+    ringlet.all_reduce(x)
+    return g._world.algo, g._hier is not None and g._hier.intra is not None, float(x[0])
+
+
+def test_rank_0s_ringlet_algo_is_the_jobs(monkeypatch):
+    # Each rank reads its own RINGLET_ALGO (here: rank 0 "hier", the others "flat");
+    # rank 0's value reaches every rank with the endpoint table, so all run alike.
+    import threading
+
+    def per_rank(env=None):
+        return "hier" if threading.current_thread().name == "ringlet-rank0" else "flat"
+
+    monkeypatch.setattr(cm, "algo_from_env", per_rank)
+    res = run_world(_algo_seen, 4, timeout=60, host_ids=LAYOUTS["2x2"])
+    assert res == [("hier", True, 6.0)] * 4

@@ -182,11 +182,10 @@ class _Hier:
         L = self.sizes[0]
         b = flat.size // L
         main = flat[: b * L]
-        j = self.topo.local_rank
         # 1. intra reduce_scatter: local rank j gets block j summed over its host.
         part = np.empty(b, dtype=flat.dtype)
         self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, part, main, code, sop,
-                         _left(dl))
+                    _left(dl))
         # 2. inter all_reduce of block j among the ranks with local index j: all L
         # local ranks drive their own block at once.
         self._phase(self.inter, "all_reduce", _C.all_reduce, part, code, sop, _left(dl))
@@ -223,10 +222,10 @@ class _Hier:
             src = src.reshape(P, b)[self.perm].reshape(-1)
         mid = np.empty(H * b, dtype=out.dtype)
         self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, mid, src, code, sop,
-                         _left(dl))
+                    _left(dl))
         o = out.reshape(-1)
         self._phase(self.inter, "reduce_scatter", _C.reduce_scatter, o, mid, code, sop,
-                         _left(dl))
+                    _left(dl))
         if op == _AVG:
             _core.scale_kernel(o, code, 1.0 / P)
 
@@ -239,7 +238,7 @@ class _Hier:
         mid = np.empty(H * b, dtype=out.dtype)
         # 1. inter all_gather: the blocks of the ranks with this local index.
         self._phase(self.inter, "all_gather", _C.all_gather, mid, inp.reshape(-1), code,
-                         _left(dl))
+                    _left(dl))
         o = out.reshape(-1)
         if self.perm_is_identity:
             self._phase(self.intra, "all_gather", _C.all_gather, o, mid, code, _left(dl))

@@ -127,8 +127,8 @@ def format_model(table: Dict[str, Any], source: str) -> str:
                  pm["alpha_intra"] * 1e6, rate(pm["beta_intra"]), pm["alpha_inter"] * 1e6,
                  rate(pm["beta_inter"]), rate(pm["gamma"])),
              f"# cell: message sizes (bytes, K/M/G = 2^10/20/30) from which the hierarchical "
-             f"form is predicted faster ('~': not at every size in that range), and flat/hier time at {_fmt_bytes(hi)}; "
-             f"'-': one rank per host"]
+             f"form is predicted faster ('~': not at every size in that range), and "
+             f"flat/hier time at {_fmt_bytes(hi)}; '-': one rank per host"]
     hosts = [h for h in HOSTS if h > 1]
     sizes = _sizes(table["min_bytes"], hi)
     by = {(r["op"], r["ranks"], r["hosts"]): r for r in table["rows"]}
