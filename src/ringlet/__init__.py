@@ -30,6 +30,7 @@ from ._world import _require
 from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, GroupPoisonedError,
                      PeerClosedError, ProtocolError, RendezvousError, RingletError)
 from .group import ProcessGroup
+from ._hier import Topology
 from .work import Work
 # After the core: the mesh builds on new_group.
 from .parallel.dtensor import (DTensor, Partial, Placement, Replicate, Shard,  # noqa: E402
@@ -43,7 +44,7 @@ __all__ = [
     "new_group", "job_key", "get_bind_address", "ReduceOp", "ProcessGroup", "Work", "MAX_TIMEOUT",
     "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
     "all_to_all_v", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier",
-    "broadcast_object", "all_gather_object", "errors",
+    "broadcast_object", "all_gather_object", "errors", "get_topology", "Topology",
     "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement", "distribute",
     "RingletError", "CollectiveTimeout", "PeerClosedError", "DesyncError", "RendezvousError",
     "AuthenticationError", "GroupPoisonedError", "ProtocolError",
@@ -146,3 +147,14 @@ def broadcast_object(obj: Any = None, src: int = 0, *, group=None,
 def all_gather_object(obj: Any, *, group=None, timeout: Optional[float] = None) -> list:
     """Gather a small Python object from every rank (no pickle); list in rank order."""
     return _require(group).all_gather_object(obj, timeout=timeout)
+
+
+def get_topology(group=None) -> Topology:
+    """Which ranks of ``group`` (default: the world) share a host; see ``ringlet.Topology``.
+
+    Example::
+
+        t = ringlet.get_topology()
+        print(t.num_hosts, t.ranks_per_host, t.local_rank)
+    """
+    return _require(group).topology

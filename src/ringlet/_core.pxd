@@ -36,6 +36,7 @@ cdef extern from "ringlet.h" nogil:
     int rl_op_valid(rl_dtype dt, rl_redop op)
     void rl_reduce_kernel(void *dst, const void *a, const void *b, size_t n, rl_dtype dt, rl_redop op)
     void rl_scale_kernel(void *buf, size_t n, rl_dtype dt, double factor)
+    void rl_scale_kernel(void *buf, size_t n, rl_dtype dt, double factor)
     const char *rl_simd_info()
 
     int rl_host_busy()

@@ -229,6 +229,16 @@ def reduce_kernel(cnp.ndarray dst, cnp.ndarray a, cnp.ndarray b, int dt, int op)
         rl_reduce_kernel(d, pa, pb, n, <rl_dtype>dt, <rl_redop>op)
 
 
+def scale_kernel(cnp.ndarray buf, int dt, double factor):
+    """buf *= factor in place with the C kernel AVG uses (floating dtypes only)."""
+    if dt >= RL_NDTYPES or not rl_op_valid(<rl_dtype>dt, RL_AVG):
+        raise ValueError("scale_kernel: dtype is not floating")
+    cdef void *d = _wptr(buf, "buf")
+    cdef size_t n = buf.size
+    with nogil:
+        rl_scale_kernel(d, n, <rl_dtype>dt, factor)
+
+
 cdef class Context:
     """A rank's listener and endpoint table (one per rank, shared by its comms)."""
     cdef rl_ctx *ctx

@@ -86,6 +86,11 @@ class World:
         self._watch_store = None
         self._failed = False
         self._closed = False
+        # Per world rank: its same-host identity; and the algorithm choice and
+        # cost model rank 0 handed out, so every rank's groups decide alike.
+        self.host_ids: List[str] = []
+        self.algo = "auto"
+        self.model: Any = None
 
     # ---- groups ------------------------------------------------------------
     def make_group(self, comm_id: int, ranks: Sequence[int],
@@ -98,8 +103,34 @@ class World:
             p2p = _core.Comm(self.ctx, comm_id + 1, rank, ranks)
         g = ProcessGroup(self, comm_id, ranks, rank, coll, p2p,
                          self.timeout if timeout is None else timeout)
+        if self.host_ids:
+            from . import _hier
+
+            g._topology, g._hier = _hier.plan(g, [self.host_ids[r] for r in ranks], self.algo,
+                                              self.model)
         self._groups.add(g)
         return g
+
+    def sub_groups(self, parent: ProcessGroup, lists: Sequence[Sequence[int]]) -> list:
+        """Groups of world ranks ``lists`` (collective over ``parent``: every member
+        calls it with the same lists, at most once per parent); returns the groups
+        this rank is in, None elsewhere.  One store round trip for all of them."""
+        # Once per parent group, from inside one of its operations: a key of its
+        # own, so a new_group() racing on another thread cannot shift it.
+        key = f"{self.prefix}sub/{parent.comm_id}"
+        want = [list(map(int, x)) for x in lists]
+        if parent.rank == 0:
+            last = self.store.add(self.prefix + "next_comm", len(want))
+            ids = [2 * (last - len(want) + 1 + i) for i in range(len(want))]
+            self.store.set(key, json.dumps({"ids": ids, "lists": want}).encode())
+        else:
+            rec = json.loads(self.store.get(key, timeout=parent.timeout).decode())
+            if rec["lists"] != want:
+                raise DesyncError(f"rank {parent.rank}: hierarchical sub-groups {want} but "
+                                  f"group rank 0 made {rec['lists']}", rank=parent.rank)
+            ids = rec["ids"]
+        return [self.make_group(i, x, parent.timeout) if self.rank in x else None
+                for i, x in zip(ids, want)]
 
     def job_key(self, purpose: str) -> bytes:
         return hmac.new(self.secret or _INSECURE_KEY,
@@ -429,7 +460,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
          master_addr: Optional[str] = None, master_port: Optional[int] = None,
          timeout: float = 300.0, secret: Optional[bytes] = None,
          bind_addr: Optional[str] = None, _external_store: Optional[bool] = None,
-         _torch_store: Any = None) -> ProcessGroup:
+         _torch_store: Any = None, _host_id: Optional[str] = None) -> ProcessGroup:
     """Join the job and return the world ``ProcessGroup`` (also the default group).
 
     Rank, world size and the rendezvous address come from the arguments, else
@@ -497,6 +528,12 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
 
     _apply_tuning_env()
     host_ranks = env.local_world_size if env is not None else world_size
+    from . import _costmodel
+    from ._topology import host_id
+
+    algo = _costmodel.algo_from_env()  # checked on every rank; rank 0's value is used
+    model = _costmodel.params_from_env()
+    my_host = host_id() if _host_id is None else _host_id
     if "RINGLET_SPIN_YIELD" not in os.environ:
         _core.set_tuning(spin_yield=_spin_yield_policy(host_ranks))
     _core.set_tuning(host_ranks=host_ranks)
@@ -547,6 +584,7 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
     world = World(rank, world_size, timeout=timeout)
     world.secret = key
     world.host = host
+    world.host_ids, world.algo, world.model = [my_host], algo, model
     try:
         if world_size > 1:
             from .store import Store
@@ -666,12 +704,13 @@ def _size_mismatch(rank: int, size: int, other: int, other_size: int) -> str:
 def _exchange_endpoints(world: World, timeout: float) -> None:
     store, ctx, p = world.store, world.ctx, world.prefix
     store.set(f"{p}ep/{world.rank}",
-              json.dumps({"ep": f"{world.host}:{ctx.port}", "size": world.size}).encode())
+              json.dumps({"ep": f"{world.host}:{ctx.port}", "size": world.size,
+                          "host_id": world.host_ids[0]}).encode())
     join = _Joiner(world, timeout)
     if world.rank == 0:
         # In rank order: a rank with another world size is caught as soon as
         # the ranks below it have joined, never after the whole timeout.
-        table = []
+        table, hosts = [], []
         for r in range(world.size):
             entry = json.loads(join.get(f"{p}ep/{r}").decode())
             if entry["size"] != world.size:
@@ -679,12 +718,20 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
                 store.set(f"{p}ep/all", json.dumps({"error": msg}).encode())
                 raise RendezvousError(f"rank 0: {msg}", rank=0, peer=r)
             table.append(entry["ep"])
-        store.set(f"{p}ep/all", json.dumps({"eps": table}).encode())
+            hosts.append(str(entry.get("host_id", "")))
+        store.set(f"{p}ep/all", json.dumps({"eps": table, "hosts": hosts, "algo": world.algo,
+                                            "model": world.model.as_dict()}).encode())
     else:
         rec = json.loads(join.get(f"{p}ep/all").decode())
         if "error" in rec:
             raise RendezvousError(f"rank {world.rank}: {rec['error']}", rank=world.rank, peer=0)
         table = rec["eps"]
+        hosts = rec.get("hosts") or world.host_ids * len(table)
+        world.algo = rec.get("algo", world.algo)
+        if "model" in rec:
+            from ._costmodel import ModelParams
+
+            world.model = ModelParams.from_dict(rec["model"])
         if len(table) != world.size:
             # Only a rank beyond rank 0's world gets here (rank 0 checked the
             # others); its abort record stops the ranks that formed that world.
@@ -694,6 +741,7 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     for r, ep in enumerate(table):
         h, _, port = ep.rpartition(":")
         ctx.set_peer(r, h.strip("[]"), int(port))
+    world.host_ids = list(hosts)
 
 
 def shutdown() -> None:

@@ -100,9 +100,30 @@ class ProcessGroup:
         self._p2p_exec_lock = threading.Lock()
         self._ngroups = 0
         self._closed = False
+        # Set by World.make_group: the host layout, and the hierarchical plan
+        # (None: every op runs flat; one attribute test on each op's path).
+        self._topology: Any = None
+        self._hier: Any = None
 
     def __repr__(self) -> str:
         return f"<ringlet.ProcessGroup id={self.comm_id} rank={self.rank} size={self.size}>"
+
+    @property
+    def topology(self) -> Any:
+        """Which of this group's ranks share a host: a ``ringlet.Topology``.
+
+        Example::
+
+            t = group.topology
+            t.num_hosts, t.ranks_per_host, t.local_rank
+        """
+        if self._topology is None:
+            from ._hier import Topology
+
+            ids = getattr(self._world, "host_ids", None) or []
+            self._topology = Topology([ids[r] if r < len(ids) else "" for r in self.ranks],
+                                      self.rank)
+        return self._topology
 
     # ---- plumbing ----------------------------------------------------------
     def _usable(self) -> None:
@@ -236,6 +257,10 @@ class ProcessGroup:
         code = _acode(array, "array", True, dtype_code)
         op = 0 if op is _SUM else check_op(op, code, array.dtype)
         ms = self._default_ms if timeout is None else self._ms(timeout)
+        h = self._hier
+        if h is not None and h.use("all_reduce", array.nbytes, array.size):
+            return self._run("all_reduce", h.all_reduce, (array, code, op, ms), (array,),
+                             async_op)
         return self._call("all_reduce", async_op, _C.all_reduce, array, code, op, ms)
 
     def broadcast(self, array: np.ndarray, src: int = 0, *, async_op: bool = False,
@@ -247,6 +272,10 @@ class ProcessGroup:
         if type(src) is not int or not 0 <= src < self.size:
             src = self._peer(src, "src")
         ms = self._default_ms if timeout is None else self._ms(timeout)
+        h = self._hier
+        if h is not None and h.use("broadcast", array.nbytes, array.size, src):
+            return self._run("broadcast", h.broadcast, (array, code, src, ms), (array,),
+                             async_op)
         return self._call("broadcast", async_op, _C.broadcast, array, code, src, ms)
 
     def reduce(self, array: np.ndarray, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
@@ -259,6 +288,9 @@ class ProcessGroup:
         if type(dst) is not int or not 0 <= dst < self.size:
             dst = self._peer(dst, "dst")
         ms = self._default_ms if timeout is None else self._ms(timeout)
+        h = self._hier
+        if h is not None and h.use("reduce", array.nbytes, array.size, dst):
+            return self._run("reduce", h.reduce, (array, code, op, dst, ms), (array,), async_op)
         return self._call("reduce", async_op, _C.reduce, array, code, op, dst, ms)
 
     def all_gather(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,
@@ -277,6 +309,9 @@ class ProcessGroup:
             raise ValueError(f"all_gather: output has {o.size} elements but needs group size "
                              f"{self.size} x input size {i.size} = {i.size * self.size}")
         ms = self._default_ms if timeout is None else self._ms(timeout)
+        h = self._hier
+        if h is not None and h.use("all_gather", o.nbytes, i.size):
+            return self._run("all_gather", h.all_gather, (o, i, code, ms), (o, i), async_op)
         return self._call("all_gather", async_op, _C.all_gather, o, i, code, ms)
 
     def reduce_scatter(self, output: np.ndarray, input: np.ndarray,
@@ -300,6 +335,10 @@ class ProcessGroup:
             raise ValueError("reduce_scatter: output must not overlap input")
         op = 0 if op is _SUM else check_op(op, code, o.dtype)
         ms = self._default_ms if timeout is None else self._ms(timeout)
+        h = self._hier
+        if h is not None and h.use("reduce_scatter", i.nbytes, o.size):
+            return self._run("reduce_scatter", h.reduce_scatter, (o, i, code, op, ms), (o, i),
+                             async_op)
         return self._call("reduce_scatter", async_op, _C.reduce_scatter, o, i, code, op, ms)
 
     def all_to_all(self, output: np.ndarray, input: np.ndarray, *, async_op: bool = False,

@@ -54,7 +54,8 @@ def _store(secret: bytes):
 
 def run_world(fn: Callable[..., Any], world_size: int, *, mode: str = "thread",
               timeout: float = 60.0, args: tuple = (), kwargs: Optional[dict] = None,
-              init_timeout: Optional[float] = None) -> List[Any]:
+              init_timeout: Optional[float] = None,
+              host_ids: Optional[List[str]] = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results.
 
     Args:
@@ -64,6 +65,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *, mode: str = "thread",
         timeout: seconds for the whole run; stragglers are cancelled (threads)
             or killed (processes) and reported.
         init_timeout: operation timeout given to ``ringlet.init`` (default: ``timeout``).
+        host_ids: each rank's same-host identity, to simulate hosts on one
+            machine (process mode sets ``RINGLET_HOST_ID`` in each rank); default:
+            the real one.
     Raises:
         WorldError: some rank raised, died or did not finish in time.
     """
@@ -72,11 +76,15 @@ def run_world(fn: Callable[..., Any], world_size: int, *, mode: str = "thread",
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     kwargs = kwargs or {}
+    if host_ids is not None and len(host_ids) != world_size:
+        raise ValueError(f"host_ids has {len(host_ids)} entries for {world_size} ranks")
     secret = secrets.token_bytes(32)
     server = _store(secret)
     try:
         cfg = dict(master_addr="127.0.0.1", master_port=server.port, secret=secret,
                    timeout=init_timeout or timeout)
+        if host_ids is not None:
+            cfg["_host_ids"] = list(host_ids)
         if mode == "thread":
             return _run_threads(fn, world_size, timeout, args, kwargs, cfg)
         return _run_processes(fn, world_size, timeout, args, kwargs, cfg)
@@ -93,7 +101,7 @@ def _run_threads(fn, n, timeout, args, kwargs, cfg):
     def body(rank: int) -> None:
         _world._scope_thread()
         try:
-            _world.init(rank=rank, world_size=n, _external_store=True, **cfg)
+            _world.init(rank=rank, world_size=n, _external_store=True, **_rank_cfg(cfg, rank))
             worlds[rank] = _world._current()
             results[rank] = fn(rank, n, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported with its rank
@@ -125,6 +133,14 @@ def _run_threads(fn, n, timeout, args, kwargs, cfg):
     return [results[r] for r in range(n)]
 
 
+def _rank_cfg(cfg: dict, rank: int) -> dict:
+    out = dict(cfg)
+    ids = out.pop("_host_ids", None)
+    if ids is not None:
+        out["_host_id"] = ids[rank]
+    return out
+
+
 def _core_status(name: str) -> int:
     from . import _core
 
@@ -134,6 +150,9 @@ def _core_status(name: str) -> int:
 def _process_main(rank, n, fn, args, kwargs, cfg, conn) -> None:
     os.environ["RINGLET_EXTERNAL_STORE"] = "1"
     try:
+        cfg = _rank_cfg(cfg, rank)
+        if "_host_id" in cfg:  # a process simulates its host the way users do
+            os.environ["RINGLET_HOST_ID"] = cfg.pop("_host_id")
         _world.init(rank=rank, world_size=n, **cfg)
         result = fn(rank, n, *args, **kwargs)
         _world.shutdown()

@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Sizes accept K, M, G suffixes (powers of 1024).  nccl-tests uses -n for "
                "iterations; here -n is the rank count and -i/--iters the iterations.  "
                "Exit codes: 0 ok, 1 wrong values, 2 usage, 3 below --min-busbw, 4 job failed.")
-    p.add_argument("op", choices=list(OPS) + ["all", "limits"],
-                   help="collective to measure, 'all', or 'limits' for the machine's ceilings")
+    p.add_argument("op", choices=list(OPS) + ["all", "limits", "model"],
+                   help="collective to measure, 'all', 'limits' for the machine's ceilings, "
+                        "or 'model' for the cost model's predictions at scale")
     p.add_argument("-n", "--nranks", type=_positive_int, default=4,
                    help="local ranks to launch (default 4; ignored inside a launch)")
     p.add_argument("-b", "--minbytes", type=_size, default=8, help="smallest size (default 8)")
@@ -105,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="limits: TCP congestion control of the measuring connections: "
                         "'ringlet' (default: what ringlet uses between ranks of one host, "
                         "Reno unless RINGLET_LOCAL_RENO=0), 'system', or a name such as cubic")
+    p.add_argument("--params", metavar="FILE",
+                   help="model: cost model parameters (JSON, as --save writes)")
+    p.add_argument("--intra-limits", metavar="FILE",
+                   help="model: fit intra-host parameters from `bench limits --json` output")
+    p.add_argument("--inter-limits", metavar="FILE",
+                   help="model: fit inter-host parameters from limits measured between hosts")
+    p.add_argument("--save", metavar="FILE",
+                   help="model: write the parameters used, for RINGLET_MODEL")
     p.add_argument("--json", metavar="FILE", help="write rows and environment as JSON")
     p.add_argument("--csv", metavar="FILE", help="write rows (with environment columns) as CSV")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time vs size (matplotlib)")
@@ -412,6 +421,19 @@ def _run_limits(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_model(args: argparse.Namespace) -> int:
+    from .model import run_model
+
+    try:
+        text = run_model(args.params, args.intra_limits, args.inter_limits, args.minbytes,
+                         args.maxbytes if args.maxbytes != 64 << 20 else 1 << 30, args.save,
+                         args.json)
+    except (OSError, ValueError) as exc:
+        raise _Usage(f"model: {exc}") from None
+    print(text)
+    return EXIT_OK
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``ringlet bench`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
 
@@ -450,6 +472,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise _Usage("--plot: a barrier has no size axis to plot")
         if args.op == "limits":
             return _run_limits(args)
+        if args.op == "model":
+            return _run_model(args)
         from ..environment import detect
 
         try:

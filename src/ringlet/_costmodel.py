@@ -1,0 +1,305 @@
+"""The alpha-beta cost model that chooses between flat and hierarchical collectives.
+
+A message of N bytes over one link costs ``alpha + N * beta``; reducing N
+bytes costs ``N * gamma``.  Links inside a host (``*_intra``) and between
+hosts (``*_inter``) have their own alpha and beta; ``beta_inter`` is per
+*host* link, so L ranks of one host sending between hosts at once share it.
+Every formula is written out in docs/algorithms.md ("The cost model"); the
+functions here are that table, in seconds, and nothing else: no measuring,
+no communication.  The choice depends only on (op, bytes, layout, params),
+values every rank of a group holds identically, so every rank decides alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+__all__ = ["ModelParams", "ALGO_ENV", "MODEL_ENV", "ALGOS", "OPS", "algo_from_env",
+           "params_from_env", "fit", "predict", "flat_time", "hier_time", "hier_applies"]
+
+ALGO_ENV = "RINGLET_ALGO"
+MODEL_ENV = "RINGLET_MODEL"
+ALGOS = ("auto", "flat", "hier")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """Link and reduction costs, in seconds and seconds per byte.
+
+    The defaults describe loopback TCP inside a host and 1 Gbit/s Ethernet
+    between hosts (0.117 GB/s, the plain-TCP rate such a link delivers).
+    """
+
+    alpha_intra: float = 10e-6
+    beta_intra: float = 1 / 2.5e9
+    alpha_inter: float = 30e-6
+    beta_inter: float = 1 / 0.117e9
+    gamma: float = 1 / 4e9
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v >= 0):
+                raise ValueError(f"cost model parameter {f.name} must be a finite number "
+                                 f">= 0 (seconds or seconds per byte), got {v!r}")
+
+    def as_dict(self) -> Dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "parameters") -> "ModelParams":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: expected a JSON object of cost model parameters")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown cost model parameter(s) {unknown}; "
+                             f"known: {sorted(known)}")
+        return cls(**{k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                      for k, v in d.items()})
+
+
+def algo_from_env(env: Optional[Mapping[str, str]] = None) -> str:
+    """``RINGLET_ALGO`` checked: "auto" (unset or empty), "flat" or "hier".
+
+    Raises:
+        ValueError: any other value, naming the variable and the valid values.
+    """
+    e = os.environ if env is None else env
+    raw = e.get(ALGO_ENV, "").strip().lower()
+    if not raw:
+        return "auto"
+    if raw not in ALGOS:
+        raise ValueError(f"{ALGO_ENV}={e.get(ALGO_ENV)!r} is not a valid algorithm choice; "
+                         f"valid values: {', '.join(ALGOS)}")
+    return raw
+
+
+def params_from_env(env: Optional[Mapping[str, str]] = None) -> ModelParams:
+    """The parameters in the JSON file ``RINGLET_MODEL`` names, else the defaults.
+
+    The file holds a subset of ``ModelParams``' fields (what ``ringlet bench
+    model --save`` writes); missing fields keep their defaults.
+    """
+    e = os.environ if env is None else env
+    path = e.get(MODEL_ENV, "").strip()
+    if not path:
+        return ModelParams()
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{MODEL_ENV}={path!r}: cannot read cost model parameters: "
+                         f"{exc}") from None
+    if isinstance(doc, dict) and "params" in doc:
+        doc = doc["params"]
+    return ModelParams.from_dict(doc, f"{MODEL_ENV}={path!r}")
+
+
+def fit(intra: Optional[Mapping[str, Any]] = None,
+        inter: Optional[Mapping[str, Any]] = None,
+        base: Optional[ModelParams] = None) -> ModelParams:
+    """Parameters from ``ringlet bench limits`` figures (its ``limits`` JSON object).
+
+    alpha is half the 8-byte blocking round trip of one pair; beta the inverse
+    of the per-direction rate of two processes sending both ways at once (the
+    pattern of a ring step); gamma the inverse of the in-cache float32 add
+    rate of the C kernel.  ``intra`` is measured inside a host, ``inter``
+    between two hosts; a part not given keeps ``base``'s (default) values.
+    """
+    p = (base or ModelParams()).as_dict()
+
+    def take(lim: Mapping[str, Any], level: str) -> None:
+        rtt = (lim.get("rtt_us") or {}).get("blocking_1pair")
+        rate = lim.get("tcp_both_ways") or lim.get("tcp_one_way")
+        if rtt:
+            p[f"alpha_{level}"] = float(rtt) / 2 * 1e-6
+        if rate:
+            p[f"beta_{level}"] = 1 / (float(rate) * 1e9)
+
+    if intra:
+        take(intra, "intra")
+        add = (intra.get("add_f32_ringlet") or {}).get("256KiB")
+        if add:
+            p["gamma"] = 1 / (float(add) * 1e9)
+    if inter:
+        take(inter, "inter")
+    return ModelParams(**p)
+
+
+# ---- single-level building blocks (P ranks over links of cost a + n*b) -----------
+def _log2(p: int) -> int:
+    return max(0, math.ceil(math.log2(p))) if p > 1 else 0
+
+
+def ring_all_reduce(p: int, n: float, a: float, b: float, g: float) -> float:
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
+
+
+def rd_all_reduce(p: int, n: float, a: float, b: float, g: float) -> float:
+    # Recursive doubling over Q = 2^floor(log2 p) ranks; the p - Q extra ranks
+    # fold in first and get the result back last (two more exchanges).
+    if p <= 1:
+        return 0.0
+    q = 1 << (p.bit_length() - 1)
+    steps = (q.bit_length() - 1) + (0 if q == p else 2)
+    return steps * (a + n * b) + _log2(p) * n * g
+
+
+def all_reduce_1(p: int, n: float, a: float, b: float, g: float) -> float:
+    return min(ring_all_reduce(p, n, a, b, g), rd_all_reduce(p, n, a, b, g))
+
+
+def reduce_scatter_1(p: int, n: float, a: float, b: float, g: float) -> float:
+    """Ring reduce_scatter of an n-byte input (n/p bytes out)."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * a + (p - 1) / p * n * (b + g)
+
+
+def all_gather_1(p: int, n: float, a: float, b: float) -> float:
+    """Ring all_gather into an n-byte output."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * a + (p - 1) / p * n * b
+
+
+def broadcast_1(p: int, n: float, a: float, b: float) -> float:
+    """The better of a pipelined chain and a binomial tree."""
+    if p <= 1:
+        return 0.0
+    return min((p - 1) * a + n * b, _log2(p) * (a + n * b))
+
+
+def reduce_1(p: int, n: float, a: float, b: float, g: float) -> float:
+    if p <= 1:
+        return 0.0
+    return min((p - 1) * a + n * (b + g), _log2(p) * (a + n * (b + g)))
+
+
+# ---- the two algorithms over a layout of hosts --------------------------------------
+def _layout(sizes: Sequence[int]) -> tuple:
+    h = len(sizes)
+    lmax = max(sizes) if sizes else 1
+    return h, lmax, sum(sizes), all(s == lmax for s in sizes)
+
+
+def hier_applies(op: str, sizes: Sequence[int], root_local: int = 0) -> bool:
+    """Whether the hierarchical form of ``op`` runs on hosts of ``sizes`` ranks.
+
+    all_reduce always (uneven hosts: the leader form); reduce_scatter and
+    all_gather need equal hosts; broadcast and reduce need the root's local
+    index on every host.  Needs two hosts or more.
+    """
+    h, _lmax, _p, even = _layout(sizes)
+    if h < 2:
+        return False
+    if op in ("reduce_scatter", "all_gather"):
+        return even
+    if op in ("broadcast", "reduce"):
+        return root_local < min(sizes)
+    return op == "all_reduce"
+
+
+def flat_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
+              crossing: int = 1) -> float:
+    """Predicted seconds of the flat algorithm of ``op`` on hosts of ``sizes`` ranks.
+
+    ``nbytes``: the whole vector (all_reduce/broadcast/reduce buffer,
+    reduce_scatter input, all_gather output).  ``crossing``: the most ring
+    edges leaving one host (1 when each host's ranks are consecutive).  Ring
+    and chain steps wait for the slowest link, a host link shared by
+    ``crossing`` edges; a tree or recursive doubling takes log2 L steps inside
+    hosts and log2 H between them, where all L ranks of a host share its link.
+    """
+    h, lmax, p, _even = _layout(sizes)
+    n = float(nbytes)
+    if h <= 1:
+        a, b = m.alpha_intra, m.beta_intra
+        return _single(op, p, n, a, b, m.gamma)
+    ae, be = m.alpha_inter, m.beta_inter * max(1, crossing)
+    g = m.gamma
+    li, hi = _log2(lmax), _log2(h)
+    tree_step_in = m.alpha_intra + n * m.beta_intra
+    tree_step_out = m.alpha_inter + n * m.beta_inter * lmax
+    if op == "all_reduce":
+        ring = ring_all_reduce(p, n, ae, be, g)
+        rd = li * tree_step_in + hi * tree_step_out + _log2(p) * n * g
+        return min(ring, rd)
+    if op == "reduce_scatter":
+        return reduce_scatter_1(p, n, ae, be, g)
+    if op == "all_gather":
+        return all_gather_1(p, n, ae, be)
+    if op == "broadcast":
+        chain = (p - 1) * ae + n * be
+        tree = li * tree_step_in + hi * (m.alpha_inter + n * m.beta_inter)
+        return min(chain, tree)
+    if op == "reduce":
+        chain = (p - 1) * ae + n * (be + g)
+        tree = li * tree_step_in + hi * (m.alpha_inter + n * m.beta_inter) + _log2(p) * n * g
+        return min(chain, tree)
+    raise ValueError(f"unknown op {op!r}; the model knows {', '.join(OPS)}")
+
+
+def _single(op: str, p: int, n: float, a: float, b: float, g: float) -> float:
+    if op == "all_reduce":
+        return all_reduce_1(p, n, a, b, g)
+    if op == "reduce_scatter":
+        return reduce_scatter_1(p, n, a, b, g)
+    if op == "all_gather":
+        return all_gather_1(p, n, a, b)
+    if op == "broadcast":
+        return broadcast_1(p, n, a, b)
+    if op == "reduce":
+        return reduce_1(p, n, a, b, g)
+    raise ValueError(f"unknown op {op!r}; the model knows {', '.join(OPS)}")
+
+
+def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
+              tail: bool = False) -> float:
+    """Predicted seconds of the hierarchical form of ``op`` (inf where it does not apply).
+
+    Equal hosts of L ranks: the L inter-host phases run at once and share
+    each host's link, so each sees ``L * beta_inter``.  ``tail``: all_reduce's
+    count is not a multiple of L, and the remainder takes a small flat
+    all_reduce of its own.
+    """
+    if not hier_applies(op, sizes):
+        return math.inf
+    h, lmax, p, even = _layout(sizes)
+    n = float(nbytes)
+    ai, bi, ae, be, g = m.alpha_intra, m.beta_intra, m.alpha_inter, m.beta_inter, m.gamma
+    if op == "all_reduce":
+        if not even:  # leader form: reduce to local 0, all_reduce among leaders, broadcast
+            return (reduce_1(lmax, n, ai, bi, g) + all_reduce_1(h, n, ae, be, g)
+                    + broadcast_1(lmax, n, ai, bi))
+        t = (reduce_scatter_1(lmax, n, ai, bi, g) + all_reduce_1(h, n / lmax, ae, lmax * be, g)
+             + all_gather_1(lmax, n, ai, bi))
+        if tail:
+            t += flat_time("all_reduce", 0, sizes, m)
+        return t
+    if op == "reduce_scatter":
+        return reduce_scatter_1(lmax, n, ai, bi, g) + reduce_scatter_1(h, n / lmax, ae,
+                                                                       lmax * be, g)
+    if op == "all_gather":
+        return all_gather_1(h, n / lmax, ae, lmax * be) + all_gather_1(lmax, n, ai, bi)
+    if op == "broadcast":
+        return broadcast_1(h, n, ae, be) + broadcast_1(lmax, n, ai, bi)
+    if op == "reduce":
+        return reduce_1(lmax, n, ai, bi, g) + reduce_1(h, n, ae, be, g)
+    raise ValueError(f"unknown op {op!r}; the model knows {', '.join(OPS)}")
+
+
+def predict(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
+            crossing: int = 1) -> Dict[str, float]:
+    """{"flat": seconds, "hier": seconds (inf where it does not apply)}."""
+    return {"flat": flat_time(op, nbytes, sizes, m, crossing),
+            "hier": hier_time(op, nbytes, sizes, m)}

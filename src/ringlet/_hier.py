@@ -1,0 +1,295 @@
+"""Node-aware (hierarchical) collectives: a group's host layout and the algorithms over it.
+
+A group whose ranks sit on several hosts gets two sub-communicators per
+rank, created once, at its first hierarchical operation: ``intra`` (the
+group's ranks on this rank's host) and ``inter`` (the ranks with this rank's
+local index on every host that has one).  Every algorithm here is a short
+composition of flat collectives on those, run inside the parent group's
+operation (its lock, its poisoning, one deadline for all phases).  The steps
+and the bytes each puts on intra- and inter-host links are in
+docs/algorithms.md ("Hierarchical collectives").
+
+The choice between flat and hierarchical (``_Hier.use``) reads only the op,
+its byte count, the layout and the cost model parameters rank 0 handed out
+at init, so every rank of a group takes the same decision.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _core
+from . import _costmodel as cm
+from ._topology import host_groups
+from .errors import GroupPoisonedError, RingletError
+
+__all__ = ["Topology"]
+
+_AVG = 4  # RL_AVG; AVG runs as SUM and is scaled once at the end, as the C core does
+_SUM = 0
+
+
+class Topology:
+    """Which ranks of a group share a host.  ``ProcessGroup.topology`` / ``ringlet.get_topology``.
+
+    Attributes:
+        host_ids: each group rank's same-host identity (``RINGLET_HOST_ID`` or derived).
+        hosts: group ranks per host, hosts in order of their lowest rank.
+        num_hosts: ``len(hosts)``.
+        ranks_per_host: ``len(h)`` for each host (may differ between hosts).
+        host: index into ``hosts`` of this rank's host (-1 for a non-member).
+        local_rank: this rank's index within its host (-1 for a non-member).
+        local_size: the number of group ranks on this rank's host (0 for a non-member).
+        uniform: every host has the same number of ranks.
+    """
+
+    def __init__(self, host_ids: Sequence[str], rank: int) -> None:
+        self.host_ids: Tuple[str, ...] = tuple(host_ids)
+        self.hosts: Tuple[Tuple[int, ...], ...] = tuple(tuple(h) for h in host_groups(host_ids))
+        self.num_hosts = len(self.hosts)
+        self.ranks_per_host: Tuple[int, ...] = tuple(len(h) for h in self.hosts)
+        self.uniform = len(set(self.ranks_per_host)) <= 1
+        # Per group rank: its host index and local index.
+        self._where: List[Tuple[int, int]] = [(0, 0)] * len(self.host_ids)
+        for hi, ranks in enumerate(self.hosts):
+            for li, r in enumerate(ranks):
+                self._where[r] = (hi, li)
+        self.host, self.local_rank = self._where[rank] if rank >= 0 else (-1, -1)
+        self.local_size = self.ranks_per_host[self.host] if rank >= 0 else 0
+
+    def where(self, rank: int) -> Tuple[int, int]:
+        """(host index, local index) of group rank ``rank``."""
+        return self._where[rank]
+
+    def crossing(self) -> int:
+        """The most ring edges (r -> r+1 in group rank order) that leave one host."""
+        out = [0] * self.num_hosts
+        n = len(self.host_ids)
+        for r in range(n):
+            a, b = self._where[r][0], self._where[(r + 1) % n][0]
+            if a != b:
+                out[a] += 1
+        return max(out) if out else 0
+
+    def __repr__(self) -> str:
+        return (f"Topology(num_hosts={self.num_hosts}, ranks_per_host={list(self.ranks_per_host)}, "
+                f"host={self.host}, local_rank={self.local_rank})")
+
+
+def _deadline(ms: int) -> float:
+    return time.monotonic() + ms / 1000.0
+
+
+def _left(deadline: float) -> int:
+    # Each phase gets what remains of the op's one deadline (at least 1 ms,
+    # so an expired deadline still ends in the core's CollectiveTimeout).
+    return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+class _Hier:
+    """One group's hierarchical plan: layout, chooser and (lazily) sub-communicators."""
+
+    def __init__(self, group: Any, topo: Topology, algo: str, params: cm.ModelParams) -> None:
+        self.group = group
+        self.topo = topo
+        self.algo = algo  # "auto" or "hier"
+        self.params = params
+        self.sizes = topo.ranks_per_host
+        self.crossing = topo.crossing()
+        self._cache: Dict[tuple, bool] = {}
+        self.intra: Any = None
+        self.inter: Any = None
+        # perm[j*H + h] = hosts[h][j]: the group rank whose block sits at
+        # position (local index j, host h) of a local-index-major layout.
+        if topo.uniform:
+            L = self.sizes[0]
+            self.perm = np.array([topo.hosts[h][j] for j in range(L)
+                                  for h in range(topo.num_hosts)], dtype=np.intp)
+            self.perm_is_identity = bool(np.array_equal(self.perm, np.arange(self.perm.size)))
+        else:
+            self.perm = None
+            self.perm_is_identity = False
+
+    # ---- the choice ----------------------------------------------------------
+    def use(self, op: str, nbytes: int, count: int, root: int = 0) -> bool:
+        """Whether ``op`` of ``nbytes`` runs hierarchically (same answer on every rank)."""
+        if count == 0:
+            return False
+        local_root = self.topo.where(root)[1]
+        key = (op, nbytes, count, local_root)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        ok = cm.hier_applies(op, self.sizes, local_root)
+        even_ar = op == "all_reduce" and self.topo.uniform
+        if even_ar and count < self.sizes[0]:
+            ok = False  # not one element per local rank: nothing to split
+        if ok and self.algo == "auto":
+            tail = even_ar and count % self.sizes[0] != 0
+            ok = (cm.hier_time(op, nbytes, self.sizes, self.params, tail)
+                  < cm.flat_time(op, nbytes, self.sizes, self.params, self.crossing))
+        if len(self._cache) < 4096:
+            self._cache[key] = ok
+        return ok
+
+    # ---- sub-communicators ---------------------------------------------------
+    def _subs(self) -> None:
+        """Create the intra- and inter-host groups (collective over the parent, once)."""
+        if self.intra is not None:
+            return
+        t = self.topo
+        g = self.group
+        lmax = max(self.sizes)
+        # Every rank lists every sub-group in the same order: hosts, then local indices.
+        lists = [[g.ranks[r] for r in host] for host in t.hosts]
+        lists += [[g.ranks[host[j]] for host in t.hosts if j < len(host)] for j in range(lmax)]
+        made = g._world.sub_groups(g, lists)
+        self.intra = made[t.host]
+        self.inter = made[t.num_hosts + t.local_rank]
+
+    def _phase(self, sub: Any, op: str, fn: Any, *args: Any) -> Any:
+        """Run one phase on a sub-group; its errors name the parent group's ranks."""
+        try:
+            return sub._call(op, False, fn, *args)
+        except RingletError as exc:
+            if isinstance(exc, GroupPoisonedError):
+                raise
+            g = self.group
+            peer = exc.peer
+            if isinstance(peer, int) and 0 <= peer < len(sub.ranks):
+                peer = g.ranks.index(sub.ranks[peer])
+            where = "intra-host" if sub is self.intra else "inter-host"
+            raise type(exc)(f"{exc} [group rank {g.rank}: the {where} {op} phase of a "
+                            f"hierarchical collective of group {g.comm_id}, over world ranks "
+                            f"{sub.ranks}; the peer is group rank {peer}]",
+                            rank=g.rank, peer=peer, op=exc.op, seq=exc.seq,
+                            waited=exc.waited) from exc
+
+    # ---- algorithms ----------------------------------------------------------
+    # Each runs as the parent group's operation: fn(coll, *args) under its lock.
+    def all_reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, ms: int) -> None:
+        self._subs()
+        dl = _deadline(ms)
+        flat = arr.reshape(-1)
+        P = self.group.size
+        sop = _SUM if op == _AVG else op
+        if not self.topo.uniform:
+            self._leader_all_reduce(flat, code, op, sop, P, dl)
+            return
+        L = self.sizes[0]
+        b = flat.size // L
+        main = flat[: b * L]
+        # 1. intra reduce_scatter: local rank j gets block j summed over its host.
+        part = np.empty(b, dtype=flat.dtype)
+        self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, part, main, code, sop,
+                    _left(dl))
+        # 2. inter all_reduce of block j among the ranks with local index j: all L
+        # local ranks drive their own block at once.
+        self._phase(self.inter, "all_reduce", _C.all_reduce, part, code, sop, _left(dl))
+        if op == _AVG:
+            _core.scale_kernel(part, code, 1.0 / P)
+        # 3. intra all_gather of the blocks into the user's buffer.
+        self._phase(self.intra, "all_gather", _C.all_gather, main, part, code, _left(dl))
+        if b * L < flat.size:
+            # The count % L elements past the last whole block: one small flat all_reduce.
+            _C.all_reduce(coll, flat[b * L:], code, op, _left(dl))
+
+    def _leader_all_reduce(self, flat: np.ndarray, code: int, op: int, sop: int, P: int,
+                           dl: float) -> None:
+        # Hosts of different sizes: reduce to each host's local rank 0, all_reduce
+        # among those leaders, broadcast back inside each host.
+        self._phase(self.intra, "reduce", _C.reduce, flat, code, sop, 0, _left(dl))
+        if self.topo.local_rank == 0:
+            self._phase(self.inter, "all_reduce", _C.all_reduce, flat, code, sop, _left(dl))
+            if op == _AVG:
+                _core.scale_kernel(flat, code, 1.0 / P)
+        self._phase(self.intra, "broadcast", _C.broadcast, flat, code, 0, _left(dl))
+
+    def reduce_scatter(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int, op: int,
+                       ms: int) -> None:
+        self._subs()
+        dl = _deadline(ms)
+        P, H = self.group.size, self.topo.num_hosts
+        b = out.size
+        sop = _SUM if op == _AVG else op
+        src = inp.reshape(-1)
+        if not self.perm_is_identity:
+            # Blocks in (local index, host) order, so that local rank j's H blocks
+            # (those of the ranks with local index j) are contiguous.
+            src = src.reshape(P, b)[self.perm].reshape(-1)
+        mid = np.empty(H * b, dtype=out.dtype)
+        self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, mid, src, code, sop,
+                    _left(dl))
+        o = out.reshape(-1)
+        self._phase(self.inter, "reduce_scatter", _C.reduce_scatter, o, mid, code, sop,
+                    _left(dl))
+        if op == _AVG:
+            _core.scale_kernel(o, code, 1.0 / P)
+
+    def all_gather(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int,
+                   ms: int) -> None:
+        self._subs()
+        dl = _deadline(ms)
+        P, H = self.group.size, self.topo.num_hosts
+        b = inp.size
+        mid = np.empty(H * b, dtype=out.dtype)
+        # 1. inter all_gather: the blocks of the ranks with this local index.
+        self._phase(self.inter, "all_gather", _C.all_gather, mid, inp.reshape(-1), code,
+                    _left(dl))
+        o = out.reshape(-1)
+        if self.perm_is_identity:
+            self._phase(self.intra, "all_gather", _C.all_gather, o, mid, code, _left(dl))
+            return
+        # 2. intra all_gather in (local index, host) order, then into rank order.
+        big = np.empty(P * b, dtype=out.dtype)
+        self._phase(self.intra, "all_gather", _C.all_gather, big, mid, code, _left(dl))
+        o.reshape(P, b)[self.perm] = big.reshape(P, b)
+
+    def broadcast(self, coll: Any, arr: np.ndarray, code: int, root: int, ms: int) -> None:
+        self._subs()
+        dl = _deadline(ms)
+        h0, j0 = self.topo.where(root)
+        flat = arr.reshape(-1)
+        # 1. between hosts, among the ranks with the root's local index;
+        # 2. inside every host, from that rank.
+        if self.topo.local_rank == j0:
+            self._phase(self.inter, "broadcast", _C.broadcast, flat, code, h0, _left(dl))
+        self._phase(self.intra, "broadcast", _C.broadcast, flat, code, j0, _left(dl))
+
+    def reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, root: int,
+               ms: int) -> None:
+        self._subs()
+        dl = _deadline(ms)
+        h0, j0 = self.topo.where(root)
+        flat = arr.reshape(-1)
+        sop = _SUM if op == _AVG else op
+        me_root = self.group.rank == root
+        # Only the root's buffer may change: the other hosts' collecting ranks
+        # reduce into a copy.
+        acc = flat if (me_root or self.topo.local_rank != j0) else flat.copy()
+        self._phase(self.intra, "reduce", _C.reduce, acc, code, sop, j0, _left(dl))
+        if self.topo.local_rank == j0:
+            self._phase(self.inter, "reduce", _C.reduce, acc, code, sop, h0, _left(dl))
+            if me_root and op == _AVG:
+                _core.scale_kernel(flat, code, 1.0 / self.group.size)
+
+
+_C = _core.Comm
+
+
+def plan(group: Any, host_ids: Sequence[str], algo: str,
+         params: cm.ModelParams) -> Tuple[Topology, Optional[_Hier]]:
+    """The group's topology, and its hierarchical plan where one can help.
+
+    None (flat always) for non-members, one host, ``RINGLET_ALGO=flat``, or,
+    with ``auto``, one rank per host (then both forms move the same bytes).
+    """
+    topo = Topology(host_ids, group.rank)
+    if group.rank < 0 or topo.num_hosts < 2 or algo == "flat":
+        return topo, None
+    if algo == "auto" and max(topo.ranks_per_host) == 1:
+        return topo, None
+    return topo, _Hier(group, topo, algo, params)

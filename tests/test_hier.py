@@ -1,0 +1,428 @@
+"""Node-aware (hierarchical) collectives on hosts simulated on loopback, the chooser
+and the cost model's arithmetic.
+
+Hosts are simulated with per-rank host ids (``run_world(host_ids=...)``, the
+thread-mode form of ``RINGLET_HOST_ID``).  Every rank checks its own result
+against the numpy oracle and returns a digest, so the tests also prove that
+every rank ends with the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import ReduceOp, _core
+from ringlet import _costmodel as cm
+from ringlet.testing import run_world
+
+from _oracle import DTYPES, close, data, ops_for, reduce_np, same
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "2x2-interleaved": ["a", "b", "a", "b"],
+    "3x1": ["a", "b", "c"],
+    "2x3": ["a", "a", "a", "b", "b", "b"],
+    "3+1": ["a", "a", "a", "b"],
+    "2+1+2": ["a", "a", "b", "c", "c"],
+}
+
+
+@pytest.fixture
+def small_segments():
+    # Small thresholds: a few thousand elements take the pipelined algorithms
+    # with several segments in every phase.
+    saved = _core.get_tuning()
+    _core.set_tuning(segment_bytes=4096, allreduce_small_bytes=256, bcast_small_bytes=256,
+                     reduce_small_bytes=256)
+    yield
+    _core.set_tuning(**saved)
+
+
+def _digest(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _matrix(rank, P, all_dtypes, counts):
+    """Every hierarchical op against the oracle; returns (failures, digest of results)."""
+    bad, outs = [], []
+    g = ringlet._world._require(None)
+
+    def check(name, got, want, op=ReduceOp.SUM, shared=True):
+        if not close(got, want, op):
+            bad.append(f"rank {rank}: {name}: got {got[:6]} want {want[:6]}")
+        if shared:  # a result every rank holds: its bits go into the digest
+            outs.append(got)
+
+    def moved(name, got, want):
+        if not same(got, want):
+            bad.append(f"rank {rank}: {name}: got {got[:6]} want {want[:6]}")
+        outs.append(got)
+
+    for dt in all_dtypes:
+        dt = np.dtype(dt)
+        for n in counts:
+            for op in ops_for(dt):
+                ins = [data(r, n, dt, op) for r in range(P)]
+                x = ins[rank].copy()
+                ringlet.all_reduce(x, op)
+                check(f"all_reduce {dt} {op.name} n={n}", x, reduce_np(ins, op, dt), op)
+    for dt in (np.float32, np.int64, np.float16):
+        dt = np.dtype(dt)
+        for n in counts:
+            for op in (ReduceOp.SUM, ReduceOp.MAX) + ((ReduceOp.AVG,) if dt.kind == "f" else ()):
+                ins = [data(r, n, dt, op, salt=1) for r in range(P)]
+                want = reduce_np(ins, op, dt)
+                for root in range(P):
+                    x = ins[rank].copy()
+                    ringlet.reduce(x, root, op)
+                    if rank == root:
+                        check(f"reduce {dt} {op.name} n={n} root={root}", x, want, op,
+                              shared=False)
+                    elif not same(x, ins[rank]):
+                        bad.append(f"rank {rank}: reduce root={root} changed a non-root buffer")
+                # reduce_scatter: block n per rank
+                full = [data(r, n * P, dt, op, salt=2) for r in range(P)]
+                out = np.empty(n, dt)
+                inp = full[rank].copy()
+                ringlet.reduce_scatter(out, inp, op)
+                check(f"reduce_scatter {dt} {op.name} n={n}", out,
+                      reduce_np(full, op, dt)[rank * n:(rank + 1) * n], op, shared=False)
+                if not same(inp, full[rank]):
+                    bad.append(f"rank {rank}: reduce_scatter changed its input")
+            for root in range(P):
+                src = data(root, n, dt, salt=3)
+                x = src.copy() if rank == root else np.zeros(n, dt)
+                ringlet.broadcast(x, root)
+                moved(f"broadcast {dt} n={n} root={root}", x, src)
+            blocks = [data(r, n, dt, salt=4) for r in range(P)]
+            out = np.zeros(n * P, dt)
+            ringlet.all_gather(out, blocks[rank])
+            moved(f"all_gather {dt} n={n}", out, np.concatenate(blocks))
+            # in place: the input is this rank's block of the output
+            out = np.zeros(n * P, dt)
+            out[rank * n:(rank + 1) * n] = blocks[rank]
+            ringlet.all_gather(out, out[rank * n:(rank + 1) * n])
+            moved(f"all_gather in place {dt} n={n}", out, np.concatenate(blocks))
+    # A 2-d array and an asynchronous op take the same path.
+    x = np.full((3, 5), rank + 1, np.float64)
+    w = ringlet.all_reduce(x, async_op=True)
+    w.wait()
+    check("all_reduce 2-d async", x, np.full((3, 5), P * (P + 1) / 2))
+    h = g._hier
+    return bad, _digest(*outs), (h is not None and h.intra is not None)
+
+
+def _run(layout, algo, monkeypatch, all_dtypes=DTYPES, counts=(1, 2, 7, 3001)):
+    monkeypatch.setenv("RINGLET_ALGO", algo)
+    ids = LAYOUTS[layout]
+    res = run_world(_matrix, len(ids), timeout=120, args=(all_dtypes, counts), host_ids=ids)
+    for bad, _d, _used in res:
+        assert not bad, "\n".join(bad[:20])
+    assert len({d for _b, d, _u in res}) == 1, "ranks ended with different bits"
+    return [u for _b, _d, u in res]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_hier_op_matches_the_oracle_forced(layout, monkeypatch, small_segments):
+    used = _run(layout, "hier", monkeypatch)
+    assert all(used), "RINGLET_ALGO=hier did not create the intra/inter-host groups"
+
+
+@pytest.mark.parametrize("layout", ["2x2", "2+1+2"])
+def test_auto_matches_the_oracle_and_flat_is_flat(layout, monkeypatch, small_segments):
+    _run(layout, "auto", monkeypatch, all_dtypes=[np.float32, np.int32], counts=(3, 5000))
+    used = _run(layout, "flat", monkeypatch, all_dtypes=[np.float32], counts=(5,))
+    assert not any(used)
+
+
+def _hier_equals_flat(rank, P):
+    # Same input, both algorithms on the same world: equal to the oracle's
+    # tolerance, and AVG scaled once as the flat form does.
+    g = ringlet._world._require(None)
+    got = {}
+    for algo in ("flat", "hier"):
+        g._hier.algo = algo if algo == "hier" else "auto"
+        g._hier._cache.clear()
+        x = (np.arange(4099, dtype=np.float32) * 0.37 + rank).astype(np.float32)
+        if algo == "flat":
+            saved, g._hier = g._hier, None
+            ringlet.all_reduce(x, ReduceOp.AVG)
+            g._hier = saved
+        else:
+            ringlet.all_reduce(x, ReduceOp.AVG)
+        got[algo] = x
+    want = np.mean([(np.arange(4099) * 0.37 + r) for r in range(P)], axis=0)
+    tol = 8 * 2.0 ** -24
+    ok = all(np.all(np.abs(v - want) <= tol * np.abs(want) + 1e-6) for v in got.values())
+    return ok, _digest(got["hier"])
+
+
+def test_hier_equals_flat_within_the_oracles_tolerance(monkeypatch):
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    res = run_world(_hier_equals_flat, 4, timeout=60, host_ids=LAYOUTS["2x2"])
+    assert all(ok for ok, _ in res)
+    assert len({d for _, d in res}) == 1
+
+
+def _subgroups(rank, P):
+    bad = []
+    # Ranks 0, 1 share host a, rank 3 is on b: an uneven group that spans hosts.
+    sub = ringlet.new_group([0, 1, 3])
+    cross = ringlet.new_group([1, 2])
+    if rank in (0, 1, 3):
+        t = sub.topology
+        if (t.num_hosts, list(t.ranks_per_host)) != (2, [2, 1]):
+            bad.append(f"rank {rank}: sub topology {t}")
+        members = [0, 1, 3]
+        for n in (1, 1000):
+            x = data(rank, n, np.int32, salt=5)
+            sub.all_reduce(x)
+            want = reduce_np([data(r, n, np.int32, salt=5) for r in members], ReduceOp.SUM,
+                             np.int32)
+            if not close(x, want, ReduceOp.SUM):
+                bad.append(f"rank {rank}: sub all_reduce n={n}")
+            y = np.arange(n, dtype=np.float64) if sub.rank == 2 else np.zeros(n)
+            sub.broadcast(y, 2)  # the root is the lone rank of host b
+            if not same(y, np.arange(n, dtype=np.float64)):
+                bad.append(f"rank {rank}: sub broadcast n={n}")
+        if sub._hier is None or sub._hier.intra is None:
+            bad.append(f"rank {rank}: the spanning sub-group ran flat")
+    else:
+        if sub.rank != -1 or sub.topology.host != -1:
+            bad.append(f"rank {rank}: non-member handle {sub.topology}")
+    if rank in (1, 2):
+        x = np.full(64, rank, np.float32)
+        cross.all_reduce(x)
+        if not np.all(x == 3):
+            bad.append(f"rank {rank}: one-rank-per-host group")
+    return bad
+
+
+def test_subgroups_spanning_hosts(monkeypatch):
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    for bad in run_world(_subgroups, 4, timeout=60, host_ids=LAYOUTS["2x2"]):
+        assert not bad, bad
+
+
+def _decisions(rank, P):
+    g = ringlet._world._require(None)
+    t = ringlet.get_topology()
+    picks = []
+    for op in cm.OPS:
+        for nbytes in [8 << k for k in range(0, 26, 3)]:
+            for root in range(P):
+                picks.append(g._hier.use(op, nbytes, max(1, nbytes // 4), root))
+    return (t.num_hosts, t.ranks_per_host, t.host, t.local_rank, t.local_size), picks
+
+
+def test_chooser_decides_alike_on_every_rank(monkeypatch):
+    monkeypatch.setenv("RINGLET_ALGO", "auto")
+    res = run_world(_decisions, 6, timeout=60, host_ids=LAYOUTS["2x3"])
+    assert len({tuple(p) for _t, p in res}) == 1
+    picks = res[0][1]
+    assert any(picks) and not all(picks), "the model should pick each form somewhere"
+    assert [t for t, _p in res] == [(2, (3, 3), h, j, 3) for h in (0, 1) for j in range(3)]
+
+
+def test_ringlet_algo_is_checked_at_init(monkeypatch):
+    monkeypatch.setenv("RINGLET_ALGO", "ring")
+    with pytest.raises(ValueError, match=r"RINGLET_ALGO='ring'.*auto, flat, hier"):
+        ringlet.init(rank=0, world_size=1)
+    assert not ringlet.is_initialized()
+    assert cm.algo_from_env({"RINGLET_ALGO": " HIER "}) == "hier"
+    assert cm.algo_from_env({}) == "auto"
+
+
+def test_ringlet_model_file_is_read_and_checked(tmp_path, monkeypatch):
+    p = tmp_path / "m.json"
+    p.write_text('{"params": {"alpha_inter": 1e-4}}')
+    assert cm.params_from_env({"RINGLET_MODEL": str(p)}).alpha_inter == 1e-4
+    p.write_text('{"alpha_iner": 1}')
+    with pytest.raises(ValueError, match="unknown cost model parameter.*alpha_iner"):
+        cm.params_from_env({"RINGLET_MODEL": str(p)})
+    with pytest.raises(ValueError, match="RINGLET_MODEL"):
+        cm.params_from_env({"RINGLET_MODEL": str(tmp_path / "missing.json")})
+    with pytest.raises(ValueError, match="beta_inter"):
+        cm.ModelParams(beta_inter=-1.0)
+
+
+def test_topology_of_a_single_host_world():
+    def fn(rank, P):
+        t = ringlet.get_topology()
+        return t.num_hosts, t.local_rank, ringlet._world._require(None)._hier is None
+    assert run_world(fn, 2, timeout=30) == [(1, 0, True), (1, 1, True)]
+
+
+# ---- the model's arithmetic, against hand-computed values ---------------------------
+M = cm.ModelParams(alpha_intra=1.0, beta_intra=0.01, alpha_inter=10.0, beta_inter=0.1,
+                   gamma=0.001)
+
+
+def test_building_blocks():
+    # Ring all_reduce, 4 ranks, 400 B: 2*3*a + 2*3/4*400*b + 3/4*400*g.
+    assert cm.ring_all_reduce(4, 400, 1.0, 0.01, 0.001) == pytest.approx(6 + 6 + 0.3)
+    # Recursive doubling, 4 ranks: 2 steps of a + N*b, 2 reductions of N.
+    assert cm.rd_all_reduce(4, 400, 1.0, 0.01, 0.001) == pytest.approx(2 * 5 + 0.8)
+    # 3 ranks: 1 step among 2 plus fold-in and hand-back: 3 steps, ceil(log2 3)=2 reductions.
+    assert cm.rd_all_reduce(3, 400, 1.0, 0.01, 0.001) == pytest.approx(3 * 5 + 0.8)
+    assert cm.reduce_scatter_1(4, 400, 1.0, 0.01, 0.001) == pytest.approx(3 + 300 * 0.011)
+    assert cm.all_gather_1(4, 400, 1.0, 0.01) == pytest.approx(3 + 3.0)
+    # Chain (3 + 4) against tree (2 * 5).
+    assert cm.broadcast_1(4, 400, 1.0, 0.01) == pytest.approx(7.0)
+    assert cm.reduce_1(4, 400, 1.0, 0.01, 0.001) == pytest.approx(3 + 400 * 0.011)
+    for f in (cm.ring_all_reduce, cm.rd_all_reduce, cm.reduce_1):
+        assert f(1, 400, 1.0, 0.01, 0.001) == 0.0
+
+
+def test_flat_and_hier_all_reduce_on_two_hosts_of_two():
+    n = 4000.0
+    # Flat: ring over 4 at inter costs = 6*10 + 1.5*4000*0.1 + 0.75*4000*0.001 = 663;
+    # RD: 1 intra step (1 + 40) + 1 inter step (10 + 4000*0.1*2) + 2*4 = 859.
+    assert cm.flat_time("all_reduce", n, [2, 2], M) == pytest.approx(663.0)
+    # Hier: intra RS (1 + 2000*0.011 = 23) + inter all_reduce of 2000 B over 2
+    # hosts at 2*beta (ring: 2*10 + 2000*0.2 + 1 = 421; RD: 10 + 400 + 2 = 412)
+    # + intra AG (1 + 20 = 21).
+    assert cm.hier_time("all_reduce", n, [2, 2], M) == pytest.approx(23 + 412 + 21)
+    # The ratio of inter-host bytes the issue names: 1.5x at 2 ranks per host.
+    big = cm.ModelParams(alpha_intra=0, beta_intra=0, alpha_inter=0, beta_inter=1, gamma=0)
+    assert (cm.flat_time("all_reduce", 1e6, [2, 2], big)
+            / cm.hier_time("all_reduce", 1e6, [2, 2], big)) == pytest.approx(1.5)
+    assert (cm.flat_time("all_reduce", 1e6, [4, 4], big)
+            / cm.hier_time("all_reduce", 1e6, [4, 4], big)) == pytest.approx(1.75 / 1, rel=0.1)
+
+
+def test_other_ops_and_where_hier_does_not_apply():
+    n = 4000.0
+    assert cm.hier_time("broadcast", n, [2, 2], M) == pytest.approx(
+        cm.broadcast_1(2, n, 10, 0.1) + cm.broadcast_1(2, n, 1, 0.01))
+    assert cm.hier_time("reduce_scatter", n, [2, 2], M) == pytest.approx(
+        (1 + 2000 * 0.011) + (10 + 1000 * (0.2 + 0.001)))
+    assert cm.hier_time("all_gather", n, [2, 2], M) == pytest.approx(
+        (10 + 1000 * 0.2) + (1 + 2000 * 0.01))
+    # Uneven hosts: the leader form for all_reduce, no hierarchical RS/AG.
+    assert cm.hier_time("all_reduce", n, [2, 1], M) == pytest.approx(
+        cm.reduce_1(2, n, 1, 0.01, 0.001) + cm.all_reduce_1(2, n, 10, 0.1, 0.001)
+        + cm.broadcast_1(2, n, 1, 0.01))
+    assert math.isinf(cm.hier_time("reduce_scatter", n, [2, 1], M))
+    assert not cm.hier_applies("all_reduce", [4])
+    assert not cm.hier_applies("broadcast", [2, 1], root_local=1)
+    assert cm.hier_applies("broadcast", [2, 1], root_local=0)
+    # One host: the flat form at intra costs.
+    assert cm.flat_time("all_gather", n, [4], M) == pytest.approx(3 + 3000 * 0.01)
+    # Ring edges leaving a host share its link.
+    assert cm.flat_time("all_gather", n, [2, 2], M, crossing=2) == pytest.approx(
+        3 * 10 + 3000 * 0.2)
+
+
+def test_fit_from_limits_figures():
+    intra = {"rtt_us": {"blocking_1pair": 20.0}, "tcp_both_ways": 2.0,
+             "add_f32_ringlet": {"256KiB": 10.0}}
+    inter = {"rtt_us": {"blocking_1pair": 100.0}, "tcp_one_way": 0.125}
+    m = cm.fit(intra, inter)
+    assert m.alpha_intra == pytest.approx(10e-6) and m.beta_intra == pytest.approx(0.5e-9)
+    assert m.gamma == pytest.approx(0.1e-9)
+    assert m.alpha_inter == pytest.approx(50e-6) and m.beta_inter == pytest.approx(8e-9)
+    assert cm.fit() == cm.ModelParams()
+
+
+# ---- real processes, the environment variables, and the bench command ---------------
+def _proc_rank(rank, P):
+    import os
+
+    g = ringlet._world._require(None)
+    x = np.full(1 << 12, rank + 1, np.float32)
+    ringlet.all_reduce(x)
+    return (os.environ["RINGLET_HOST_ID"], ringlet.get_topology().ranks_per_host,
+            g._hier is not None and g._hier.intra is not None, float(x[0]),
+            g._world.algo, g._world.model.alpha_inter)
+
+
+def test_processes_with_ringlet_host_id_and_rank_0s_model(tmp_path, monkeypatch):
+    # RINGLET_HOST_ID set per process; RINGLET_MODEL read by rank 0 and used by all.
+    from ringlet.bench import main
+
+    p = tmp_path / "model.json"
+    assert main(["model", "--params", "/dev/null"]) == 2  # not JSON: a usage error
+    p.write_text('{"params": {"alpha_inter": 0.5, "beta_inter": 1e-6}}')
+    monkeypatch.setenv("RINGLET_MODEL", str(p))
+    monkeypatch.setenv("RINGLET_ALGO", "auto")
+    res = run_world(_proc_rank, 4, mode="process", timeout=120, host_ids=LAYOUTS["2x2"])
+    assert [r[0] for r in res] == LAYOUTS["2x2"]
+    assert all(r[1] == (2, 2) and r[2] and r[3] == 10.0 and r[4] == "auto" and r[5] == 0.5
+               for r in res), res
+
+
+def test_bench_model_prints_the_grid_and_saves_params(tmp_path, capsys):
+    from ringlet.bench import main
+
+    intra = tmp_path / "limits.json"
+    intra.write_text('{"limits": {"rtt_us": {"blocking_1pair": 40.0}, "tcp_both_ways": 2.0}}')
+    saved, js = tmp_path / "m.json", tmp_path / "rows.json"
+    assert main(["model", "--intra-limits", str(intra), "--save", str(saved),
+                 "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "## all_reduce" in out and "## reduce" in out and "128 hosts" in out
+    m = cm.params_from_env({"RINGLET_MODEL": str(saved)})
+    assert m.alpha_intra == pytest.approx(20e-6) and m.beta_inter == cm.ModelParams().beta_inter
+    import json
+
+    rows = json.loads(js.read_text())["rows"]
+    r = [x for x in rows if (x["op"], x["ranks"], x["hosts"]) == ("all_reduce", 8, 2)][0]
+    # 2 hosts of 4 at the largest size: flat/hier near the 2(P-1)/P / (2(H-1)/H) = 1.75 bound.
+    assert 1.5 < r["speedup"] < 1.75
+    assert r["crossovers"][-1][1] == "hier"
+
+
+def _one_rank_missing(rank, P):
+    from ringlet.errors import GroupPoisonedError, RingletError
+
+    if rank == 3:
+        return "skipped"  # never joins: its host's intra phase cannot finish
+    x = np.ones(4096, np.float32)
+    try:
+        ringlet.all_reduce(x, timeout=5.0)
+    except RingletError as exc:
+        msg = str(exc)
+    else:
+        return "no error"
+    try:
+        ringlet.all_reduce(x)
+    except GroupPoisonedError:
+        return msg
+    return "not poisoned"
+
+
+def test_a_failed_phase_names_the_parent_group_and_poisons_it(monkeypatch):
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    res = run_world(_one_rank_missing, 4, timeout=60, host_ids=LAYOUTS["2x2"])
+    assert res[3] == "skipped"
+    for r in range(3):
+        assert "hierarchical collective of group 0" in res[r], res[r]
+
+
+def _algo_seen(rank, P):
+    g = ringlet._world._require(None)
+    x = np.full(4096, rank, np.float32)
+    ringlet.all_reduce(x)
+    return g._world.algo, g._hier is not None and g._hier.intra is not None, float(x[0])
+
+
+def test_rank_0s_ringlet_algo_is_the_jobs(monkeypatch):
+    # Each rank reads its own RINGLET_ALGO (here: rank 0 "hier", the others "flat");
+    # rank 0's value reaches every rank with the endpoint table, so all run alike.
+    import threading
+
+    def per_rank(env=None):
+        return "hier" if threading.current_thread().name == "ringlet-rank0" else "flat"
+
+    monkeypatch.setattr(cm, "algo_from_env", per_rank)
+    res = run_world(_algo_seen, 4, timeout=60, host_ids=LAYOUTS["2x2"])
+    assert res == [("hier", True, 6.0)] * 4
