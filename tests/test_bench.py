@@ -290,11 +290,96 @@ def test_targets_ceiling_uses_the_median_and_pairs_rounds():
 def test_expand_systems():
     assert launch.expand_systems("mpi,gloo") == ["mpi-tcp", "mpi-sm", "gloo"]
     assert launch.expand_systems("gloo,mpi-tcp,gloo") == ["gloo", "mpi-tcp"]
+    assert launch.expand_systems("ringlet-tcp,mpi") == ["ringlet-tcp", "mpi-tcp", "mpi-sm"]
     with pytest.raises(ValueError, match="unknown system 'nccl'"):
         launch.expand_systems("nccl")
 
 
+def _busy_children():
+    """Process ids of this process's children that are busy loops (any state but reaped)."""
+    from ringlet.bench.busy import BUSY_MARK
+    me, out = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        if ppid == me and BUSY_MARK.encode() in cmd:
+            out.append(int(d))
+    return sorted(out)
+
+
+def test_busy_loops_spin_and_always_stop():
+    from ringlet.bench.busy import busy_loops
+    assert _busy_children() == []
+    with busy_loops(3) as pids:
+        assert len(pids) == 3 and _busy_children() == sorted(pids)
+        for pid in pids:  # running, not exited and waiting to be reaped
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] in "RS"
+    assert _busy_children() == []
+    with pytest.raises(KeyError, match="inside"):  # an error in the block stops them too
+        with busy_loops(2) as pids:
+            assert len(_busy_children()) == 2
+            raise KeyError("inside")
+    assert _busy_children() == []
+    with busy_loops(0) as pids:
+        assert pids == [] and _busy_children() == []
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="int >= 0"):
+            with busy_loops(bad):
+                pass
+
+
+def test_busy_loop_that_cannot_start_is_an_error_and_the_others_stop(monkeypatch):
+    from ringlet.bench import busy
+    real = busy.subprocess.Popen
+    calls = []
+
+    def popen(argv, **kw):  # the second loop's interpreter exits at once
+        calls.append(1)
+        if len(calls) == 2:
+            argv = [argv[0], "-c", "raise SystemExit(3)"]
+        return real(argv, **kw)
+
+    monkeypatch.setattr(busy.subprocess, "Popen", popen)
+    with pytest.raises(busy.BusyError, match=r"busy loop 2 of 3 \(pid \d+\) did not start "
+                                             r"\(exit code 3\)"):
+        with busy.busy_loops(3):
+            pytest.fail("the block ran without its loops")
+    assert _busy_children() == []
+
+
 # ---- the CLI, launching its own ranks ---------------------------------------------
+def test_busy_runs_beside_every_systems_job_and_stops_after(capsys, tmp_path, monkeypatch):
+    # Each system's job starts beside K fresh loops; none is left between jobs or after.
+    real, seen = launch.run_system, []
+
+    def counted(system, *a, **kw):
+        seen.append((system, len(_busy_children())))
+        return real(system, *a, **kw)
+
+    monkeypatch.setattr(launch, "run_system", counted)
+    js = tmp_path / "b.json"
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", "-b", "8", "-e", "8", "-i", "2",
+                           "-w", "1", "--vs", "ringlet-tcp", "--rounds", "2", "--busy", "2",
+                           "--json", js)
+    assert code == 0, err
+    assert sorted(seen) == [("ringlet", 2), ("ringlet", 2), ("ringlet-tcp", 2),
+                            ("ringlet-tcp", 2)]
+    assert _busy_children() == []
+    doc = json.loads(js.read_text())
+    assert doc["config"]["busy"] == 2 and doc["systems"] == ["ringlet", "ringlet-tcp"]
+    assert doc["environment"]["systems"]["ringlet-tcp"]["transport"] == "tcp"
+    assert "beside 2 busy loops" in out
+    assert {r["system"] for r in doc["rows"]} == {"ringlet", "ringlet-tcp"}
+
+
 def test_short_sweep_every_op_checks_and_writes_files(capsys, tmp_path):
     js, cs = tmp_path / "b.json", tmp_path / "b.csv"
     code, out, err = bench(capsys, "all", "-n", "2", *SHORT, "--check", "--json", js,
@@ -402,6 +487,9 @@ def test_min_busbw_fails_the_health_check(capsys):
     (["all_reduce", "-e", "4", "-b", "8"], "maxbytes"),
     (["all_reduce", "--batch", "0"], "must be >= 1"),
     (["reduce_scatter", "--in-place"], "reduce_scatter has no in-place form"),
+    (["all_reduce", "--busy", "-1"], "--busy must be >= 0 processes, got -1"),
+    (["all_reduce", "--busy", "x"], "invalid int value"),
+    (["limits", "--busy", "2"], "`limits` measures the idle machine"),
 ])
 def test_usage_errors_exit_2_with_a_clear_message(capsys, args, needle):
     code, out, err = bench(capsys, *args)
