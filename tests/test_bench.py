@@ -189,6 +189,24 @@ def test_batch_times_back_to_back_operations_and_divides(monkeypatch):
         SweepConfig("all_reduce", [64], batch=0).validate(1)
 
 
+def test_batch_shrinks_where_a_slow_operation_would_overrun_the_budget(monkeypatch):
+    # 0.1 s an operation, a 2 s budget: 3 batches of 6 fit, not of 20.
+    backend = _ClockedBackend(op_s=0.1)
+    monkeypatch.setattr(sweep_mod.time, "perf_counter", backend.clock)
+    cfg = SweepConfig("all_reduce", [64], iters=500, warmup=5, budget_s=2.0, batch=20)
+    (row,) = run_sweep(backend, cfg)
+    assert row["batch"] == 6 and row["iters"] == sweep_mod.MIN_ITERS
+    # one operation sizes the batch, one batch sizes the iterations, then 3 timed batches
+    assert backend.calls == 1 + 6 + 3 * 6
+    assert row["time_us"] == pytest.approx(1e5)
+    # A fast operation keeps the whole batch.
+    fast = _ClockedBackend(op_s=1e-4)
+    monkeypatch.setattr(sweep_mod.time, "perf_counter", fast.clock)
+    (row,) = run_sweep(fast, SweepConfig("all_reduce", [64], iters=5, warmup=0, budget_s=2.0,
+                                         batch=20))
+    assert row["batch"] == 20 and row["time_us"] == pytest.approx(100.0)
+
+
 def test_settle_runs_barriers_until_the_slowest_rank_passes_the_time(monkeypatch):
     class Slow(_ClockedBackend):
         barriers = 0
