@@ -542,6 +542,9 @@ def test_limits_json(capsys, tmp_path):
     assert all(v > 0 for v in lim["rtt_us"].values())
     for k in ("memcpy", "add_f32_numpy", "add_f32_ringlet"):
         assert lim[k]["64MiB"] > 0 and lim[k]["256KiB"] > 0
+    assert set(lim["memcpy_procs"]) == {"2", "3"} and min(lim["memcpy_procs"].values()) > 0
+    assert "memcpy (numpy), 64MiB, 3 processes at once (sum)" in out
+    assert "memory bound, all_reduce, 3 ranks (busbw)" in out
     assert "TCP one way" in out
 
 
@@ -702,6 +705,60 @@ def test_median_limits_takes_the_median_of_every_value():
     assert got["rtt_us"] == {"blocking_1pair": 30.0} and got["memcpy"] == {"64MiB": 9.0}
     assert ceilings(got, 3)["all_reduce"] == 1.1 and ceilings(got, 3)["scatter"] == 2.2
     assert median_limits([_fake_limits(2.0, 1.0, 5.0)])["tcp_one_way"] == 2.0
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_shm_bytes_per_rank(p):
+    from ringlet.bench.limits import shm_bytes
+    n, b = 96 << 20, (96 << 20) // p  # divisible by every p here
+    # the user's buffers only: what a message of >= 16 MiB streams from and to memory
+    assert shm_bytes("all_reduce", p, n) == [(n, n)] * p
+    assert shm_bytes("broadcast", p, n) == [(n, 0)] + [(0, n)] * (p - 1)
+    assert shm_bytes("reduce", p, n) == [(n, n)] + [(n, 0)] * (p - 1)
+    assert shm_bytes("reduce_scatter", p, n) == [(n, b)] * p
+    assert shm_bytes("all_gather", p, n) == [(b, n)] * p
+    assert shm_bytes("all_to_all", p, n) == [(n, n)] * p
+    assert shm_bytes("gather", p, n) == [(b, n)] + [(b, 0)] * (p - 1)
+    assert shm_bytes("scatter", p, n) == [(n, b)] + [(0, b)] * (p - 1)
+    assert shm_bytes("sendrecv", p, n) == [(n, 0), (0, n)] + [(0, 0)] * (p - 2)
+    # every copy: copy-in (n, n), reduce 1/P reading P slots (n, b), copy-out (n, n)
+    assert shm_bytes("all_reduce", p, n, slots=True) == [(3 * n, 2 * n + b)] * p
+    assert shm_bytes("broadcast", p, n, slots=True) == [(n, n)] * p
+    assert shm_bytes("reduce", p, n, slots=True) == ([(3 * n, 2 * n + b)]
+                                                      + [(2 * n, n + b)] * (p - 1))
+    assert shm_bytes("reduce_scatter", p, n, slots=True) == [(2 * n, n + b)] * p
+    assert shm_bytes("all_gather", p, n, slots=True) == [(n + b, n + b)] * p
+    assert shm_bytes("gather", p, n, slots=True) == [(n, n)] + [(b, b)] * (p - 1)
+    assert shm_bytes("scatter", p, n, slots=True) == [(n, n)] + [(b, b)] * (p - 1)
+
+
+def test_memory_bound_arithmetic():
+    from ringlet.bench.limits import format_limits, memory_bound, shm_bytes
+    n = 16 << 20
+    lim = {"nranks": 2, "memcpy": {"64MiB": 10.0}, "memcpy_procs": {"2": 16.0}}
+    # all_reduce: each rank reads n and writes n: one rank alone needs 2n / (2 * 10 GB/s);
+    # both together 4n / (2 * 16 GB/s), the larger
+    assert memory_bound(lim, "all_reduce", 2, n) == pytest.approx(4 * n / 32e9)
+    # broadcast: 2n in all, n per rank: 2n / 32e9 > n / 20e9
+    assert memory_bound(lim, "broadcast", 2, n) == pytest.approx(2 * n / 32e9)
+    # with a fast shared memory system the busiest rank decides
+    fast = dict(lim, memcpy_procs={"2": 100.0})
+    assert memory_bound(fast, "all_reduce", 2, n) == pytest.approx(2 * n / 20e9)
+    assert memory_bound({"memcpy": {"64MiB": 10.0}}, "all_reduce", 2, n) is None  # older file
+    assert memory_bound(lim, "all_reduce", 4, n) is None  # no 4-process rate measured
+    with pytest.raises(ValueError, match="no memory bound for 'barrier'"):
+        shm_bytes("barrier", 2, 0)
+    with pytest.raises(ValueError, match="nranks"):
+        shm_bytes("all_reduce", 1, n)
+    with pytest.raises(ValueError, match="nbytes"):
+        shm_bytes("all_reduce", 2, -1)
+    full = dict(_fake_limits(2.0, 1.0, 5.0), nranks=2, memcpy={"64MiB": 10.0},
+                memcpy_procs={"2": 16.0}, add_f32_numpy={}, add_f32_ringlet={})
+    text = format_limits(full)
+    assert "memcpy (numpy), 64MiB, 2 processes at once (sum)        16.00  GB/s" in text
+    # all_reduce's busbw factor at 2 ranks is 1: 32 GB/s / 4
+    assert "memory bound, all_reduce, 2 ranks (busbw)                8.00  GB/s" in text
+    assert "memory bound, broadcast, 2 ranks (busbw)                16.00  GB/s" in text
 
 
 def test_median_limits_rejects_measurements_that_do_not_match():

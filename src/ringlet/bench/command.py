@@ -30,6 +30,7 @@ from .sweep import (NOT_IN_PLACE, OPS, REDOPS, REDUCING, SweepConfig, parse_size
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SLOW, EXIT_FAILED = 0, 1, 2, 3, 4
+LARGE = 16 << 20  # rows judged against the machine's ceilings and memory bound
 
 
 class _Usage(Exception):
@@ -197,12 +198,34 @@ def _ceiling_column(rows: Sequence[Dict[str, Any]], median: Dict[str, Any],
         c = ceil.get(r["op"])
         # Below ~16 MiB the socket buffers absorb much of a message, so the
         # steady-state stream rate is not yet the limit.
-        if c and r["size"] >= (16 << 20):
+        if c and r["size"] >= LARGE:
             lo = min(e[r["op"]] for e in each)
             hi = max(e[r["op"]] for e in each)
             lines.append(f"{r['op']:>16} {r['size']:>12} {r['busbw']:>8.3f} {c:>8.3f} "
                          f"{lo:>7.3f} {hi:>7.3f} {100 * r['busbw'] / c:>6.1f}")
     return "\n".join(lines)
+
+
+def _memory_column(rows: Sequence[Dict[str, Any]], median: Dict[str, Any],
+                   nranks: int) -> str:
+    """Each large row's time against the memory-bandwidth bound of the
+    shared-memory algorithm for its op (``limits.memory_bound``); empty when
+    the limits lack the memcpy rates."""
+    from .limits import BOUND_OPS, memory_bound
+
+    lines = []
+    for r in rows:
+        if r["op"] in BOUND_OPS and r["size"] >= LARGE and r["time_us"] > 0:
+            t = memory_bound(median, r["op"], nranks, r["size"])
+            if t is not None:
+                lines.append(f"{r['op']:>16} {r['size']:>12} {r['time_us']:>10.1f} "
+                             f"{t * 1e6:>10.1f} {100 * t * 1e6 / r['time_us']:>6.1f}")
+    if not lines:
+        return ""
+    return "\n".join(["# time as % of the memory-bandwidth bound of the shared-memory "
+                      "algorithms (bound / time; docs/algorithms.md)",
+                      f"#{'op':>15} {'size':>12} {'time(us)':>10} {'bound(us)':>10} {'%':>6}"]
+                     + lines)
 
 
 def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=()) -> None:
@@ -355,6 +378,10 @@ def _run_launched(args: argparse.Namespace) -> int:
                 say(f"ringlet bench: warning: {s} produced {bad} wrong value(s)")
     if limits_res:
         print(_ceiling_column(ring_rows, limits_res, limit_samples, n))
+        mem = _memory_column(ring_rows, limits_res, n)
+        if mem:
+            print()
+            print(mem)
     env = report.environment_info(versions)
     if load_at_start is not None:
         env["loadavg_at_start"] = [round(x, 2) for x in load_at_start]
