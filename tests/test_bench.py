@@ -268,37 +268,101 @@ def test_targets_verdict_pairs_rounds():
     # the medians says "behind", each round's pair says ahead.
     def row(system, rnd, t):
         return dict(system=system, op="broadcast", size=8, time_us=t, round=rnd)
-    rr = [row("ringlet", 0, 10.0), row("mpi-tcp", 0, 22.0), row("gloo", 0, 300.0),
-          row("ringlet", 1, 24.0), row("mpi-tcp", 1, 12.0), row("gloo", 1, 290.0),
-          row("ringlet", 2, 11.0), row("mpi-tcp", 2, 12.0), row("gloo", 2, 310.0)]
-    doc = {"nranks": 4, "round_rows": rr,
+    rr = [row("ringlet", 0, 10.0), row("mpi-sm", 0, 22.0), row("gloo", 0, 300.0),
+          row("ringlet", 1, 24.0), row("mpi-sm", 1, 12.0), row("gloo", 1, 290.0),
+          row("ringlet", 2, 11.0), row("mpi-sm", 2, 12.0), row("gloo", 2, 310.0)]
+    doc = {"nranks": 4, "config": {"busy": 0}, "round_rows": rr,
            "rows": [dict(system="ringlet", op="broadcast", size=8, time_us=11.0),
-                    dict(system="mpi-tcp", op="broadcast", size=8, time_us=12.0 * 0.9),
+                    dict(system="mpi-sm", op="broadcast", size=8, time_us=12.0 * 0.9),
                     dict(system="gloo", op="broadcast", size=8, time_us=300.0)]}
     t = _targets()
-    assert t.paired_ratio(doc, "broadcast", 8) == pytest.approx(11.0 / 12.0)
+    assert t.paired_ratio(doc, "broadcast", 8, ("mpi-sm",)) == pytest.approx(11.0 / 12.0)
     text = t.summary(doc)
-    assert "| 8 | 0.92 |" in text
-    assert "behind in 0 of 1 cells" in text and "overall medians: behind in 1" in text
-    # Without per-round rows the ratio of the medians decides.
+    assert "| 8 | 0.92 |" in text and "Target 1: **met** in all 1 cells" in text
+    # Without per-round rows the ratio of the medians decides, and the verdict names the cell.
     doc["round_rows"] = []
-    assert "| 8 | **1.02** |" in t.summary(doc)
+    text = t.summary(doc)
+    assert "| 8 | **1.02** |" in text
+    assert ("Target 1: **missed** in 1 of 1 cells; worst: broadcast 8 B 1.02 (11.0 against "
+            "mpi-sm 10.8 us)") in text
+    assert "Target 3: not judged (the run has no memcpy rates" in text
 
 
-def test_targets_ceiling_uses_the_median_and_pairs_rounds():
+def _target_rows(system_times, rnd=None, op="all_reduce", size=8):
+    return [dict(system=s, op=op, size=size, time_us=t, busbw=0.0,
+                 **({} if rnd is None else {"round": rnd})) for s, t in system_times.items()]
+
+
+def test_target1_compares_with_mpi_sm_only_and_target2_with_every_peer():
+    t = _targets()
+    times = {"ringlet": 5.0, "ringlet-tcp": 4.0, "mpi-tcp": 4.5, "mpi-sm": 6.0, "gloo": 300.0}
+    rows = _target_rows(times) + _target_rows(times, op="broadcast")
+    idle = {"nranks": 2, "config": {"busy": 0}, "rows": rows}
+    text = t.summary(idle)
+    # idle: only mpi-sm counts (mpi-tcp is faster here, and ringlet-tcp is not a peer)
+    assert "| 8 | 0.83 | 0.83 |" in text and "Target 1: **met** in all 2 cells" in text
+    assert "Target 2" not in text
+    busy = {"nranks": 4, "config": {"busy": 2}, "rows": rows}
+    text = t.summary(busy)
+    assert "Target 1" not in text and "beside 2 busy loops" in text
+    assert "| 8 | **1.11** | **1.11** |" in text  # mpi-tcp is the fastest peer
+    assert "Target 2: **missed** in 2 of 2 cells" in text
+    assert "all_reduce 8 B 1.11 (5.0 against mpi-tcp 4.5 us)" in text
+    assert "8 B all_reduce at 4 ranks: 5.0 us" in text and "**met** (<= 300 us)" in text
+    slow = {"nranks": 4, "config": {"busy": 3},
+            "rows": _target_rows(dict(times, ringlet=301.0, gloo=250.0))}
+    text = t.summary(slow)
+    assert "8 B all_reduce at 4 ranks: 301.0 us" in text and "**missed** (> 300 us)" in text
+    assert "defined beside 2 busy loops; this run had 3" in text
+    # At 2 ranks the 300 us line does not apply.
+    assert "8 B all_reduce at 4" not in t.summary(dict(slow, nranks=2))
+
+
+def test_target3_judges_large_messages_against_the_memory_bound():
+    from ringlet.bench.limits import memory_bound
+    t = _targets()
+    lim = {"memcpy": {"64MiB": 10.0}, "memcpy_procs": {"2": 16.0}}
+    size = 16 << 20
+    bound_us = memory_bound(lim, "all_reduce", 2, size) * 1e6  # 4n / 32 GB/s
+    assert bound_us == pytest.approx(4 * size / 32e9 * 1e6)
+    rows = [dict(system="ringlet", op="all_reduce", size=size, time_us=bound_us / 0.8,
+                 busbw=0.0),
+            dict(system="ringlet", op="broadcast", size=size, time_us=1e6, busbw=0.0),
+            dict(system="ringlet", op="broadcast", size=8, time_us=1e6, busbw=0.0)]
+    doc = {"nranks": 2, "config": {}, "limits": lim, "rows": rows}
+    text = t.target3(doc)
+    assert f"| all_reduce | {size} | {bound_us / 0.8:.0f} | {bound_us:.0f} | 80 | – |" in text
+    b_bc = memory_bound(lim, "broadcast", 2, size) * 1e6
+    assert f"| broadcast | {size} | 1000000 | {b_bc:.0f} | **0** | – |" in text
+    assert "| broadcast | 8 |" not in text  # below 16 MiB: not judged
+    assert "Target 3: **missed** in 1 of 2 cells (< 70%); worst: broadcast 16 MiB 0%" in text
+    # Per-round limits: round k's bound against round k's time decides.  Round 1
+    # ran while memory was half as fast: twice the time, and twice the bound.
+    doc["limits_rounds"] = [lim, {"memcpy": {"64MiB": 5.0}, "memcpy_procs": {"2": 8.0}}]
+    doc["round_rows"] = [dict(rows[0], time_us=bound_us, round=0),
+                         dict(rows[0], time_us=2 * bound_us, round=1),
+                         dict(rows[1], round=0), dict(rows[1], round=1)]
+    assert t.paired_bound_share(doc, "all_reduce", size) == pytest.approx(100.0)
+    assert f"| all_reduce | {size} | {bound_us / 0.8:.0f} | {bound_us:.0f} | 80 | 100 |" in (
+        t.target3(doc))
+
+
+def test_tcp_reference_uses_the_median_ceiling_and_pairs_rounds():
     # Ceilings measured before each of 3 rounds: 2.0, 3.0, 2.5 GB/s (2 ranks:
-    # "both ways"); ringlet's busbw in those rounds 2.0, 2.4, 2.5.
+    # "both ways"); ringlet-tcp's busbw in those rounds 2.0, 2.4, 2.5.
     def lim(both):
         return {"tcp_both_ways": both, "tcp_one_way": 2 * both, "tcp_ring": {"2": both},
                 "tcp_chain": {"2": 2 * both}}
     each = [lim(2.0), lim(3.0), lim(2.5)]
     size = 16 << 20
-    rr = [dict(system="ringlet", op="all_reduce", size=size, time_us=1.0, busbw=b, round=k)
+    rr = [dict(system="ringlet-tcp", op="all_reduce", size=size, time_us=1.0, busbw=b, round=k)
           for k, b in enumerate((2.0, 2.4, 2.5))]
     doc = {"nranks": 2, "limits": lim(2.5), "limits_rounds": each, "round_rows": rr,
-           "rows": [dict(system="ringlet", op="all_reduce", size=size, time_us=1.0, busbw=2.4)]}
+           "rows": [dict(system="ringlet-tcp", op="all_reduce", size=size, time_us=1.0,
+                         busbw=2.4)]}
     t = _targets()
-    assert t.paired_share(doc, "all_reduce", size, [2.0, 3.0, 2.5]) == pytest.approx(100.0)
+    assert t.paired_share(doc, "all_reduce", size, [2.0, 3.0, 2.5],
+                          system="ringlet-tcp") == pytest.approx(100.0)
     text = t.summary(doc)
     assert f"| all_reduce | {size} | 2.40 | 2.50 | 2.00–3.00 | 96 | 100 |" in text
     doc["limits_rounds"] = []  # one measurement: no paired share
