@@ -929,10 +929,22 @@ def test_doc_tables_sweep_runs_the_commands_the_page_shows():
     script = Path(__file__).resolve().parent.parent / "bench" / "doc_tables.py"
     out = subprocess.run([sys.executable, str(script), "--sweep", "--dry-run"], capture_output=True,
                          text=True, timeout=60, check=True).stdout.strip().splitlines()
-    assert len(out) == 2 and out[0].startswith("ringlet bench all -n 2 ")
+    # back to back (primary), one per barrier, busy host; 2 and 4 ranks each
+    assert len(out) == 6 and out[0].startswith("ringlet bench all -n 2 ")
+    assert all("--vs ringlet-tcp,mpi,gloo --rounds 9" in c and "-b 8 -e 256M" in c for c in out)
+    assert ["--batch 20" in c for c in out] == [True, True, False, False, True, True]
+    assert ["--busy 2" in c for c in out] == [False] * 4 + [True] * 2
+    assert ["--limits" in c for c in out] == [True] * 4 + [False] * 2
     page = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
     block = page.split("<!-- sweep commands:", 1)[1].split("```")[1].strip().splitlines()
     assert block == out, "docs/benchmarks.md's sweep commands differ from bench/doc_tables.py"
+    dt = _doc_tables()
+    for variant in dt.VARIANTS:  # every section the sweep rewrites is on the page
+        for n in (2, 4):
+            assert dt.heading(variant, n) + "\n" in page
+    bad = subprocess.run([sys.executable, str(script), "--sweep", "--dry-run", "--variants",
+                          "batch,idle"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--variants: unknown idle" in bad.stderr
 
 
 def test_doc_tables_rewrites_only_its_section(capsys, tmp_path):
@@ -942,12 +954,35 @@ def test_doc_tables_rewrites_only_its_section(capsys, tmp_path):
     assert code == 0, err
     txt.write_text(out)
     md = tmp_path / "page.md"
-    md.write_text("# Page\n\nintro\n\n## Collectives, 2 ranks\n\nOLD TABLES\n\n## Next\n\nkept\n")
-    assert _doc_tables().main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png")) == 0
+    md.write_text("# Page\n\nintro\n\n## Collectives, 2 ranks, one operation per barrier\n\n"
+                  "OLD TABLES\n\n## Collectives, 2 ranks, back to back on a busy host\n\nOLD BUSY"
+                  "\n\n## Next\n\nkept\n")
+    dt = _doc_tables()
+    assert dt.main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png"), "abc123") == 0
     page = md.read_text()
-    assert page.startswith("# Page\n\nintro\n\n## Collectives, 2 ranks\n")
-    assert page.endswith("## Next\n\nkept\n") and "OLD TABLES" not in page
-    body = page.split("## Collectives, 2 ranks\n", 1)[1].split("## Next", 1)[0]
+    assert page.startswith("# Page\n\nintro\n\n## Collectives, 2 ranks, one operation per "
+                           "barrier\n")
+    assert page.endswith("OLD BUSY\n\n## Next\n\nkept\n") and "OLD TABLES" not in page
+    body = page.split("per barrier\n", 1)[1].split("## Collectives, 2 ranks, back", 1)[0]
+    doc = json.loads(js.read_text())
+    when = doc["environment"]["timestamp"]
+    assert f"Measured by the run that ended {when}, on commit abc123 (1 interleaved" in body
+    assert "ringlet bench all -n 2 -b 8 -e 64 -f 8 -i 500 --vs ringlet-tcp,mpi,gloo" in body
     assert "TCP one way (1 stream)" in body                 # the limits block
-    assert "*2 ranks: ringlet time / min(mpi-tcp, gloo) time" in body  # bench/targets.py's
+    assert "memory bound, all_reduce, 2 ranks (busbw)" in body
+    assert "*Target 1, 2 ranks: ringlet time / mpi-sm time" in body  # bench/targets.py's
+    assert "Target 1: not judged (no cell has ringlet and mpi-sm)" in body
     assert "![busbw and time against size, 2 ranks](img/p.png)" in body
+    # The same files as a busy run land in the busy section, judged on target 2.
+    doc["config"].update(busy=2, batch=20)
+    js.write_text(json.dumps(doc))
+    assert dt.main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png")) == 0
+    page = md.read_text()
+    busy = page.split("on a busy host\n", 1)[1].split("## Next", 1)[0]
+    assert "OLD BUSY" not in page and "2 busy loops beside every system's job" in busy
+    assert "--batch 20 --busy 2" in busy and "*Target 2, 2 ranks beside 2 busy loops" in busy
+    assert "measured without the busy loops" in busy
+    md.write_text("# Page\n\n## Next\n")
+    with pytest.raises(SystemExit, match="no section headed '## Collectives, 2 ranks, back to "
+                                         "back on a busy host'"):
+        dt.main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png"))
