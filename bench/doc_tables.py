@@ -100,7 +100,8 @@ def section(text: str, doc: dict, plot: str, command: str = "", commit: str = ""
     when = env.get("timestamp", "an unrecorded time")
     body = [f"Measured by the run that ended {when}"
             + (f", on commit {commit}" if commit else "")
-            + f" ({cfg.get('rounds', 1)} interleaved rounds"
+            + (f" ({cfg['rounds']} interleaved rounds" if cfg.get("rounds", 1) > 1
+               else " (1 round")
             + (f"; {cfg['busy']} busy loops beside every system's job" if cfg.get("busy") else "")
             + (f"; up to {cfg['batch']} operations back to back per barrier" if
                cfg.get("batch", 1) > 1 else "; one operation per barrier")
@@ -212,7 +213,8 @@ def sweep(ranks: list, rounds: int, out: str, dry_run: bool, variants: tuple = V
           page: str = "") -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.join(REPO, "src")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("RINGLET_TRANSPORT", None)  # "ringlet" is the automatic choice; ringlet-tcp sets its own
+    # "ringlet" is the automatic choice; ringlet-tcp sets its own
+    env.pop("RINGLET_TRANSPORT", None)
     commit = "" if dry_run else _commit()
     for variant in variants:
         for n in ranks:
@@ -228,13 +230,12 @@ def sweep(ranks: list, rounds: int, out: str, dry_run: bool, variants: tuple = V
                 subprocess.run([sys.executable, "-m", "ringlet.cli"] + cmd[1:], stdout=f, env=env,
                                check=True)
             img = image(variant, n, page)
+            os.makedirs(os.path.dirname(img), exist_ok=True)
             try:
                 _scaled_copy(base + ".png", img, PAGE_WIDTH_PX)
             except ImportError:
                 print(f"matplotlib is missing: {img} left as it was (pip install matplotlib)",
                       file=sys.stderr)
-            if not os.path.exists(os.path.dirname(img)):
-                os.makedirs(os.path.dirname(img))
             main(page or PAGE, txt, base + ".json", img, commit)
     return 0
 

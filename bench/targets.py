@@ -189,7 +189,7 @@ def target3(doc: dict) -> str:
              "bound of their shared-memory algorithm (bound / time; % paired: the median over "
              "rounds of the bound measured before round k / round k's time)")
     if not lim or memory_bound(lim, "broadcast", n, LARGE) is None:
-        return title + "\n\nTarget 3: not judged (the run has no memcpy rates: use --limits)"
+        return "Target 3: not judged (the run has no memcpy rates: use --limits)"
     out = [title, "| op | size (B) | time us | bound us | % of memory bound | % paired |",
            "|---|---:|---:|---:|---:|---:|"]
     missed, ncells = [], 0
@@ -210,7 +210,7 @@ def target3(doc: dict) -> str:
             if decide < BOUND_SHARE:
                 missed.append((decide, op, s, r["time_us"], b))
     if not ncells:
-        return title + "\n\nTarget 3: not judged (no message of 16 MiB or more)"
+        return "Target 3: not judged (no message of 16 MiB or more)"
     if not missed:
         verdict = f"Target 3: **met** in all {ncells} cells (>= {BOUND_SHARE:.0f}%)"
     else:

@@ -966,7 +966,7 @@ def test_doc_tables_rewrites_only_its_section(capsys, tmp_path):
     body = page.split("per barrier\n", 1)[1].split("## Collectives, 2 ranks, back", 1)[0]
     doc = json.loads(js.read_text())
     when = doc["environment"]["timestamp"]
-    assert f"Measured by the run that ended {when}, on commit abc123 (1 interleaved" in body
+    assert f"Measured by the run that ended {when}, on commit abc123 (1 round;" in body
     assert "ringlet bench all -n 2 -b 8 -e 64 -f 8 -i 500 --vs ringlet-tcp,mpi,gloo" in body
     assert "TCP one way (1 stream)" in body                 # the limits block
     assert "memory bound, all_reduce, 2 ranks (busbw)" in body

@@ -364,8 +364,9 @@ def _run_launched(args: argparse.Namespace) -> int:
             mine = [r for r in ring_rows if r["op"] == cfg.op]
             if not mine:
                 continue
-            print(report.format_table(_title(cfg, n, "local launch", rounds, args.busy), mine, peers=[
-                p for p in systems if p != "ringlet"], all_rows=rows))
+            print(report.format_table(_title(cfg, n, "local launch", rounds, args.busy), mine,
+                                      peers=[p for p in systems if p != "ringlet"],
+                                      all_rows=rows))
             if len(systems) > 1:
                 print()
                 print(report.format_compare(
