@@ -89,9 +89,14 @@ def busy_loops(k: int) -> Iterator[List[int]]:
             ready, _, _ = select.select([p.stdout], [], [], max(0.0, left))
             line = p.stdout.readline() if ready else b""
             if line != b"spinning\n":
-                raise BusyError(f"busy loop {i + 1} of {k} (pid {p.pid}) did not start "
-                                + ("within {:.0f} s".format(_START_S) if not ready
-                                   else f"(exit code {p.poll()})"))
+                if not ready:
+                    why = f"within {_START_S:.0f} s"
+                else:  # its output ended: it is exiting; give it the time left to say how
+                    try:
+                        why = f"(exit code {p.wait(max(0.1, deadline - time.monotonic()))})"
+                    except subprocess.TimeoutExpired:
+                        why = "(its output ended, yet it did not exit)"
+                raise BusyError(f"busy loop {i + 1} of {k} (pid {p.pid}) did not start {why}")
         yield [p.pid for p in procs]
     finally:
         _stop(procs)
