@@ -65,6 +65,7 @@ VARIANTS = ("batch", "barrier", "busy")
 BATCH = 20  # nccl-tests' default iteration count, timed back to back
 BUSY = 2  # target 2's busy loops
 MAXBYTES = 256 << 20
+MIN_ROUNDS = 5  # interleaved rounds the page's tables need (issue #31)
 
 
 def variant_of(doc: dict) -> str:
@@ -272,8 +273,13 @@ def cli(argv: list) -> int:
         p.error("--rounds must be >= 1, --batch >= 2 and --busy >= 1")
     from ringlet.bench.sweep import parse_size
 
+    maxbytes = parse_size(a.maxbytes)
+    trial = a.rounds < MIN_ROUNDS or maxbytes != MAXBYTES
+    if trial and not a.dry_run and os.path.abspath(a.page) == os.path.abspath(PAGE):
+        p.error(f"the page's tables need >= {MIN_ROUNDS} rounds up to 256M; fewer rounds or "
+                "a smaller -e only for a trial run on a copy (--page)")
     return sweep([int(x) for x in a.ranks.split(",")], a.rounds, a.out, a.dry_run, variants,
-                 a.batch, a.busy, parse_size(a.maxbytes), a.page)
+                 a.batch, a.busy, maxbytes, a.page)
 
 
 if __name__ == "__main__":

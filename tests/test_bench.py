@@ -945,6 +945,10 @@ def test_doc_tables_sweep_runs_the_commands_the_page_shows():
     bad = subprocess.run([sys.executable, str(script), "--sweep", "--dry-run", "--variants",
                           "batch,idle"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--variants: unknown idle" in bad.stderr
+    # a trial run must not overwrite the page's tables
+    trial = subprocess.run([sys.executable, str(script), "--sweep", "--rounds", "1"],
+                           capture_output=True, text=True, timeout=60)
+    assert trial.returncode == 2 and "only for a trial run on a copy (--page)" in trial.stderr
 
 
 def test_doc_tables_rewrites_only_its_section(capsys, tmp_path):
