@@ -449,11 +449,10 @@ def test_busy_runs_beside_every_systems_job_and_stops_after(capsys, tmp_path, mo
     monkeypatch.setattr(launch, "run_system", counted)
     js = tmp_path / "b.json"
     code, out, err = bench(capsys, "all_reduce", "-n", "2", "-b", "8", "-e", "8", "-i", "2",
-                           "-w", "1", "--vs", "ringlet-tcp", "--rounds", "2", "--busy", "2",
+                           "-w", "1", "--vs", "ringlet-tcp", "--rounds", "1", "--busy", "2",
                            "--json", js)
     assert code == 0, err
-    assert sorted(seen) == [("ringlet", 2), ("ringlet", 2), ("ringlet-tcp", 2),
-                            ("ringlet-tcp", 2)]
+    assert seen == [("ringlet", 2), ("ringlet-tcp", 2)]
     assert _busy_children() == []
     doc = json.loads(js.read_text())
     assert doc["config"]["busy"] == 2 and doc["systems"] == ["ringlet", "ringlet-tcp"]
