@@ -3,17 +3,30 @@
 One command runs the sweeps and rewrites the page (from a source checkout; it measures the
 ringlet of this checkout's src/):
 
-    python3 bench/doc_tables.py --sweep [--ranks 2,4] [--rounds 9] [--out .bench-out] [--dry-run]
+    python3 bench/doc_tables.py --sweep [--ranks 2,4] [--rounds 9] [--variants batch,barrier,busy]
+                                [--batch 20] [--busy 2] [--out .bench-out] [--dry-run]
 
-For each N it runs ``ringlet bench all -n N ... --vs mpi,gloo --limits`` (the exact command is
-printed, and ``--dry-run`` prints only that), keeps the text report, JSON file and plot under
-``--out``, writes the plot scaled to the page's width into docs/img/bench_all_nN.png (needs
-matplotlib) and replaces the body of the section headed ``## Collectives, N ranks`` (up to the
-next ``## `` heading) with: the limits block, the target tables (``bench/targets.py``), every
-op's side-by-side table and the plot.  The rewrite alone, from files of an earlier run:
+Every sweep is ``ringlet bench all -n N ... --vs ringlet-tcp,mpi,gloo`` (ringlet with its
+transport chosen automatically, ringlet over TCP alone, Open MPI over shared memory and
+over TCP, gloo; interleaved in each round).  Three variants, each for every N:
 
-    python3 bench/doc_tables.py docs/benchmarks.md .bench-out/all_n2.txt .bench-out/all_n2.json \\
-        docs/img/bench_all_n2.png
+* ``batch`` (the primary tables): ``--batch 20`` operations back to back after each
+  barrier, nccl-tests' method; with ``--limits``;
+* ``barrier`` (secondary): one operation per barrier, the latency of one isolated call;
+  with ``--limits``;
+* ``busy``: as ``batch``, beside ``--busy 2`` busy-looping processes (issue #31's busy host).
+
+The exact commands are printed (``--dry-run`` prints only those).  Each run's text report,
+JSON file and plot stay under ``--out``; the plot, scaled to the page's width, goes to
+docs/img/bench_VARIANT_nN.png (needs matplotlib; the ``barrier`` plots keep their old name,
+bench_all_nN.png), and the body of the section headed ``## Collectives, N ranks, ...`` for
+that variant (up to the next ``## `` heading) is replaced with: when and how it was measured,
+the limits block, the target tables (``bench/targets.py``), every op's side-by-side table
+and the plot.  The rewrite alone, from files of an earlier run (the variant is read from
+the JSON file):
+
+    python3 bench/doc_tables.py docs/benchmarks.md .bench-out/batch_n2.txt \\
+        .bench-out/batch_n2.json docs/img/bench_batch_n2.png
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from targets import summary  # noqa: E402
+from targets import summary  # noqa: E402  (targets puts this checkout's src/ first)
 
 
 def _blocks(text: str) -> tuple:
@@ -48,27 +61,66 @@ def _blocks(text: str) -> tuple:
     return limits, tables
 
 
-def section(text: str, doc: dict, plot: str) -> str:
+VARIANTS = ("batch", "barrier", "busy")
+BATCH = 20  # nccl-tests' default iteration count, timed back to back
+BUSY = 2  # target 2's busy loops
+MAXBYTES = 256 << 20
+MIN_ROUNDS = 5  # interleaved rounds the page's tables need (issue #31)
+
+
+def variant_of(doc: dict) -> str:
+    """The variant a ``ringlet bench --json`` document was measured as."""
+    cfg = doc.get("config") or {}
+    if cfg.get("busy", 0):
+        return "busy"
+    return "batch" if cfg.get("batch", 1) > 1 else "barrier"
+
+
+def heading(variant: str, n: int) -> str:
+    """The page's section heading for ``variant`` at ``n`` ranks."""
+    if variant == "batch":
+        return f"## Collectives, {n} ranks, back to back"
+    if variant == "barrier":
+        return f"## Collectives, {n} ranks, one operation per barrier"
+    if variant == "busy":  # the section says how many loops
+        return f"## Collectives, {n} ranks, back to back on a busy host"
+    raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+
+
+def section(text: str, doc: dict, plot: str, command: str = "", commit: str = "") -> str:
     limits, tables = _blocks(text)
     n = doc["nranks"]
+    cfg = doc.get("config") or {}
+    env = doc.get("environment") or {}
     t = summary(doc).split("\n\n")
     k = (doc.get("limits") or {}).get("samples", 1)
     how = (f"median of {k} measurements, one before each round" if k > 1
            else "measured at the start")
     if (doc.get("limits") or {}).get("volume_bytes"):
         how += "; every link of a pattern timed carrying the same bytes, until the last ends"
-    body = [
-        f"Machine ceilings of the same run (`--limits`; {how}):", "",
-        "```", *limits, "```", "",
-        "Ratios to the faster of Open MPI over TCP and gloo (bold: ringlet behind), and "
-        "large-message", "busbw against the ceiling, from `bench/targets.py`:", "",
-    ]
+    when = env.get("timestamp", "an unrecorded time")
+    body = [f"Measured by the run that ended {when}"
+            + (f", on commit {commit}" if commit else "")
+            + (f" ({cfg['rounds']} interleaved rounds" if cfg.get("rounds", 1) > 1
+               else " (1 round")
+            + (f"; {cfg['busy']} busy loops beside every system's job" if cfg.get("busy") else "")
+            + (f"; up to {cfg['batch']} operations back to back per barrier" if
+               cfg.get("batch", 1) > 1 else "; one operation per barrier")
+            + "):", ""]
+    if command:
+        body += ["```", command, "```", ""]
+    if limits:
+        body += [f"Machine ceilings of the same run (`--limits`; {how}; measured without the "
+                 "busy loops):" if cfg.get("busy") else
+                 f"Machine ceilings of the same run (`--limits`; {how}):", "",
+                 "```", *limits, "```", ""]
+    body += ["The targets of issue #31, judged by `bench/targets.py` (bold: missed):", ""]
     for part in t:
         lines = part.split("\n")
         if lines[0].startswith("# "):
             body += [f"*{lines[0][2:]}*", "", *lines[1:], ""]
         else:
-            body += [part[0].upper() + part[1:] + ".", ""]
+            body += [part, ""]
     body += ["Every op, every system (median time of the slowest rank, and busbw):", "", "```"]
     for i, tab in enumerate(tables):
         body += tab + ([""] if i < len(tables) - 1 else [])
@@ -76,18 +128,27 @@ def section(text: str, doc: dict, plot: str) -> str:
     return "\n".join(body)
 
 
-def main(md: str, txt: str, js: str, plot: str) -> int:
+def main(md: str, txt: str, js: str, plot: str, commit: str = "") -> int:
     with open(txt) as f:
         text = f.read()
     with open(js) as f:
         doc = json.load(f)
     with open(md) as f:
         page = f.read()
-    head = f"## Collectives, {doc['nranks']} ranks\n"
-    a = page.index(head) + len(head)
+    cfg = doc.get("config") or {}
+    variant = variant_of(doc)
+    head = heading(variant, doc["nranks"]) + "\n"
+    try:
+        a = page.index(head) + len(head)
+    except ValueError:
+        sys.exit(f"{md} has no section headed {head.strip()!r} for this run")
     b = page.index("\n## ", a) + 1
     rel = os.path.relpath(plot, os.path.dirname(os.path.abspath(md)))
-    page = page[:a] + "\n" + section(text, doc, rel) + "\n" + page[b:]
+    cmd = sweep_command(doc["nranks"], cfg.get("rounds") or 1, os.path.dirname(js) or ".",
+                        variant, batch=cfg.get("batch", 1), busy=cfg.get("busy", 0),
+                        maxbytes=cfg.get("maxbytes", MAXBYTES))
+    shown = shlex.join(cmd) + " > " + txt
+    page = page[:a] + "\n" + section(text, doc, rel, shown, commit) + "\n" + page[b:]
     with open(md, "w") as f:
         f.write(page)
     return 0
@@ -99,12 +160,36 @@ PAGE = os.path.join(REPO, "docs", "benchmarks.md")
 PAGE_WIDTH_PX = 726  # the page's plots are scaled to this width
 
 
-def sweep_command(n: int, rounds: int, out: str) -> list:
-    """The ``ringlet bench`` command whose output one "Collectives, N ranks" section shows."""
-    base = os.path.join(out, f"all_n{n}")
-    return ["ringlet", "bench", "all", "-n", str(n), "-b", "8", "-e", "256M", "-f", "8",
-            "-i", "500", "--vs", "mpi,gloo", "--rounds", str(rounds), "--limits",
+def sweep_command(n: int, rounds: int, out: str, variant: str = "barrier", *,
+                  batch: int = BATCH, busy: int = BUSY, maxbytes: int = MAXBYTES) -> list:
+    """The ``ringlet bench`` command whose output one "Collectives, N ranks, ..." section shows."""
+    heading(variant, n)  # rejects an unknown variant
+    base = os.path.join(out, f"{variant}_n{n}")
+    extra = {"batch": ["--batch", str(batch), "--limits"],
+             "barrier": ["--limits"],
+             "busy": ["--batch", str(batch), "--busy", str(busy)]}[variant]
+    top = "256M" if maxbytes == MAXBYTES else str(maxbytes)
+    return ["ringlet", "bench", "all", "-n", str(n), "-b", "8", "-e", top, "-f", "8",
+            "-i", "500", "--vs", "ringlet-tcp,mpi,gloo", "--rounds", str(rounds), *extra,
             "--json", base + ".json", "--plot", base + ".png"]
+
+
+def image(variant: str, n: int, page: str = "") -> str:
+    """Where the plot of ``variant`` at ``n`` ranks lives: img/ beside the page."""
+    name = "all" if variant == "barrier" else variant  # the barrier plots keep their name
+    return os.path.join(os.path.dirname(os.path.abspath(page or PAGE)), "img",
+                        f"bench_{name}_n{n}.png")
+
+
+def _commit() -> str:
+    try:
+        sha = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return sha + (" with uncommitted changes" if dirty.strip() else "")
 
 
 def _scaled_copy(src: str, dst: str, width: int) -> None:
@@ -124,26 +209,35 @@ def _scaled_copy(src: str, dst: str, width: int) -> None:
     plt.close(fig)
 
 
-def sweep(ranks: list, rounds: int, out: str, dry_run: bool) -> int:
+def sweep(ranks: list, rounds: int, out: str, dry_run: bool, variants: tuple = VARIANTS,
+          batch: int = BATCH, busy: int = BUSY, maxbytes: int = MAXBYTES,
+          page: str = "") -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.join(REPO, "src")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    for n in ranks:
-        cmd = sweep_command(n, rounds, out)
-        txt = os.path.join(out, f"all_n{n}.txt")
-        print(shlex.join(cmd) + " > " + txt, flush=True)
-        if dry_run:
-            continue
-        os.makedirs(out, exist_ok=True)
-        with open(txt, "w") as f:
-            subprocess.run([sys.executable, "-m", "ringlet.cli"] + cmd[1:], stdout=f, env=env,
-                           check=True)
-        img = os.path.join(REPO, "docs", "img", f"bench_all_n{n}.png")
-        try:
-            _scaled_copy(os.path.join(out, f"all_n{n}.png"), img, PAGE_WIDTH_PX)
-        except ImportError:
-            print(f"matplotlib is missing: {img} left as it was (pip install matplotlib)",
-                  file=sys.stderr)
-        main(PAGE, txt, os.path.join(out, f"all_n{n}.json"), img)
+    # "ringlet" is the automatic choice; ringlet-tcp sets its own
+    env.pop("RINGLET_TRANSPORT", None)
+    commit = "" if dry_run else _commit()
+    for variant in variants:
+        for n in ranks:
+            cmd = sweep_command(n, rounds, out, variant, batch=batch, busy=busy,
+                                maxbytes=maxbytes)
+            base = os.path.join(out, f"{variant}_n{n}")
+            txt = base + ".txt"
+            print(shlex.join(cmd) + " > " + txt, flush=True)
+            if dry_run:
+                continue
+            os.makedirs(out, exist_ok=True)
+            with open(txt, "w") as f:
+                subprocess.run([sys.executable, "-m", "ringlet.cli"] + cmd[1:], stdout=f, env=env,
+                               check=True)
+            img = image(variant, n, page)
+            os.makedirs(os.path.dirname(img), exist_ok=True)
+            try:
+                _scaled_copy(base + ".png", img, PAGE_WIDTH_PX)
+            except ImportError:
+                print(f"matplotlib is missing: {img} left as it was (pip install matplotlib)",
+                      file=sys.stderr)
+            main(page or PAGE, txt, base + ".json", img, commit)
     return 0
 
 
@@ -156,10 +250,36 @@ def cli(argv: list) -> int:
     p.add_argument("--sweep", action="store_true", required=True)
     p.add_argument("--ranks", default="2,4", help="comma-separated rank counts (default 2,4)")
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated, from batch (primary), barrier, busy (default all)")
+    p.add_argument("--batch", type=int, default=BATCH,
+                   help=f"operations back to back per barrier in batch and busy (default {BATCH})")
+    p.add_argument("--busy", type=int, default=BUSY,
+                   help=f"busy loops beside every job in the busy variant (default {BUSY})")
     p.add_argument("--out", default=".bench-out", help="raw outputs (default .bench-out)")
+    p.add_argument("--page", default=PAGE,
+                   help="the page to rewrite, its plots in img/ beside it (default "
+                        "docs/benchmarks.md; a copy for a trial run)")
+    p.add_argument("-e", "--maxbytes", default="256M",
+                   help="largest size (default 256M; smaller only for a trial run)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     a = p.parse_args(argv)
-    return sweep([int(x) for x in a.ranks.split(",")], a.rounds, a.out, a.dry_run)
+    variants = tuple(v for v in a.variants.split(",") if v)
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants:
+        p.error(f"--variants: unknown {', '.join(bad) or '(none given)'}; choose from "
+                f"{', '.join(VARIANTS)}")
+    if a.rounds < 1 or a.batch < 2 or a.busy < 1:
+        p.error("--rounds must be >= 1, --batch >= 2 and --busy >= 1")
+    from ringlet.bench.sweep import parse_size
+
+    maxbytes = parse_size(a.maxbytes)
+    trial = a.rounds < MIN_ROUNDS or maxbytes != MAXBYTES
+    if trial and not a.dry_run and os.path.abspath(a.page) == os.path.abspath(PAGE):
+        p.error(f"the page's tables need >= {MIN_ROUNDS} rounds up to 256M; fewer rounds or "
+                "a smaller -e only for a trial run on a copy (--page)")
+    return sweep([int(x) for x in a.ranks.split(",")], a.rounds, a.out, a.dry_run, variants,
+                 a.batch, a.busy, maxbytes, a.page)
 
 
 if __name__ == "__main__":

@@ -189,6 +189,24 @@ def test_batch_times_back_to_back_operations_and_divides(monkeypatch):
         SweepConfig("all_reduce", [64], batch=0).validate(1)
 
 
+def test_batch_shrinks_where_a_slow_operation_would_overrun_the_budget(monkeypatch):
+    # 0.1 s an operation, a 2 s budget: 3 batches of 6 fit, not of 20.
+    backend = _ClockedBackend(op_s=0.1)
+    monkeypatch.setattr(sweep_mod.time, "perf_counter", backend.clock)
+    cfg = SweepConfig("all_reduce", [64], iters=500, warmup=5, budget_s=2.0, batch=20)
+    (row,) = run_sweep(backend, cfg)
+    assert row["batch"] == 6 and row["iters"] == sweep_mod.MIN_ITERS
+    # one operation sizes the batch, one batch sizes the iterations, then 3 timed batches
+    assert backend.calls == 1 + 6 + 3 * 6
+    assert row["time_us"] == pytest.approx(1e5)
+    # A fast operation keeps the whole batch.
+    fast = _ClockedBackend(op_s=1e-4)
+    monkeypatch.setattr(sweep_mod.time, "perf_counter", fast.clock)
+    (row,) = run_sweep(fast, SweepConfig("all_reduce", [64], iters=5, warmup=0, budget_s=2.0,
+                                         batch=20))
+    assert row["batch"] == 20 and row["time_us"] == pytest.approx(100.0)
+
+
 def test_settle_runs_barriers_until_the_slowest_rank_passes_the_time(monkeypatch):
     class Slow(_ClockedBackend):
         barriers = 0
@@ -250,37 +268,101 @@ def test_targets_verdict_pairs_rounds():
     # the medians says "behind", each round's pair says ahead.
     def row(system, rnd, t):
         return dict(system=system, op="broadcast", size=8, time_us=t, round=rnd)
-    rr = [row("ringlet", 0, 10.0), row("mpi-tcp", 0, 22.0), row("gloo", 0, 300.0),
-          row("ringlet", 1, 24.0), row("mpi-tcp", 1, 12.0), row("gloo", 1, 290.0),
-          row("ringlet", 2, 11.0), row("mpi-tcp", 2, 12.0), row("gloo", 2, 310.0)]
-    doc = {"nranks": 4, "round_rows": rr,
+    rr = [row("ringlet", 0, 10.0), row("mpi-sm", 0, 22.0), row("gloo", 0, 300.0),
+          row("ringlet", 1, 24.0), row("mpi-sm", 1, 12.0), row("gloo", 1, 290.0),
+          row("ringlet", 2, 11.0), row("mpi-sm", 2, 12.0), row("gloo", 2, 310.0)]
+    doc = {"nranks": 4, "config": {"busy": 0}, "round_rows": rr,
            "rows": [dict(system="ringlet", op="broadcast", size=8, time_us=11.0),
-                    dict(system="mpi-tcp", op="broadcast", size=8, time_us=12.0 * 0.9),
+                    dict(system="mpi-sm", op="broadcast", size=8, time_us=12.0 * 0.9),
                     dict(system="gloo", op="broadcast", size=8, time_us=300.0)]}
     t = _targets()
-    assert t.paired_ratio(doc, "broadcast", 8) == pytest.approx(11.0 / 12.0)
+    assert t.paired_ratio(doc, "broadcast", 8, ("mpi-sm",)) == pytest.approx(11.0 / 12.0)
     text = t.summary(doc)
-    assert "| 8 | 0.92 |" in text
-    assert "behind in 0 of 1 cells" in text and "overall medians: behind in 1" in text
-    # Without per-round rows the ratio of the medians decides.
+    assert "| 8 | 0.92 |" in text and "Target 1: **met** in all 1 cells" in text
+    # Without per-round rows the ratio of the medians decides, and the verdict names the cell.
     doc["round_rows"] = []
-    assert "| 8 | **1.02** |" in t.summary(doc)
+    text = t.summary(doc)
+    assert "| 8 | **1.02** |" in text
+    assert ("Target 1: **missed** in 1 of 1 cells; worst: broadcast 8 B 1.02 (11.0 against "
+            "mpi-sm 10.8 us)") in text
+    assert "Target 3: not judged (the run has no memcpy rates" in text
 
 
-def test_targets_ceiling_uses_the_median_and_pairs_rounds():
+def _target_rows(system_times, rnd=None, op="all_reduce", size=8):
+    return [dict(system=s, op=op, size=size, time_us=t, busbw=0.0,
+                 **({} if rnd is None else {"round": rnd})) for s, t in system_times.items()]
+
+
+def test_target1_compares_with_mpi_sm_only_and_target2_with_every_peer():
+    t = _targets()
+    times = {"ringlet": 5.0, "ringlet-tcp": 4.0, "mpi-tcp": 4.5, "mpi-sm": 6.0, "gloo": 300.0}
+    rows = _target_rows(times) + _target_rows(times, op="broadcast")
+    idle = {"nranks": 2, "config": {"busy": 0}, "rows": rows}
+    text = t.summary(idle)
+    # idle: only mpi-sm counts (mpi-tcp is faster here, and ringlet-tcp is not a peer)
+    assert "| 8 | 0.83 | 0.83 |" in text and "Target 1: **met** in all 2 cells" in text
+    assert "Target 2" not in text
+    busy = {"nranks": 4, "config": {"busy": 2}, "rows": rows}
+    text = t.summary(busy)
+    assert "Target 1" not in text and "beside 2 busy loops" in text
+    assert "| 8 | **1.11** | **1.11** |" in text  # mpi-tcp is the fastest peer
+    assert "Target 2: **missed** in 2 of 2 cells" in text
+    assert "all_reduce 8 B 1.11 (5.0 against mpi-tcp 4.5 us)" in text
+    assert "8 B all_reduce at 4 ranks: 5.0 us" in text and "**met** (<= 300 us)" in text
+    slow = {"nranks": 4, "config": {"busy": 3},
+            "rows": _target_rows(dict(times, ringlet=301.0, gloo=250.0))}
+    text = t.summary(slow)
+    assert "8 B all_reduce at 4 ranks: 301.0 us" in text and "**missed** (> 300 us)" in text
+    assert "defined beside 2 busy loops; this run had 3" in text
+    # At 2 ranks the 300 us line does not apply.
+    assert "8 B all_reduce at 4" not in t.summary(dict(slow, nranks=2))
+
+
+def test_target3_judges_large_messages_against_the_memory_bound():
+    from ringlet.bench.limits import memory_bound
+    t = _targets()
+    lim = {"memcpy": {"64MiB": 10.0}, "memcpy_procs": {"2": 16.0}}
+    size = 16 << 20
+    bound_us = memory_bound(lim, "all_reduce", 2, size) * 1e6  # 4n / 32 GB/s
+    assert bound_us == pytest.approx(4 * size / 32e9 * 1e6)
+    rows = [dict(system="ringlet", op="all_reduce", size=size, time_us=bound_us / 0.8,
+                 busbw=0.0),
+            dict(system="ringlet", op="broadcast", size=size, time_us=1e6, busbw=0.0),
+            dict(system="ringlet", op="broadcast", size=8, time_us=1e6, busbw=0.0)]
+    doc = {"nranks": 2, "config": {}, "limits": lim, "rows": rows}
+    text = t.target3(doc)
+    assert f"| all_reduce | {size} | {bound_us / 0.8:.0f} | {bound_us:.0f} | 80 | – |" in text
+    b_bc = memory_bound(lim, "broadcast", 2, size) * 1e6
+    assert f"| broadcast | {size} | 1000000 | {b_bc:.0f} | **0** | – |" in text
+    assert "| broadcast | 8 |" not in text  # below 16 MiB: not judged
+    assert "Target 3: **missed** in 1 of 2 cells (< 70%); worst: broadcast 16 MiB 0%" in text
+    # Per-round limits: round k's bound against round k's time decides.  Round 1
+    # ran while memory was half as fast: twice the time, and twice the bound.
+    doc["limits_rounds"] = [lim, {"memcpy": {"64MiB": 5.0}, "memcpy_procs": {"2": 8.0}}]
+    doc["round_rows"] = [dict(rows[0], time_us=bound_us, round=0),
+                         dict(rows[0], time_us=2 * bound_us, round=1),
+                         dict(rows[1], round=0), dict(rows[1], round=1)]
+    assert t.paired_bound_share(doc, "all_reduce", size) == pytest.approx(100.0)
+    assert f"| all_reduce | {size} | {bound_us / 0.8:.0f} | {bound_us:.0f} | 80 | 100 |" in (
+        t.target3(doc))
+
+
+def test_tcp_reference_uses_the_median_ceiling_and_pairs_rounds():
     # Ceilings measured before each of 3 rounds: 2.0, 3.0, 2.5 GB/s (2 ranks:
-    # "both ways"); ringlet's busbw in those rounds 2.0, 2.4, 2.5.
+    # "both ways"); ringlet-tcp's busbw in those rounds 2.0, 2.4, 2.5.
     def lim(both):
         return {"tcp_both_ways": both, "tcp_one_way": 2 * both, "tcp_ring": {"2": both},
                 "tcp_chain": {"2": 2 * both}}
     each = [lim(2.0), lim(3.0), lim(2.5)]
     size = 16 << 20
-    rr = [dict(system="ringlet", op="all_reduce", size=size, time_us=1.0, busbw=b, round=k)
+    rr = [dict(system="ringlet-tcp", op="all_reduce", size=size, time_us=1.0, busbw=b, round=k)
           for k, b in enumerate((2.0, 2.4, 2.5))]
     doc = {"nranks": 2, "limits": lim(2.5), "limits_rounds": each, "round_rows": rr,
-           "rows": [dict(system="ringlet", op="all_reduce", size=size, time_us=1.0, busbw=2.4)]}
+           "rows": [dict(system="ringlet-tcp", op="all_reduce", size=size, time_us=1.0,
+                         busbw=2.4)]}
     t = _targets()
-    assert t.paired_share(doc, "all_reduce", size, [2.0, 3.0, 2.5]) == pytest.approx(100.0)
+    assert t.paired_share(doc, "all_reduce", size, [2.0, 3.0, 2.5],
+                          system="ringlet-tcp") == pytest.approx(100.0)
     text = t.summary(doc)
     assert f"| all_reduce | {size} | 2.40 | 2.50 | 2.00–3.00 | 96 | 100 |" in text
     doc["limits_rounds"] = []  # one measurement: no paired share
@@ -290,11 +372,95 @@ def test_targets_ceiling_uses_the_median_and_pairs_rounds():
 def test_expand_systems():
     assert launch.expand_systems("mpi,gloo") == ["mpi-tcp", "mpi-sm", "gloo"]
     assert launch.expand_systems("gloo,mpi-tcp,gloo") == ["gloo", "mpi-tcp"]
+    assert launch.expand_systems("ringlet-tcp,mpi") == ["ringlet-tcp", "mpi-tcp", "mpi-sm"]
     with pytest.raises(ValueError, match="unknown system 'nccl'"):
         launch.expand_systems("nccl")
 
 
+def _busy_children():
+    """Process ids of this process's children that are busy loops (any state but reaped)."""
+    from ringlet.bench.busy import BUSY_MARK
+    me, out = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        if ppid == me and BUSY_MARK.encode() in cmd:
+            out.append(int(d))
+    return sorted(out)
+
+
+def test_busy_loops_spin_and_always_stop():
+    from ringlet.bench.busy import busy_loops
+    assert _busy_children() == []
+    with busy_loops(3) as pids:
+        assert len(pids) == 3 and _busy_children() == sorted(pids)
+        for pid in pids:  # running, not exited and waiting to be reaped
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] in "RS"
+    assert _busy_children() == []
+    with pytest.raises(KeyError, match="inside"):  # an error in the block stops them too
+        with busy_loops(2) as pids:
+            assert len(_busy_children()) == 2
+            raise KeyError("inside")
+    assert _busy_children() == []
+    with busy_loops(0) as pids:
+        assert pids == [] and _busy_children() == []
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="int >= 0"):
+            with busy_loops(bad):
+                pass
+
+
+def test_busy_loop_that_cannot_start_is_an_error_and_the_others_stop(monkeypatch):
+    from ringlet.bench import busy
+    real = busy.subprocess.Popen
+    calls = []
+
+    def popen(argv, **kw):  # the second loop's interpreter exits at once
+        calls.append(1)
+        if len(calls) == 2:
+            argv = [argv[0], "-c", "raise SystemExit(3)"]
+        return real(argv, **kw)
+
+    monkeypatch.setattr(busy.subprocess, "Popen", popen)
+    with pytest.raises(busy.BusyError, match=r"busy loop 2 of 3 \(pid \d+\) did not start "
+                                             r"\(exit code 3\)"):
+        with busy.busy_loops(3):
+            pytest.fail("the block ran without its loops")
+    assert _busy_children() == []
+
+
 # ---- the CLI, launching its own ranks ---------------------------------------------
+def test_busy_runs_beside_every_systems_job_and_stops_after(capsys, tmp_path, monkeypatch):
+    # Each system's job starts beside K fresh loops; none is left between jobs or after.
+    real, seen = launch.run_system, []
+
+    def counted(system, *a, **kw):
+        seen.append((system, len(_busy_children())))
+        return real(system, *a, **kw)
+
+    monkeypatch.setattr(launch, "run_system", counted)
+    js = tmp_path / "b.json"
+    code, out, err = bench(capsys, "all_reduce", "-n", "2", "-b", "8", "-e", "8", "-i", "2",
+                           "-w", "1", "--vs", "ringlet-tcp", "--rounds", "1", "--busy", "2",
+                           "--json", js)
+    assert code == 0, err
+    assert seen == [("ringlet", 2), ("ringlet-tcp", 2)]
+    assert _busy_children() == []
+    doc = json.loads(js.read_text())
+    assert doc["config"]["busy"] == 2 and doc["systems"] == ["ringlet", "ringlet-tcp"]
+    assert doc["environment"]["systems"]["ringlet-tcp"]["transport"] == "tcp"
+    assert "beside 2 busy loops" in out
+    assert {r["system"] for r in doc["rows"]} == {"ringlet", "ringlet-tcp"}
+
+
 def test_short_sweep_every_op_checks_and_writes_files(capsys, tmp_path):
     js, cs = tmp_path / "b.json", tmp_path / "b.csv"
     code, out, err = bench(capsys, "all", "-n", "2", *SHORT, "--check", "--json", js,
@@ -402,6 +568,9 @@ def test_min_busbw_fails_the_health_check(capsys):
     (["all_reduce", "-e", "4", "-b", "8"], "maxbytes"),
     (["all_reduce", "--batch", "0"], "must be >= 1"),
     (["reduce_scatter", "--in-place"], "reduce_scatter has no in-place form"),
+    (["all_reduce", "--busy", "-1"], "--busy must be >= 0 processes, got -1"),
+    (["all_reduce", "--busy", "x"], "invalid int value"),
+    (["limits", "--busy", "2"], "`limits` measures the idle machine"),
 ])
 def test_usage_errors_exit_2_with_a_clear_message(capsys, args, needle):
     code, out, err = bench(capsys, *args)
@@ -436,6 +605,9 @@ def test_limits_json(capsys, tmp_path):
     assert all(v > 0 for v in lim["rtt_us"].values())
     for k in ("memcpy", "add_f32_numpy", "add_f32_ringlet"):
         assert lim[k]["64MiB"] > 0 and lim[k]["256KiB"] > 0
+    assert set(lim["memcpy_procs"]) == {"2", "3"} and min(lim["memcpy_procs"].values()) > 0
+    assert "memcpy (numpy), 64MiB, 3 processes at once (sum)" in out
+    assert "memory bound, all_reduce, 3 ranks (busbw)" in out
     assert "TCP one way" in out
 
 
@@ -598,6 +770,60 @@ def test_median_limits_takes_the_median_of_every_value():
     assert median_limits([_fake_limits(2.0, 1.0, 5.0)])["tcp_one_way"] == 2.0
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_shm_bytes_per_rank(p):
+    from ringlet.bench.limits import shm_bytes
+    n, b = 96 << 20, (96 << 20) // p  # divisible by every p here
+    # the user's buffers only: what a message of >= 16 MiB streams from and to memory
+    assert shm_bytes("all_reduce", p, n) == [(n, n)] * p
+    assert shm_bytes("broadcast", p, n) == [(n, 0)] + [(0, n)] * (p - 1)
+    assert shm_bytes("reduce", p, n) == [(n, n)] + [(n, 0)] * (p - 1)
+    assert shm_bytes("reduce_scatter", p, n) == [(n, b)] * p
+    assert shm_bytes("all_gather", p, n) == [(b, n)] * p
+    assert shm_bytes("all_to_all", p, n) == [(n, n)] * p
+    assert shm_bytes("gather", p, n) == [(b, n)] + [(b, 0)] * (p - 1)
+    assert shm_bytes("scatter", p, n) == [(n, b)] + [(0, b)] * (p - 1)
+    assert shm_bytes("sendrecv", p, n) == [(n, 0), (0, n)] + [(0, 0)] * (p - 2)
+    # every copy: copy-in (n, n), reduce 1/P reading P slots (n, b), copy-out (n, n)
+    assert shm_bytes("all_reduce", p, n, slots=True) == [(3 * n, 2 * n + b)] * p
+    assert shm_bytes("broadcast", p, n, slots=True) == [(n, n)] * p
+    assert shm_bytes("reduce", p, n, slots=True) == ([(3 * n, 2 * n + b)]
+                                                      + [(2 * n, n + b)] * (p - 1))
+    assert shm_bytes("reduce_scatter", p, n, slots=True) == [(2 * n, n + b)] * p
+    assert shm_bytes("all_gather", p, n, slots=True) == [(n + b, n + b)] * p
+    assert shm_bytes("gather", p, n, slots=True) == [(n, n)] + [(b, b)] * (p - 1)
+    assert shm_bytes("scatter", p, n, slots=True) == [(n, n)] + [(b, b)] * (p - 1)
+
+
+def test_memory_bound_arithmetic():
+    from ringlet.bench.limits import format_limits, memory_bound, shm_bytes
+    n = 16 << 20
+    lim = {"nranks": 2, "memcpy": {"64MiB": 10.0}, "memcpy_procs": {"2": 16.0}}
+    # all_reduce: each rank reads n and writes n: one rank alone needs 2n / (2 * 10 GB/s);
+    # both together 4n / (2 * 16 GB/s), the larger
+    assert memory_bound(lim, "all_reduce", 2, n) == pytest.approx(4 * n / 32e9)
+    # broadcast: 2n in all, n per rank: 2n / 32e9 > n / 20e9
+    assert memory_bound(lim, "broadcast", 2, n) == pytest.approx(2 * n / 32e9)
+    # with a fast shared memory system the busiest rank decides
+    fast = dict(lim, memcpy_procs={"2": 100.0})
+    assert memory_bound(fast, "all_reduce", 2, n) == pytest.approx(2 * n / 20e9)
+    assert memory_bound({"memcpy": {"64MiB": 10.0}}, "all_reduce", 2, n) is None  # older file
+    assert memory_bound(lim, "all_reduce", 4, n) is None  # no 4-process rate measured
+    with pytest.raises(ValueError, match="no memory bound for 'barrier'"):
+        shm_bytes("barrier", 2, 0)
+    with pytest.raises(ValueError, match="nranks"):
+        shm_bytes("all_reduce", 1, n)
+    with pytest.raises(ValueError, match="nbytes"):
+        shm_bytes("all_reduce", 2, -1)
+    full = dict(_fake_limits(2.0, 1.0, 5.0), nranks=2, memcpy={"64MiB": 10.0},
+                memcpy_procs={"2": 16.0}, add_f32_numpy={}, add_f32_ringlet={})
+    text = format_limits(full)
+    assert "memcpy (numpy), 64MiB, 2 processes at once (sum)        16.00  GB/s" in text
+    # all_reduce's busbw factor at 2 ranks is 1: 32 GB/s / 4
+    assert "memory bound, all_reduce, 2 ranks (busbw)                8.00  GB/s" in text
+    assert "memory bound, broadcast, 2 ranks (busbw)                16.00  GB/s" in text
+
+
 def test_median_limits_rejects_measurements_that_do_not_match():
     from ringlet.bench.limits import median_limits
     with pytest.raises(ValueError, match="at least one"):
@@ -702,10 +928,26 @@ def test_doc_tables_sweep_runs_the_commands_the_page_shows():
     script = Path(__file__).resolve().parent.parent / "bench" / "doc_tables.py"
     out = subprocess.run([sys.executable, str(script), "--sweep", "--dry-run"], capture_output=True,
                          text=True, timeout=60, check=True).stdout.strip().splitlines()
-    assert len(out) == 2 and out[0].startswith("ringlet bench all -n 2 ")
+    # back to back (primary), one per barrier, busy host; 2 and 4 ranks each
+    assert len(out) == 6 and out[0].startswith("ringlet bench all -n 2 ")
+    assert all("--vs ringlet-tcp,mpi,gloo --rounds 9" in c and "-b 8 -e 256M" in c for c in out)
+    assert ["--batch 20" in c for c in out] == [True, True, False, False, True, True]
+    assert ["--busy 2" in c for c in out] == [False] * 4 + [True] * 2
+    assert ["--limits" in c for c in out] == [True] * 4 + [False] * 2
     page = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
     block = page.split("<!-- sweep commands:", 1)[1].split("```")[1].strip().splitlines()
     assert block == out, "docs/benchmarks.md's sweep commands differ from bench/doc_tables.py"
+    dt = _doc_tables()
+    for variant in dt.VARIANTS:  # every section the sweep rewrites is on the page
+        for n in (2, 4):
+            assert dt.heading(variant, n) + "\n" in page
+    bad = subprocess.run([sys.executable, str(script), "--sweep", "--dry-run", "--variants",
+                          "batch,idle"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--variants: unknown idle" in bad.stderr
+    # a trial run must not overwrite the page's tables
+    trial = subprocess.run([sys.executable, str(script), "--sweep", "--rounds", "1"],
+                           capture_output=True, text=True, timeout=60)
+    assert trial.returncode == 2 and "only for a trial run on a copy (--page)" in trial.stderr
 
 
 def test_doc_tables_rewrites_only_its_section(capsys, tmp_path):
@@ -715,12 +957,35 @@ def test_doc_tables_rewrites_only_its_section(capsys, tmp_path):
     assert code == 0, err
     txt.write_text(out)
     md = tmp_path / "page.md"
-    md.write_text("# Page\n\nintro\n\n## Collectives, 2 ranks\n\nOLD TABLES\n\n## Next\n\nkept\n")
-    assert _doc_tables().main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png")) == 0
+    md.write_text("# Page\n\nintro\n\n## Collectives, 2 ranks, one operation per barrier\n\n"
+                  "OLD TABLES\n\n## Collectives, 2 ranks, back to back on a busy host\n\nOLD BUSY"
+                  "\n\n## Next\n\nkept\n")
+    dt = _doc_tables()
+    assert dt.main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png"), "abc123") == 0
     page = md.read_text()
-    assert page.startswith("# Page\n\nintro\n\n## Collectives, 2 ranks\n")
-    assert page.endswith("## Next\n\nkept\n") and "OLD TABLES" not in page
-    body = page.split("## Collectives, 2 ranks\n", 1)[1].split("## Next", 1)[0]
+    assert page.startswith("# Page\n\nintro\n\n## Collectives, 2 ranks, one operation per "
+                           "barrier\n")
+    assert page.endswith("OLD BUSY\n\n## Next\n\nkept\n") and "OLD TABLES" not in page
+    body = page.split("per barrier\n", 1)[1].split("## Collectives, 2 ranks, back", 1)[0]
+    doc = json.loads(js.read_text())
+    when = doc["environment"]["timestamp"]
+    assert f"Measured by the run that ended {when}, on commit abc123 (1 round;" in body
+    assert "ringlet bench all -n 2 -b 8 -e 64 -f 8 -i 500 --vs ringlet-tcp,mpi,gloo" in body
     assert "TCP one way (1 stream)" in body                 # the limits block
-    assert "*2 ranks: ringlet time / min(mpi-tcp, gloo) time" in body  # bench/targets.py's
+    assert "memory bound, all_reduce, 2 ranks (busbw)" in body
+    assert "*Target 1, 2 ranks: ringlet time / mpi-sm time" in body  # bench/targets.py's
+    assert "Target 1: not judged (no cell has ringlet and mpi-sm)" in body
     assert "![busbw and time against size, 2 ranks](img/p.png)" in body
+    # The same files as a busy run land in the busy section, judged on target 2.
+    doc["config"].update(busy=2, batch=20)
+    js.write_text(json.dumps(doc))
+    assert dt.main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png")) == 0
+    page = md.read_text()
+    busy = page.split("on a busy host\n", 1)[1].split("## Next", 1)[0]
+    assert "OLD BUSY" not in page and "2 busy loops beside every system's job" in busy
+    assert "--batch 20 --busy 2" in busy and "*Target 2, 2 ranks beside 2 busy loops" in busy
+    assert "measured without the busy loops" in busy
+    md.write_text("# Page\n\n## Next\n")
+    with pytest.raises(SystemExit, match="no section headed '## Collectives, 2 ranks, back to "
+                                         "back on a busy host'"):
+        dt.main(str(md), str(txt), str(js), str(tmp_path / "img" / "p.png"))

@@ -9,8 +9,9 @@ See docs/benchmarks.md for the method and the measured results.
 
 Modules: ``command`` (CLI and flow), ``sweep`` (the measuring loop and numpy
 oracle shared by every system), ``ringlet_driver`` and ``peers`` (one backend
-per system), ``launch`` (local jobs), ``report`` (tables, JSON, CSV),
-``limits`` (ceilings), ``plot`` (matplotlib figure).
+per system), ``launch`` (local jobs), ``busy`` (busy loops beside them),
+``report`` (tables, JSON, CSV), ``limits`` (ceilings and the memory bound),
+``plot`` (matplotlib figure).
 
 Example::
 

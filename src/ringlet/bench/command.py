@@ -11,7 +11,8 @@ Two ways to run:
   the same exit code.
 
 Exit codes: 0 success, 1 wrong values with ``--check``, 2 bad usage,
-3 average busbw below ``--min-busbw``, 4 ringlet's job failed.
+3 average busbw below ``--min-busbw``, 4 ringlet's job failed (or a busy loop did
+not start).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .sweep import (NOT_IN_PLACE, OPS, REDOPS, REDUCING, SweepConfig, parse_size
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SLOW, EXIT_FAILED = 0, 1, 2, 3, 4
+LARGE = 16 << 20  # rows judged against the machine's ceilings and memory bound
 
 
 class _Usage(Exception):
@@ -94,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of timed iterations per size: fewer iterations (at least 3) "
                         "for slow sizes; 0 = always --iters (default 2)")
     p.add_argument("--vs", default="", metavar="SYSTEMS",
-                   help="also run mpi (= mpi-tcp and mpi-sm), mpi-tcp, mpi-sm, gloo")
+                   help="also run ringlet-tcp (ringlet with RINGLET_TRANSPORT=tcp), mpi "
+                        "(= mpi-tcp and mpi-sm), mpi-tcp, mpi-sm, gloo")
+    p.add_argument("--busy", type=int, default=0, metavar="K",
+                   help="run K busy-looping processes beside every system's job, started "
+                        "before it and killed after it (default 0: an idle host)")
     p.add_argument("--rounds", type=_positive_int, default=None,
                    help="interleaved rounds per system (default 3 with --vs, else 1)")
     p.add_argument("--limits", action="store_true",
@@ -150,7 +156,7 @@ def _sweeps(args: argparse.Namespace) -> List[SweepConfig]:
     return out
 
 
-def _title(cfg: SweepConfig, nranks: int, how: str, rounds: int) -> str:
+def _title(cfg: SweepConfig, nranks: int, how: str, rounds: int, busy: int = 0) -> str:
     what = f"{cfg.dtype}" + (f" {cfg.redop}" if cfg.op in ("all_reduce", "reduce",
                                                             "reduce_scatter") else "")
     tail = f", median of {rounds} interleaved rounds" if rounds > 1 else ""
@@ -158,6 +164,8 @@ def _title(cfg: SweepConfig, nranks: int, how: str, rounds: int) -> str:
         tail += f"; {cfg.batch} operations back to back per timed iteration"
     if cfg.in_place:
         tail += "; in place"
+    if busy:
+        tail += f"; beside {busy} busy loop{'s' if busy > 1 else ''}"
     return (f"ringlet bench {cfg.op}: {nranks} ranks ({how}), {what}; time = median over "
             f"iterations of the slowest rank{tail}")
 
@@ -199,12 +207,34 @@ def _ceiling_column(rows: Sequence[Dict[str, Any]], median: Dict[str, Any],
         c = ceil.get(r["op"])
         # Below ~16 MiB the socket buffers absorb much of a message, so the
         # steady-state stream rate is not yet the limit.
-        if c and r["size"] >= (16 << 20):
+        if c and r["size"] >= LARGE:
             lo = min(e[r["op"]] for e in each)
             hi = max(e[r["op"]] for e in each)
             lines.append(f"{r['op']:>16} {r['size']:>12} {r['busbw']:>8.3f} {c:>8.3f} "
                          f"{lo:>7.3f} {hi:>7.3f} {100 * r['busbw'] / c:>6.1f}")
     return "\n".join(lines)
+
+
+def _memory_column(rows: Sequence[Dict[str, Any]], median: Dict[str, Any],
+                   nranks: int) -> str:
+    """Each large row's time against the memory-bandwidth bound of the
+    shared-memory algorithm for its op (``limits.memory_bound``); empty when
+    the limits lack the memcpy rates."""
+    from .limits import BOUND_OPS, memory_bound
+
+    lines = []
+    for r in rows:
+        if r["op"] in BOUND_OPS and r["size"] >= LARGE and r["time_us"] > 0:
+            t = memory_bound(median, r["op"], nranks, r["size"])
+            if t is not None:
+                lines.append(f"{r['op']:>16} {r['size']:>12} {r['time_us']:>10.1f} "
+                             f"{t * 1e6:>10.1f} {100 * t * 1e6 / r['time_us']:>6.1f}")
+    if not lines:
+        return ""
+    return "\n".join(["# time as % of the memory-bandwidth bound of the shared-memory "
+                      "algorithms (bound / time; docs/algorithms.md)",
+                      f"#{'op':>15} {'size':>12} {'time(us)':>10} {'bound(us)':>10} {'%':>6}"]
+                     + lines)
 
 
 def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=()) -> None:
@@ -216,7 +246,8 @@ def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=(
             "tool": "ringlet bench", "op": args.op, "nranks": args.nranks_eff,
             "config": {k: getattr(args, k) for k in (
                 "minbytes", "maxbytes", "stepfactor", "iters", "warmup", "check", "redop",
-                "dtype", "root", "inflight", "batch", "in_place", "budget", "rounds")},
+                "dtype", "root", "inflight", "batch", "in_place", "budget", "rounds",
+                "busy")},
             "systems": systems, "skipped": skipped, "environment": env,
             "limits": limits_res, "limits_rounds": list(limit_samples), "rows": list(rows),
             "round_rows": [{k: v for k, v in r.items() if k != "kind"} for r in round_rows],
@@ -237,6 +268,7 @@ def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=(
 # ---- stand-alone: launch a job per system and round ------------------------------
 def _run_launched(args: argparse.Namespace) -> int:
     from . import launch
+    from .busy import BusyError, busy_loops
     from .limits import format_limits, measure, median_limits
 
     def say(msg: str) -> None:
@@ -278,7 +310,7 @@ def _run_launched(args: argparse.Namespace) -> int:
                 print()
             state["op"] = rec["op"]
             cfg = next(c for c in sweeps if c.op == rec["op"])
-            print(report.format_header(_title(cfg, n, "local launch", 1)))
+            print(report.format_header(_title(cfg, n, "local launch", 1, args.busy)))
         live_rows.append(rec)
         print(report.format_row(rec), flush=True)
 
@@ -299,9 +331,14 @@ def _run_launched(args: argparse.Namespace) -> int:
                 continue
             t0 = time.monotonic()
             try:
-                res = launch.run_system(s, n, payload, timeout=args.timeout,
-                                        on_record=on_live if (live and s == "ringlet")
-                                        else None)
+                # The same load beside every system's job, started afresh for each.
+                with busy_loops(args.busy):
+                    res = launch.run_system(s, n, payload, timeout=args.timeout,
+                                            on_record=on_live if (live and s == "ringlet")
+                                            else None)
+            except BusyError as exc:
+                say(f"ringlet bench: {exc}")
+                return EXIT_FAILED
             except launch.LaunchError as exc:
                 if s == "ringlet":
                     say(f"ringlet bench: ringlet's job failed:\n{exc}")
@@ -336,8 +373,9 @@ def _run_launched(args: argparse.Namespace) -> int:
             mine = [r for r in ring_rows if r["op"] == cfg.op]
             if not mine:
                 continue
-            print(report.format_table(_title(cfg, n, "local launch", rounds), mine, peers=[
-                p for p in systems if p != "ringlet"], all_rows=rows))
+            print(report.format_table(_title(cfg, n, "local launch", rounds, args.busy), mine,
+                                      peers=[p for p in systems if p != "ringlet"],
+                                      all_rows=rows))
             if len(systems) > 1:
                 print()
                 print(report.format_compare(
@@ -350,6 +388,10 @@ def _run_launched(args: argparse.Namespace) -> int:
                 say(f"ringlet bench: warning: {s} produced {bad} wrong value(s)")
     if limits_res:
         print(_ceiling_column(ring_rows, limits_res, limit_samples, n))
+        mem = _memory_column(ring_rows, limits_res, n)
+        if mem:
+            print()
+            print(mem)
     env = report.environment_info(versions)
     if load_at_start is not None:
         env["loadavg_at_start"] = [round(x, 2) for x in load_at_start]
@@ -376,6 +418,9 @@ def _run_in_place(args: argparse.Namespace, source: str) -> int:
     if args.limits:
         raise _Usage("--limits starts its own processes; run `ringlet bench limits` outside "
                      "a launch")
+    if args.busy:
+        raise _Usage("--busy starts its loops beside the jobs `ringlet bench` launches; run "
+                     "it outside mpirun/srun/torchrun/ringlet run")
     ringlet.init()
     try:
         backend = RingletBackend()
@@ -454,6 +499,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise _Usage(f"--budget must be >= 0 seconds, got {args.budget}")
         if not args.duration > 0:
             raise _Usage(f"--duration must be > 0 seconds, got {args.duration}")
+        if args.busy < 0:
+            raise _Usage(f"--busy must be >= 0 processes, got {args.busy}")
+        if args.busy and args.op == "limits":
+            raise _Usage("--busy applies to the sweeps; `limits` measures the idle machine")
         if args.op == "limits" or args.limits:
             from .limits import resolve_congestion
 

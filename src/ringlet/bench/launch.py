@@ -5,7 +5,10 @@ Every system runs as a fresh local job of N processes:
 * ringlet: N ``python -m ringlet.bench.ringlet_driver`` processes that meet
   through a ``StoreServer`` this process serves on 127.0.0.1 (port 0, so no
   port is guessed), authenticated with a random secret passed in
-  RINGLET_SECRET (or the caller's own RINGLET_SECRET / RINGLET_SECRET_FILE);
+  RINGLET_SECRET (or the caller's own RINGLET_SECRET / RINGLET_SECRET_FILE),
+  with the transport the caller's RINGLET_TRANSPORT picks (default auto);
+* ringlet-tcp: the same driver with RINGLET_TRANSPORT=tcp: ringlet's TCP
+  transport alone, for comparison with the one chosen automatically;
 * mpi-tcp / mpi-sm: ``mpirun`` of ``ringlet.bench.peers.mpi_peer`` with Open
   MPI's TCP transport on loopback, or its shared-memory transport;
 * gloo: N ``ringlet.bench.peers.gloo_peer`` processes meeting through a
@@ -42,7 +45,7 @@ from .sweep import ROW_PREFIX
 __all__ = ["SYSTEMS", "JobResult", "LaunchError", "run_system", "missing_reason",
            "expand_systems"]
 
-SYSTEMS = ("ringlet", "mpi-tcp", "mpi-sm", "gloo")
+SYSTEMS = ("ringlet", "ringlet-tcp", "mpi-tcp", "mpi-sm", "gloo")
 _GRACE_S = 15.0  # after one rank fails, how long the others get to notice
 
 
@@ -73,10 +76,10 @@ def expand_systems(spec: str) -> List[str]:
             continue
         names = {"mpi": ["mpi-tcp", "mpi-sm"], "openmpi": ["mpi-tcp", "mpi-sm"],
                  "mpi-tcp": ["mpi-tcp"], "mpi-sm": ["mpi-sm"], "gloo": ["gloo"],
-                 "torch": ["gloo"]}.get(part)
+                 "torch": ["gloo"], "ringlet-tcp": ["ringlet-tcp"]}.get(part)
         if names is None:
-            raise ValueError(f"--vs: unknown system {part!r}; choose from mpi (both "
-                             f"transports), mpi-tcp, mpi-sm, gloo")
+            raise ValueError(f"--vs: unknown system {part!r}; choose from ringlet-tcp, mpi "
+                             f"(both transports), mpi-tcp, mpi-sm, gloo")
         out += [n for n in names if n not in out]
     return out
 
@@ -273,8 +276,11 @@ def run_system(system: str, nranks: int, sweeps: Sequence[Dict[str, Any]], *,
     env = _base_env()
     env.update(extra_env or {})
     with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
-        if system == "ringlet":
+        if system.startswith("ringlet"):
             from ..store import StoreServer
+
+            if system == "ringlet-tcp":
+                env["RINGLET_TRANSPORT"] = "tcp"
 
             key, add = _job_secret()
             server = StoreServer("127.0.0.1", 0, secret=key)

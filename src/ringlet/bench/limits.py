@@ -32,7 +32,12 @@ ringlet itself uses between ranks of one host (Reno, unless
   about 1-2 us per send and receive to these numbers.
 * memcpy and float32 add: bytes of the destination written per second, for
   64 MiB arrays (memory bound) and 256 KiB arrays (in cache); the add with
-  numpy and with ringlet's C kernel (``_core.reduce_kernel``).
+  numpy and with ringlet's C kernel (``_core.reduce_kernel``).  The 64 MiB
+  memcpy is timed also in N processes at once (the sum of their rates), for
+  the memory-bandwidth bound of the shared-memory algorithms: ``shm_bytes``
+  gives the bytes each rank reads and writes, ``memory_bound`` the time they
+  take at the memcpy rate (docs/algorithms.md, "Memory-bandwidth bound on
+  one host").
 
 Example::
 
@@ -52,7 +57,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 __all__ = ["measure", "format_limits", "ceilings", "median_limits", "ringlet_congestion",
-           "resolve_congestion"]
+           "resolve_congestion", "shm_bytes", "memory_bound", "BOUND_OPS"]
 
 CHUNK = 4 << 20
 _PIPE_TIMEOUT = 60.0
@@ -476,6 +481,125 @@ def _memory(duration: float) -> Dict[str, Dict[str, float]]:
     return out
 
 
+def _copy_worker(nbytes: int, duration: float, conn) -> None:
+    """Copy ``nbytes`` arrays back and forth for ``duration`` seconds after "go";
+    report (start, end, bytes copied)."""
+    try:
+        a = np.full(nbytes, 1, np.uint8)
+        b = np.full(nbytes, 2, np.uint8)
+        np.copyto(a, b)  # every page faulted in before timing
+        conn.send("ready")
+        conn.recv()
+        clock = time.perf_counter
+        t0 = clock()
+        copies = 0
+        while True:
+            np.copyto(a, b)
+            copies += 1
+            t1 = clock()
+            if t1 - t0 >= duration:
+                break
+        conn.send(("ok", (t0, t1, copies * nbytes)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"memcpy process: {exc!r}"))
+
+
+def _memcpy_together(nprocs: int, duration: float, nbytes: int = 64 << 20) -> float:
+    """GB/s copied by ``nprocs`` processes at once, summed: all bytes copied over
+    the span from the first start to the last end."""
+    ctx = _context()
+    procs, pipes = [], []
+    try:
+        for _ in range(nprocs):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_copy_worker, args=(nbytes, duration, b), daemon=True)
+            p.start()
+            procs.append(p)
+            pipes.append(a)
+        res = _go_and_collect(pipes)
+        span = max(r[1] for r in res) - min(r[0] for r in res)
+        return sum(r[2] for r in res) / span / 1e9
+    finally:
+        _reap(procs)
+
+
+# ---- memory-bandwidth bound of the shared-memory algorithms ----------------------
+# The ops with a bound: every op that moves data.
+BOUND_OPS = ("all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather",
+             "all_to_all", "gather", "scatter", "sendrecv")
+
+
+def shm_bytes(op: str, nranks: int, nbytes: int, *,
+              slots: bool = False) -> List[Tuple[int, int]]:
+    """(bytes read, bytes written) in memory by each rank in the shared-memory
+    algorithm family of ``op`` (rank 0 is the root; for ``sendrecv`` rank 0
+    sends to rank 1).
+
+    The family: copy-in to the rank's slot, each rank reduces 1/P of the data
+    reading every rank's slot, copy-out; broadcast copies in once and every
+    reader copies out.  ``nbytes`` is the size ``ringlet bench`` reports: the
+    buffer of all_reduce, broadcast, reduce and sendrecv; the whole P-block
+    buffer of the others.  By default only the user's buffers count: a
+    message of 16 MiB or more streams them from and to memory, while the
+    slots are a ring of segments reused as the pipeline advances, so what is
+    written there is read back from the caches.  ``slots=True`` counts every
+    copy (the traffic when the slots hold whole messages).
+    docs/algorithms.md derives each line.
+
+    Raises:
+        ValueError: an op without data (barrier), ``nranks`` < 2 or ``nbytes`` < 0.
+    """
+    if op not in BOUND_OPS:
+        raise ValueError(f"no memory bound for {op!r}; ops: {', '.join(BOUND_OPS)}")
+    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 2:
+        raise ValueError(f"nranks must be an int >= 2, got {nranks!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    n, p = nbytes, nranks
+    b = n // p  # one rank's block (the sweep's sizes are whole blocks)
+    s = 1 if slots else 0  # slot traffic counts only with slots=True
+    if op == "all_reduce":
+        # copy-in reads the input (n) and writes the slot (n); the reduction
+        # reads 1/P from each of P slots (n) and writes 1/P (b); copy-out
+        # reads the result (n) and writes the output (n).
+        return [(n + s * 2 * n, n + s * (n + b))] * p
+    if op == "broadcast":  # the root copies in; every reader copies out
+        return [(n, s * n)] + [(s * n, n)] * (p - 1)
+    if op == "reduce":  # copy-in and the reduction everywhere; the root also copies out
+        return ([(n + s * 2 * n, n + s * (n + b))]
+                + [(n + s * n, s * (n + b))] * (p - 1))
+    if op == "reduce_scatter":  # copy-in (n, n); reduce 1/P into the output (n, b)
+        return [(n + s * n, b + s * n)] * p
+    if op == "all_gather":  # copy-in the own block (b, b); copy every block out (n, n)
+        return [(b + s * n, n + s * b)] * p
+    if op == "all_to_all":  # copy-in every block (n, n); copy out those for me (n, n)
+        return [(n + s * n, n + s * n)] * p
+    if op == "gather":  # each copies its block in; the root copies every block out
+        return [(b + s * (n - b), n)] + [(b, s * b)] * (p - 1)
+    if op == "scatter":  # the root copies the others' blocks in; each copies its own out
+        return [(n, b + s * (n - b))] + [(s * b, b)] * (p - 1)
+    return [(n, s * n), (s * n, n)] + [(0, 0)] * (p - 2)  # sendrecv: copy-in, copy-out
+
+
+def memory_bound(limits: Dict[str, Any], op: str, nranks: int, nbytes: int) -> Optional[float]:
+    """Seconds ``op`` needs at least, by memory traffic alone, on the machine of
+    ``limits`` (``measure()``'s result); None when ``limits`` lacks the memcpy rates.
+
+    A memcpy of n bytes reads n and writes n in n / C seconds (C: the memcpy
+    rate), so the traffic R + W of a rank takes (R + W) / 2C.  The ranks run
+    at once: the busiest rank needs its traffic over one process's rate, and
+    the host needs every rank's traffic over P processes' summed rate; the
+    bound is the larger.  Traffic is ``shm_bytes``' default: the user's
+    buffers.
+    """
+    one = (limits.get("memcpy") or {}).get("64MiB")
+    together = (limits.get("memcpy_procs") or {}).get(str(nranks))
+    if not one or not together:
+        return None
+    per = [r + w for r, w in shm_bytes(op, nranks, nbytes)]
+    return max(max(per) / (2 * one * 1e9), sum(per) / (2 * together * 1e9))
+
+
 # ---- driver --------------------------------------------------------------------
 def measure(nranks: int = 4, duration: float = 1.0,
             progress=None, volume: int = VOLUME,
@@ -545,6 +669,9 @@ def measure(nranks: int = 4, duration: float = 1.0,
     res["congestion"] = ",".join(sorted(seen))
     say("memcpy and float32 add")
     res.update(_memory(duration / 2))
+    procs = sorted({2, nranks})
+    say(f"memcpy in {' and '.join(map(str, procs))} processes at once")
+    res["memcpy_procs"] = {str(p): _memcpy_together(p, duration / 2) for p in procs}
     return res
 
 
@@ -645,4 +772,21 @@ def format_limits(res: Dict[str, Any]) -> str:
                         ("add_f32_ringlet", "float32 add (ringlet kernel)")):
         for size, v in res[what].items():
             row(f"{label}, {size}", v, "GB/s")
+    for p, v in sorted((res.get("memcpy_procs") or {}).items(), key=lambda kv: int(kv[0])):
+        row(f"memcpy (numpy), 64MiB, {p} processes at once (sum)", v, "GB/s")
+    p = res.get("nranks", 2)
+    if memory_bound(res, "broadcast", p, 1 << 20) is not None:
+        # busbw a copy-in/copy-out algorithm reaches at the memcpy rates, at any size
+        # (the bound is linear in the size; docs/algorithms.md)
+        n = 256 << 20
+        for op in BOUND_OPS:
+            t = memory_bound(res, op, p, n)
+            row(f"memory bound, {op}, {p} ranks (busbw)", n / t / 1e9 * _busbw_factor(op, p),
+                "GB/s")
     return "\n".join(lines)
+
+
+def _busbw_factor(op: str, nranks: int) -> float:
+    from .sweep import busbw_factor
+
+    return busbw_factor(op, nranks)

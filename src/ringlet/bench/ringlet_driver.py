@@ -7,6 +7,7 @@ when ``ringlet bench`` itself runs inside an existing launch.
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from typing import Any, Dict, Optional, Sequence
@@ -78,8 +79,11 @@ class RingletBackend(Backend):
     def versions(self) -> Dict[str, Any]:
         from .. import _core
 
+        # The transport asked for (ringlet-tcp forces tcp); ``ringlet info``
+        # and the debug log say which one each peer pair got.
         return {"ringlet": self._rl.__version__, "python": platform.python_version(),
-                "numpy": np.__version__, "build": _core.build_info()}
+                "numpy": np.__version__, "build": _core.build_info(),
+                "transport": os.environ.get("RINGLET_TRANSPORT") or "auto"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

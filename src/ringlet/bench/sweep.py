@@ -36,7 +36,11 @@ Timing method (per size):
      ``batch`` as well: nccl-tests' method (it times all iterations back to
      back), where consecutive operations may overlap, as in a training
      step.  ``batch`` = 1 measures each operation from a common start, which
-     is the latency of one isolated call.
+     is the latency of one isolated call.  Under a time budget a size whose
+     one operation is slow runs fewer operations per batch (at least one), so
+     that ``MIN_ITERS`` batches fit the budget: a batch of 20 at 256 MiB would
+     otherwise take seconds per sample, and there one barrier more or less is
+     lost in the operation's own time.  The row's ``batch`` is the one used.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import math
 import mmap
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -535,6 +539,13 @@ def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, A
                                 reduce_keeps_input=backend.reduce_keeps_input) for s in csets)
         del csets
     sets = [make_buffers(cfg, lay, rank, n, dtype, check=False) for _ in range(inflight)]
+    if cfg.batch > 1 and cfg.budget_s > 0:
+        # One operation sizes the batch (the slowest rank's time, so every
+        # rank derives the same count) before a whole batch is risked.
+        one = float(backend.max_f64(_timed(backend, replace(cfg, batch=1), sets, 1))[0])
+        if one > 0:
+            cfg = replace(cfg, batch=max(1, min(cfg.batch,
+                                                int(cfg.budget_s / (MIN_ITERS * one)))))
     # One warm-up iteration always runs: it connects, faults pages in, and
     # its slowest-rank time sizes the rest to the budget identically everywhere.
     est = float(backend.max_f64(_timed(backend, cfg, sets, 1))[0])
