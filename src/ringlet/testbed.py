@@ -276,14 +276,13 @@ class HostBed:
         """Start ``argv`` on ``host``; returns its ``Popen`` (killed at teardown).
 
         Args:
-            env: variables added to (over) this process's environment.
+            env: the process's whole environment (default: this process's).
             cwd: working directory (default: this process's).
             kwargs: more ``subprocess.Popen`` keywords (stdout=, stderr=, ...).
         The process leads a process group of its own, so ``os.killpg(p.pid, sig)``
         reaches everything it starts.
         """
-        full = dict(os.environ)
-        full.update(env or {})
+        full = dict(os.environ if env is None else env)
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         with self._lock:
             if self._closed:
