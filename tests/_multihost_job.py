@@ -1,7 +1,8 @@
 """One rank of a multi-host test job (tests/test_multihost.py), started on a bed host.
 
     python _multihost_job.py matrix OUTDIR   # every collective against numpy
-    python _multihost_job.py loop OUTDIR     # all_reduce until it fails (fault tests)
+    python _multihost_job.py loop OUTDIR     # all_reduce until it fails (fault tests);
+                                             # MULTIHOST_OP_TIMEOUT: its deadline
 
 Rank, world size and the rendezvous come from whatever launcher started the
 process (``ringlet.init()`` with no arguments).  Each rank writes
@@ -62,13 +63,15 @@ def matrix(out: str) -> int:
 
 
 def loop(out: str) -> int:
-    ringlet.init()
+    group = ringlet.init()
     rank = ringlet.get_rank()
+    op_timeout = float(os.environ["MULTIHOST_OP_TIMEOUT"])
     x = np.ones(4096, np.float32)
     i = 0
     try:
         while True:
-            ringlet.all_reduce(x)
+            # The first operations (which also connect) keep init's generous deadline.
+            group.all_reduce(x, timeout=op_timeout if i >= 3 else None)
             i += 1
             if i == 3:
                 _write(out, rank, dict(_where(), rank=rank, state="running"))

@@ -146,3 +146,94 @@ def test_env_contract_every_collective(make_bed, tmp_path, per_host):
     check_placement(bed, per_host, recs)
     bad = [b for rec in recs for b in rec["bad"]]
     assert not bad, "\n".join(bad[:20])
+
+
+# ---- faults between hosts -------------------------------------------------------------------
+FAULT_TIMEOUT_S = 3.0  # the op deadline of the fault jobs
+
+
+def start_loop(bed: HostBed, out: str) -> List[subprocess.Popen]:
+    """A 2x2 job looping all_reduce with a short op deadline; returns once every rank
+    has completed operations (each creates a ready file), under a generous deadline."""
+    procs = start_env_contract(bed, (2, 2), out, "loop",
+                               MULTIHOST_OP_TIMEOUT=str(FAULT_TIMEOUT_S))
+    end = time.monotonic() + DEADLINE_S
+    while not all(os.path.exists(os.path.join(out, f"ready{r}")) for r in range(4)):
+        dead = [r for r, p in enumerate(procs) if p.poll() is not None]
+        if dead or time.monotonic() > end:
+            outs = wait_all(procs, 1.0)
+            pytest.fail(f"the job did not start (ranks exited: {dead}): {outs}")
+        time.sleep(0.02)  # polling a file the ranks create; not a timer standing in for it
+    return procs
+
+
+def failures(out: str, procs, ranks=(0, 1)) -> List[dict]:
+    """The failure records of ``ranks``, waiting (under the test deadline) until each has
+    written one; every process is killed afterwards (exit paths are not timed here)."""
+    end = time.monotonic() + DEADLINE_S
+    recs: Dict[int, dict] = {}
+    try:
+        while len(recs) < len(ranks):
+            for r in ranks:
+                path = os.path.join(out, f"rank{r}.json")
+                if r not in recs and os.path.exists(path):
+                    with open(path) as f:
+                        rec = json.load(f)
+                    if rec["state"] == "failed":
+                        recs[r] = rec
+            missing = [r for r in ranks if r not in recs]
+            gone = [r for r in missing if procs[r].poll() is not None]
+            assert not gone, f"ranks {gone} exited without a failure record: {wait_all(procs, 1)}"
+            assert time.monotonic() < end, f"ranks {missing} never failed (hung)"
+            time.sleep(0.02)  # polling files the ranks write; not a timer standing in for them
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        wait_all(procs, 10.0)
+    return [recs[r] for r in ranks]
+
+
+def test_link_cut_mid_collective_errors_at_the_deadline(make_bed, tmp_path):
+    bed = make_bed(2)
+    out = str(tmp_path)
+    procs = start_loop(bed, out)
+    cut = time.monotonic()
+    bed.set_link("h2", False)  # packets dropped: no reset, only the deadline can tell
+    recs = failures(out, procs, (0, 1, 2, 3))
+    for rec in recs:
+        waited = rec["t_error"] - cut
+        assert "rank" in rec["message"] and "peer" in rec["message"], rec
+        # The op in flight began before the cut (at most one short loop step), so
+        # no error comes much before the deadline.  Host 1's ranks, which serve
+        # the store, error at it; host 2's also spend a bounded attempt to report
+        # their failure to the store across the cut.
+        late = 10.0 if rec["rank"] < 2 else 15.0
+        assert FAULT_TIMEOUT_S * 0.8 <= waited <= FAULT_TIMEOUT_S + late, (waited, rec)
+    assert any(rec["error"] == "CollectiveTimeout" for rec in recs[:2]), recs
+
+
+def test_host_killed_survivors_error_within_a_second(make_bed, tmp_path):
+    bed = make_bed(2)
+    out = str(tmp_path)
+    procs = start_loop(bed, out)
+    killed = time.monotonic()
+    assert len(bed.signal_host("h2", signal.SIGKILL)) == 2
+    recs = failures(out, procs)
+    for rec in recs:
+        waited = rec["t_error"] - killed
+        assert rec["error"] in ("PeerClosedError", "GroupPoisonedError", "RingletError"), rec
+        assert 0 <= waited < 1.0, (waited, rec)
+
+
+def test_host_frozen_errors_at_the_deadline_not_before(make_bed, tmp_path):
+    bed = make_bed(2)
+    out = str(tmp_path)
+    procs = start_loop(bed, out)
+    stopped = time.monotonic()
+    assert len(bed.signal_host("h2", signal.SIGSTOP)) == 2
+    recs = failures(out, procs)
+    for rec in recs:
+        waited = rec["t_error"] - stopped
+        assert FAULT_TIMEOUT_S * 0.8 <= waited <= FAULT_TIMEOUT_S + 10.0, (waited, rec)
+    assert any(rec["error"] == "CollectiveTimeout" for rec in recs), recs
