@@ -237,3 +237,38 @@ def test_host_frozen_errors_at_the_deadline_not_before(make_bed, tmp_path):
         waited = rec["t_error"] - stopped
         assert FAULT_TIMEOUT_S * 0.8 <= waited <= FAULT_TIMEOUT_S + 10.0, (waited, rec)
     assert any(rec["error"] == "CollectiveTimeout" for rec in recs), recs
+
+
+# ---- launch: ringlet run --hosts --------------------------------------------------------------
+def test_ringlet_run_hosts_over_rsh(make_bed, tmp_path):
+    bed = make_bed(2)
+    out = str(tmp_path)
+    # The launcher runs on h1, as on a cluster's first node; h2's ranks start through
+    # the bed's rsh script (ssh's calling convention), in h2's namespaces.
+    r = bed.run("h1", [sys.executable, "-m", "ringlet.run", "--hosts", "h1:2,h2:2", "--rsh",
+                       bed.rsh, "--timeout", str(DEADLINE_S), JOB, "matrix", out],
+                clean_env(), timeout=DEADLINE_S + 30)
+    outs = {rank: (r.returncode, r.stdout.decode() + r.stderr.decode()) for rank in range(4)}
+    assert r.returncode == 0, outs[0][1][-4000:]
+    recs = results(out, 4, outs)
+    check_placement(bed, (2, 2), recs)
+    for rank, rec in enumerate(recs):
+        # The store is served where h2 can reach it, and the secret is on no command line.
+        assert rec["master"] == bed.addr("h1"), rec
+        assert rec["local"][0] == str(rank % 2), rec
+        assert rec["secret_in_argv"] == [], rec
+    bad = [b for rec in recs for b in rec["bad"]]
+    assert not bad, "\n".join(bad[:20])
+    # Every output line carries its rank, remote ones included.
+    assert "[2] rank 2 checked" in r.stdout.decode(), r.stdout.decode()[-2000:]
+
+
+def test_ringlet_run_hosts_unknown_host_fails_fast(make_bed, tmp_path):
+    bed = make_bed(2)
+    t0 = time.monotonic()
+    r = bed.run("h1", [sys.executable, "-m", "ringlet.run", "--hosts", "h1:1,h2:1,h9:1",
+                       "--rsh", bed.rsh, JOB, "matrix", str(tmp_path)], clean_env(),
+                timeout=DEADLINE_S)
+    err = r.stderr.decode()
+    assert r.returncode != 0 and "h9" in err, err
+    assert time.monotonic() - t0 < 60.0
