@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 # issue 30 put the mesh (ringlet.parallel.mesh) and the wire layer (ringlet._wire).
 LAYER_OF = {
     "ringlet.errors": "base", "ringlet._timeout": "base", "ringlet._dtypes": "base",
-    "ringlet._version": "base", "ringlet._buffers": "base",
+    "ringlet._version": "base", "ringlet._buffers": "base", "ringlet._topology": "base",
     "ringlet._core": "binding",
     "ringlet._auth": "wire", "ringlet.store": "wire", "ringlet.environment": "wire",
     "ringlet._wire": "wire",

@@ -23,7 +23,7 @@ import pytest
 
 from ringlet.testbed import HostBed
 
-from _launchers import clean_env
+from _launchers import clean_env, openmpi_env, openmpi_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_multihost_job.py")
@@ -99,7 +99,7 @@ def check_placement(bed: HostBed, per_host: Sequence[int], recs: List[dict]) -> 
     same-host identity exactly with the ranks of its host."""
     where = placement(bed, per_host)
     for r, (host, _) in enumerate(where):
-        assert recs[r]["hostname"] == host, (r, recs[r])
+        assert recs[r]["hostname"] == bed.hostname(host), (r, recs[r])
         assert recs[r]["bind"] == bed.addr(host), (r, recs[r])
     for a in range(len(where)):
         for b in range(len(where)):
@@ -272,3 +272,50 @@ def test_ringlet_run_hosts_unknown_host_fails_fast(make_bed, tmp_path):
     err = r.stderr.decode()
     assert r.returncode != 0 and "h9" in err, err
     assert time.monotonic() - t0 < 60.0
+
+
+# ---- launch: mpirun with a hostfile ----------------------------------------------------------
+def mpirun_on_bed(bed: HostBed, per_host: int, out: str, *extra: str):
+    """``mpirun`` on h1 with a hostfile of the bed's hosts; Open MPI starts its daemon
+    on the other hosts through the bed's rsh script, as it would through ssh."""
+    hostfile = os.path.join(out, "hostfile")
+    with open(hostfile, "w") as f:
+        f.writelines(f"{h} slots={per_host}\n" for h in bed.hosts)
+    n = per_host * len(bed.hosts)
+    argv = [openmpi_mpirun(), "--hostfile", hostfile, "--mca", "plm_rsh_agent", bed.rsh,
+            "-np", str(n), "--map-by", f"ppr:{per_host}:node:OVERSUBSCRIBE", *extra,
+            sys.executable, JOB, "matrix", out]
+    return bed.run("h1", argv, openmpi_env(), timeout=DEADLINE_S)
+
+
+def test_mpirun_hostfile_hosts_reporting_one_name(make_bed, tmp_path):
+    # Every host calls itself "node": the bootstrap must still see two hosts (it
+    # goes by the same-host identity, not MPI's processor name) and serve the
+    # store where h2 reaches it.
+    bed = make_bed(2, hostnames=["node", "node"])
+    out = str(tmp_path)
+    r = mpirun_on_bed(bed, 2, out)
+    outs = {rank: (r.returncode, r.stdout.decode() + r.stderr.decode()) for rank in range(4)}
+    assert r.returncode == 0, outs[0][1][-4000:]
+    recs = results(out, 4, outs)
+    check_placement(bed, (2, 2), recs)
+    assert [rec["local"][0] for rec in recs] == ["0", "1", "0", "1"], recs
+    bad = [b for rec in recs for b in rec["bad"]]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_mpirun_loopback_store_on_another_host_fails_fast(make_bed, tmp_path):
+    # RINGLET_HOST_ID alike everywhere makes rank 0 take the job for one host and
+    # serve the store on loopback; every rank must say so at once, not after init's
+    # timeout (300 s).
+    bed = make_bed(2)
+    t0 = time.monotonic()
+    r = mpirun_on_bed(bed, 2, str(tmp_path), "-x", "RINGLET_HOST_ID=one-host")
+    waited = time.monotonic() - t0
+    text = r.stdout.decode() + r.stderr.decode()
+    assert r.returncode != 0, text[-3000:]
+    assert "rank 0 serves the rendezvous store on loopback" in text, text[-3000:]
+    for rank in range(4):
+        assert f"rank {rank}: rank 0 serves the rendezvous store on loopback" in text, rank
+    assert "this rank runs on another host" in text and "ranks [2, 3] run on other hosts" in text
+    assert waited < 60.0, waited

@@ -254,6 +254,10 @@ class HostBed:
         """The IPv4 address of ``host``'s eth0."""
         return self._addr[self._check(host)]
 
+    def hostname(self, host: str) -> str:
+        """What ``hostname`` reports on ``host``."""
+        return self._hostnames[self._check(host)]
+
     def netns(self, host: str) -> str:
         """The name of ``host``'s network namespace (for ``ip -n``)."""
         return self._ns[self._check(host)]
