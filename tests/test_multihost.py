@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -54,8 +55,10 @@ def placement(bed: HostBed, per_host: Sequence[int]) -> List[Tuple[str, int]]:
 
 
 def start_env_contract(bed: HostBed, per_host: Sequence[int], out: str, mode: str,
+                       host_env: Optional[Dict[str, Dict[str, str]]] = None,
                        **extra: str) -> List[subprocess.Popen]:
-    """Start a job the torchrun way: RANK/WORLD_SIZE/MASTER_ADDR/... on every rank."""
+    """Start a job the torchrun way: RANK/WORLD_SIZE/MASTER_ADDR/... on every rank
+    (``extra`` on every rank too, ``host_env[host]`` on that host's ranks)."""
     where = placement(bed, per_host)
     secret = secrets.token_hex(16)
     procs = []
@@ -63,7 +66,7 @@ def start_env_contract(bed: HostBed, per_host: Sequence[int], out: str, mode: st
         env = clean_env(RANK=str(rank), WORLD_SIZE=str(len(where)), LOCAL_RANK=str(local),
                         LOCAL_WORLD_SIZE=str(per_host[bed.hosts.index(host)]),
                         MASTER_ADDR=bed.addr(bed.hosts[0]), MASTER_PORT=str(PORT),
-                        RINGLET_SECRET=secret, **extra)
+                        RINGLET_SECRET=secret, **extra, **(host_env or {}).get(host, {}))
         procs.append(bed.popen(host, [sys.executable, JOB, mode, out], env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     return procs
@@ -319,3 +322,36 @@ def test_mpirun_loopback_store_on_another_host_fails_fast(make_bed, tmp_path):
         assert f"rank {rank}: rank 0 serves the rendezvous store on loopback" in text, rank
     assert "this rank runs on another host" in text and "ranks [2, 3] run on other hosts" in text
     assert waited < 60.0, waited
+
+
+# ---- interfaces -------------------------------------------------------------------------------
+def test_ifname_selects_the_interface_between_hosts(make_bed, tmp_path):
+    # Each host also has an interface the others cannot reach, listed after eth0;
+    # RINGLET_IFNAME by exclusion ("^side") still lands every rank on eth0.
+    bed = make_bed(2)
+    for i, h in enumerate(bed.hosts):
+        bed.add_interface(h, "side0", f"192.0.2.{i + 1}/24")
+    outs = wait_all(start_env_contract(bed, (1, 1), str(tmp_path), "matrix",
+                                       RINGLET_IFNAME="^side,lo"))
+    recs = results(str(tmp_path), 2, outs)
+    assert all(code == 0 for code, _ in outs.values()), outs
+    check_placement(bed, (1, 1), recs)
+
+
+def test_unreachable_advertised_address_names_both_ranks(make_bed, tmp_path):
+    # h2's ranks listen on an interface only h2 is on (RINGLET_IFNAME=side0) and
+    # advertise it; h1's ranks, dialling them, fail at once, naming the rank, the
+    # peer and the address.
+    bed = make_bed(2)
+    bed.add_interface("h2", "side0", "192.0.2.2/24")
+    out = str(tmp_path)
+    t0 = time.monotonic()
+    procs = start_env_contract(bed, (2, 2), out, "loop", MULTIHOST_OP_TIMEOUT="60",
+                               host_env={"h2": {"RINGLET_IFNAME": "side0"}})
+    recs = failures(out, procs, (0, 1))
+    for rec in recs:
+        msg = rec["message"]
+        assert re.search(r"rank [01]: \S+ seq=\d+ peer [23] \(192\.0\.2\.2:\d+\)", msg), msg
+        assert "is unreachable from world rank" in msg or "aborted" in msg, msg
+        assert rec["t_error"] - t0 < 60.0, rec
+    assert any("is unreachable from world rank" in rec["message"] for rec in recs), recs

@@ -335,6 +335,19 @@ class HostBed:
         return pids
 
     # ---- links ------------------------------------------------------------------------
+    def add_interface(self, host: str, name: str, cidr: str) -> None:
+        """Give ``host`` another interface ``name`` with address ``cidr``, which no other
+        host has a route to: a second network only that host is on (a veth pair whose
+        other end, ``name`` + "x", stays in the same namespace).  ``name`` is at most 14
+        characters."""
+        ns = self.netns(host)
+        if not 0 < len(name) <= 14:
+            raise ValueError(f"interface name {name!r} must have 1..14 characters")
+        _sh(["ip", "-n", ns, "link", "add", name, "type", "veth", "peer", "name", name + "x"])
+        _sh(["ip", "-n", ns, "addr", "add", cidr, "dev", name])
+        for dev in (name, name + "x"):
+            _sh(["ip", "-n", ns, "link", "set", dev, "up"])
+
     def set_link(self, host: str, up: bool) -> None:
         """Bring ``host``'s eth0 up or down (down: its packets are dropped, no reset)."""
         _sh(["ip", "-n", self.netns(host), "link", "set", self.ifname, "up" if up else "down"])
