@@ -138,6 +138,33 @@ def test_bed_hosts_are_separate_and_torn_down(make_bed):
     assert setup < 5.0 and teardown < 5.0, (setup, teardown)
 
 
+_MAKE_BED = """
+import os, signal, sys
+from ringlet.testbed import HostBed
+bed = HostBed(2)
+bed.popen("h1", ["sleep", "600"])
+print(" ".join(bed.netns(h) for h in bed.hosts), flush=True)
+if sys.argv[1] == "raise":
+    with bed:
+        raise KeyboardInterrupt
+elif sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""  # "exit": leaves the bed open; atexit tears it down
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "kill"])
+def test_bed_torn_down_on_every_exit_path(make_bed, how):
+    r = subprocess.run([sys.executable, "-c", _MAKE_BED, how], env=clean_env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    made = r.stdout.decode().split()
+    assert len(made) == 2, r.stderr.decode()
+    if how == "kill":
+        assert r.returncode == -signal.SIGKILL
+        make_bed(1)  # the next bed sweeps what a killed process left
+    left = set(os.listdir("/run/netns"))
+    assert not left & set(made), (how, left & set(made))
+
+
 # ---- launch: the env contract, and correctness across hosts ----------------------------------
 @pytest.mark.parametrize("per_host", [(2, 2), (1, 1, 1), (3, 3)], ids=["2x2", "3x1", "2x3"])
 def test_env_contract_every_collective(make_bed, tmp_path, per_host):

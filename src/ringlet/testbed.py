@@ -17,7 +17,9 @@ tears down (its processes killed, its namespaces deleted, which also deletes
 its veths and bridge) on ``close()``, on leaving its ``with`` block by any
 path, and at interpreter exit; beds left by a process that died with SIGKILL
 are swept by the next bed (namespaces named ``ringletbed-<pid>-...`` whose
-pid is gone).  Root only; ``HostBed.unavailable()`` says why a bed cannot be
+pid is gone), and the processes a bed started die with the thread that
+started them (``PR_SET_PDEATHSIG``: start a bed from a thread that outlives
+its use).  Root only; ``HostBed.unavailable()`` says why a bed cannot be
 made here.
 
 Example::
@@ -55,6 +57,11 @@ _RSH_KEEP = ("PATH", "HOME", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "TM
              "LC_ALL")
 
 
+# Every process a bed starts dies with the thread that started it (PR_SET_PDEATHSIG,
+# kept across exec), so a test runner killed with SIGKILL leaves none behind.
+_PDEATH = ["setpriv", "--pdeathsig", "KILL", "--"]
+
+
 class BedError(RuntimeError):
     """The test bed could not be set up (the message names the failing command)."""
 
@@ -89,6 +96,12 @@ def _sweep_stale() -> None:
             continue
         pid = name[len(_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
+            # Its processes first: a namespace with processes in it lives on unnamed.
+            for p in _sh(["ip", "netns", "pids", name], check=False).stdout.split():
+                try:
+                    os.kill(int(p), signal.SIGKILL)
+                except (ValueError, ProcessLookupError, PermissionError):
+                    pass
             _sh(["ip", "netns", "del", name], check=False)
 
 
@@ -178,7 +191,7 @@ class HostBed:
             return "network namespaces need Linux"
         if os.geteuid() != 0:
             return "network namespaces need root (run the multi-host tests as root)"
-        for tool in ("ip", "nsenter", "unshare", "tc"):
+        for tool in ("ip", "nsenter", "unshare", "setpriv", "tc"):
             if shutil.which(tool) is None:
                 return f"`{tool}` is not installed (iproute2 / util-linux)"
         return None
@@ -238,8 +251,9 @@ class HostBed:
         script = (f"hostname {shlex.quote(self._hostnames[h])} && "
                   f"mount --bind {shlex.quote(hosts_file)} /etc/hosts && echo ready && "
                   f"exec sleep infinity")
-        p = subprocess.Popen(["ip", "netns", "exec", self._ns[h], "unshare", "--uts", "--ipc",
-                              "/bin/sh", "-c", script], stdin=subprocess.DEVNULL,
+        p = subprocess.Popen(_PDEATH + ["ip", "netns", "exec", self._ns[h], "unshare", "--uts",
+                                        "--ipc", "/bin/sh", "-c", script],
+                             stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True)
         self._holders[h] = p
@@ -272,7 +286,7 @@ class HostBed:
     # ---- processes --------------------------------------------------------------------
     def _argv(self, host: str, argv: Sequence[str], cwd: Optional[str]) -> List[str]:
         pid = self._holders[self._check(host)].pid
-        return ["nsenter", "-t", str(pid), "-n", "-u", "-i", "-m",
+        return _PDEATH + ["nsenter", "-t", str(pid), "-n", "-u", "-i", "-m",
                 f"--wd={cwd or os.getcwd()}", "--"] + [str(a) for a in argv]
 
     def popen(self, host: str, argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
