@@ -1,4 +1,4 @@
-"""``ringlet run``: start N ranks on this host and stop them together.
+"""``ringlet run``: start N ranks on this host (or several) and stop them together.
 
 Usage::
 
@@ -6,6 +6,12 @@ Usage::
     ringlet run -n 4 -m mypkg.train --epochs 3  # a module
     ringlet run -n 4 -- ./a.out arg             # any program
     python -m ringlet.run -n 4 train.py
+    ringlet run --hosts node1:4,node2:4 [--rsh 'ssh -p 2222'] train.py
+
+With ``--hosts``, ranks on other hosts start through the remote shell (ssh by
+default, called as ``CMD HOST COMMAND``) and ``_agent`` there, which reads the
+rank's variables, secret included, as one JSON line on its stdin; the store is
+then served on the address that routes to those hosts (docs/launching.md).
 
 The launcher serves the rendezvous store itself, on 127.0.0.1 with an
 OS-chosen port (nothing to configure, no port collisions between jobs), and

@@ -44,6 +44,8 @@ import threading
 import weakref
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from .run import own_process_group
+
 __all__ = ["HostBed", "BedError"]
 
 _PREFIX = "ringletbed-"
@@ -305,8 +307,8 @@ class HostBed:
         with self._lock:
             if self._closed:
                 raise BedError("the bed is closed")
-            p = subprocess.Popen(self._argv(host, argv, cwd), env=full, process_group=0,
-                                 **kwargs)
+            p = subprocess.Popen(self._argv(host, argv, cwd), env=full,
+                                 **own_process_group(), **kwargs)
             self._procs.append(p)
             self._host_of[p.pid] = host
         return p
