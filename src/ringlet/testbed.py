@@ -214,6 +214,8 @@ class HostBed:
             for h in self.hosts:
                 f.write(f"{self._addr[h]} {h}\n")
         plen = self.subnet.prefixlen
+        for h in self.hosts:
+            os.mkdir(self._tmpdir(h))
         for i, h in enumerate(self.hosts):
             ns, port = self._ns[h], f"p{i + 1}"
             self._netns_add(ns)
@@ -230,7 +232,7 @@ class HostBed:
                          rate, "burst", "256kb", "latency", "50ms"])
             self._start_holder(h, hosts_file)
         rsh = os.path.join(self._dir, "rsh")
-        keep = " ".join(f'"{k}=${{{k}:-}}"' for k in _RSH_KEEP)
+        keep = " ".join(f'"{k}=${{{k}:-}}"' for k in _RSH_KEEP if k != "TMPDIR")
         with open(rsh, "w") as f:
             # `rsh HOST COMMAND...`, as ssh: the words joined into one shell command.
             f.write("#!/bin/sh\n"
@@ -238,7 +240,8 @@ class HostBed:
                     "while [ \"${host#-}\" != \"$host\" ]; do host=$1; shift; done\n"
                     f"pid=$(cat \"{self._dir}/$host.pid\" 2>/dev/null) || "
                     "{ echo \"rsh: no such bed host: $host\" >&2; exit 255; }\n"
-                    f"exec env -i {keep} nsenter -t \"$pid\" -n -u -i -m --wd=/ -- "
+                    f"exec env -i {keep} \"TMPDIR={self._dir}/$host.tmp\" "
+                    "nsenter -t \"$pid\" -n -u -i -m --wd=/ -- "
                     "/bin/sh -c \"$*\"\n")
         os.chmod(rsh, 0o755)
         self.rsh = rsh
@@ -270,6 +273,9 @@ class HostBed:
         """The IPv4 address of ``host``'s eth0."""
         return self._addr[self._check(host)]
 
+    def _tmpdir(self, host: str) -> str:
+        return os.path.join(self._dir, f"{host}.tmp")
+
     def hostname(self, host: str) -> str:
         """What ``hostname`` reports on ``host``."""
         return self._hostnames[self._check(host)]
@@ -296,13 +302,17 @@ class HostBed:
         """Start ``argv`` on ``host``; returns its ``Popen`` (killed at teardown).
 
         Args:
-            env: the process's whole environment (default: this process's).
+            env: the process's whole environment (default: this process's), but
+                ``TMPDIR`` is always the host's own temporary directory: hosts share
+                this machine's /tmp, and tools that name their files there by host name
+                (Open MPI's session directories) would collide on hosts named alike.
             cwd: working directory (default: this process's).
             kwargs: more ``subprocess.Popen`` keywords (stdout=, stderr=, ...).
         The process leads a process group of its own, so ``os.killpg(p.pid, sig)``
         reaches everything it starts.
         """
         full = dict(os.environ if env is None else env)
+        full["TMPDIR"] = self._tmpdir(self._check(host))
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         with self._lock:
             if self._closed:
