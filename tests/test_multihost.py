@@ -138,6 +138,45 @@ def test_bed_hosts_are_separate_and_torn_down(make_bed):
     assert setup < 5.0 and teardown < 5.0, (setup, teardown)
 
 
+_SINK = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 29600))
+print("listening", flush=True)
+c, _ = srv.accept()
+n = 0
+while n < int(sys.argv[2]):
+    b = c.recv(1 << 16)
+    if not b:
+        break
+    n += len(b)
+c.sendall(b"k")
+print(n, flush=True)
+"""
+_SOURCE = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 29600))
+t = time.monotonic()
+s.sendall(bytes(int(sys.argv[2])))
+assert s.recv(1) == b"k"
+print(time.monotonic() - t)
+"""
+
+
+def test_bed_shapes_links_with_tbf(make_bed):
+    # 4 MB through an 80 Mbit/s link (each direction shaped) takes at least
+    # 0.4 s less the bucket (256 KiB): a lower bound no machine load can break.
+    bed = make_bed(2, rate="80mbit")
+    n = 4_000_000
+    sink = bed.popen("h2", [sys.executable, "-c", _SINK, bed.addr("h2"), str(n)], clean_env(),
+                     stdout=subprocess.PIPE)
+    assert sink.stdout.readline().strip() == b"listening"
+    r = bed.run("h1", [sys.executable, "-c", _SOURCE, bed.addr("h2"), str(n)], clean_env(),
+                check=True)
+    took = float(r.stdout)
+    assert sink.stdout.readline().strip() == str(n).encode()
+    assert took >= (n - 300_000) * 8 / 80e6, took
+
+
 _MAKE_BED = """
 import os, signal, sys
 from ringlet.testbed import HostBed
