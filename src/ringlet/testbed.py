@@ -35,6 +35,7 @@ import atexit
 import ipaddress
 import itertools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -159,6 +160,10 @@ class HostBed:
         if len(names) != hosts or len(hostnames) != hosts or len(set(names)) != hosts:
             raise ValueError(f"need {hosts} distinct names and {hosts} hostnames, got "
                              f"{names!r} and {hostnames!r}")
+        for name in names + hostnames:
+            # They become file names, /etc/hosts entries and shell words.
+            if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", name)):
+                raise ValueError(f"host name {name!r} must be 1-63 letters, digits or '-'")
         why = HostBed.unavailable()
         if why:
             raise BedError(why)
