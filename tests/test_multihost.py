@@ -421,3 +421,43 @@ def test_unreachable_advertised_address_names_both_ranks(make_bed, tmp_path):
         assert "is unreachable from world rank" in msg or "aborted" in msg, msg
         assert rec["t_error"] - t0 < 60.0, rec
     assert any("is unreachable from world rank" in rec["message"] for rec in recs), recs
+
+
+_DIES_ON_H2 = """
+import os, sys, time
+import ringlet
+marker = sys.argv[1]
+ringlet.init()
+ringlet.barrier()
+if ringlet.get_rank() == 3:
+    ringlet.shutdown()  # its connections close: the others fail on them
+    # Exit only once rank 0 has exited (it names its pid in the marker file).
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not (os.path.exists(marker) and
+                                          not os.path.exists("/proc/" + open(marker).read())):
+        time.sleep(0.01)  # polling a file and a pid; not a timer standing in for them
+    os._exit(7)
+try:
+    ringlet.barrier()
+finally:
+    if ringlet.get_rank() == 0:
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)
+"""
+
+
+def test_ringlet_run_hosts_blames_the_remote_rank_that_died(make_bed, tmp_path):
+    # Rank 3 (on h2) leaves between two barriers and exits 7 only after rank 0
+    # has failed on its closed connection and exited: exit order blames rank 0.  The
+    # launcher must read the job's failure record from its store (served off
+    # loopback) and blame rank 3, with rank 3's exit code.
+    bed = make_bed(2)
+    script = tmp_path / "dies.py"
+    script.write_text(_DIES_ON_H2)
+    r = bed.run("h1", [sys.executable, "-m", "ringlet.run", "--hosts", "h1:2,h2:2", "--rsh",
+                       bed.rsh, "--grace", "30", str(script), str(tmp_path / "marker")],
+                clean_env(), timeout=DEADLINE_S)
+    err = r.stderr.decode()
+    assert r.returncode == 7, err[-3000:]
+    assert "rank 3 failed first (exit code 7)" in err, err[-3000:]

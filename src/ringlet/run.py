@@ -225,7 +225,9 @@ def _root_cause(who: int, peer: Any, closed: bool, message: str, nproc: int) -> 
             break
         message = message[inner.start():]
         peer = int(inner[2])
-        closed = "the peer exited" in message.split("]", 1)[0]
+        head = message.split("]", 1)[0]
+        # The core's two wordings of a vanished peer: a reset, or a plain close (EOF).
+        closed = "the peer exited" in head or "the peer closed the connection" in head
     return who
 
 class _Output:
