@@ -51,6 +51,7 @@ __all__ = ["HostBed", "BedError"]
 
 _PREFIX = "ringletbed-"
 _counter = itertools.count()
+_probed: Optional[str] = None  # "" once namespaces were made here, else why not
 _live: "weakref.WeakSet[HostBed]" = weakref.WeakSet()
 _STEP_S = 10.0  # bound on any one set-up or teardown command
 # Variables an rsh session passes to the remote side, like an ssh login on a
@@ -201,7 +202,18 @@ class HostBed:
         for tool in ("ip", "nsenter", "unshare", "setpriv", "tc"):
             if shutil.which(tool) is None:
                 return f"`{tool}` is not installed (iproute2 / util-linux)"
-        return None
+        global _probed
+        if _probed is None:
+            # Root without CAP_SYS_ADMIN (a container) cannot make namespaces: try once.
+            probe = f"{_PREFIX}{os.getpid()}-probe"
+            made = _sh(["ip", "netns", "add", probe], check=False)
+            _sh(["ip", "netns", "del", probe], check=False)
+            uts = _sh(["unshare", "--uts", "--ipc", "true"], check=False)
+            bad = made if made.returncode else uts if uts.returncode else None
+            _probed = "" if bad is None else (
+                f"cannot make namespaces here (`{shlex.join(bad.args)}`: "
+                f"{bad.stderr.decode(errors='replace').strip()})")
+        return _probed or None
 
     # ---- set-up -----------------------------------------------------------------------
     def _netns_add(self, ns: str) -> None:
