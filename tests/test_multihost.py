@@ -164,13 +164,14 @@ print(time.monotonic() - t)
 
 def test_bed_shapes_links_with_tbf(make_bed):
     # 4 MB through an 80 Mbit/s link (each direction shaped) takes at least
-    # 0.4 s less the bucket (256 KiB): a lower bound no machine load can break.
-    bed = make_bed(2, rate="80mbit")
+    # 0.4 s less the bucket (256 KiB): a lower bound no machine load can break;
+    # h2's link is not shaped, so h2 -> h1 is bounded by h1's link alone.
+    bed = make_bed(2, rate={"h1": "80mbit"})  # h1's link only: a slow host
     n = 4_000_000
-    sink = bed.popen("h2", [sys.executable, "-c", _SINK, bed.addr("h2"), str(n)], clean_env(),
+    sink = bed.popen("h1", [sys.executable, "-c", _SINK, bed.addr("h1"), str(n)], clean_env(),
                      stdout=subprocess.PIPE)
     assert sink.stdout.readline().strip() == b"listening"
-    r = bed.run("h1", [sys.executable, "-c", _SOURCE, bed.addr("h2"), str(n)], clean_env(),
+    r = bed.run("h2", [sys.executable, "-c", _SOURCE, bed.addr("h1"), str(n)], clean_env(),
                 check=True)
     took = float(r.stdout)
     assert sink.stdout.readline().strip() == str(n).encode()

@@ -43,7 +43,7 @@ import subprocess
 import tempfile
 import threading
 import weakref
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from .run import own_process_group
 
@@ -134,7 +134,8 @@ class HostBed:
 
     Args:
         hosts: number of hosts (1..200).
-        rate: ``tbf`` rate of every link, each direction (e.g. "1gbit"); None: unshaped.
+        rate: ``tbf`` rate of every link, each direction (e.g. "1gbit"), or a mapping
+            from host name to its link's rate (hosts left out are unshaped); None: unshaped.
         names: host names (default ``h1`` .. ``hH``); each is the host's UTS host
             name unless ``hostnames`` says otherwise, and resolves on every host.
         hostnames: what ``hostname`` reports on each host (default: ``names``);
@@ -151,11 +152,14 @@ class HostBed:
 
     ifname = "eth0"
 
-    def __init__(self, hosts: int = 2, *, rate: Optional[str] = None,
+    def __init__(self, hosts: int = 2, *, rate: Union[str, Mapping[str, str], None] = None,
                  names: Optional[Sequence[str]] = None,
                  hostnames: Optional[Sequence[str]] = None) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= 200:
             raise ValueError(f"hosts must be an int in 1..200, got {hosts!r}")
+        if isinstance(rate, Mapping) and names is None and \
+                set(rate) - {f"h{i + 1}" for i in range(hosts)}:
+            raise ValueError(f"rate names hosts not in the bed: {sorted(rate)}")
         names = list(names) if names is not None else [f"h{i + 1}" for i in range(hosts)]
         hostnames = list(hostnames) if hostnames is not None else list(names)
         if len(names) != hosts or len(hostnames) != hosts or len(set(names)) != hosts:
@@ -220,7 +224,7 @@ class HostBed:
         _sh(["ip", "netns", "add", ns])
         self._made.append(ns)
 
-    def _build(self, rate: Optional[str]) -> None:
+    def _build(self, rate: Union[str, Mapping[str, str], None]) -> None:
         br = self._bridge_ns
         self._netns_add(br)
         _sh(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
@@ -243,10 +247,11 @@ class HostBed:
             _sh(["ip", "-n", ns, "addr", "add", f"{self._addr[h]}/{plen}", "dev", self.ifname])
             _sh(["ip", "-n", ns, "link", "set", self.ifname, "up"])
             _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-            if rate:
+            link_rate = rate.get(h) if isinstance(rate, Mapping) else rate
+            if link_rate:
                 for where, dev in ((ns, self.ifname), (br, port)):
                     _sh(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                         rate, "burst", "256kb", "latency", "50ms"])
+                         link_rate, "burst", "256kb", "latency", "50ms"])
             self._start_holder(h, hosts_file)
         rsh = os.path.join(self._dir, "rsh")
         keep = " ".join(f'"{k}=${{{k}:-}}"' for k in _RSH_KEEP if k != "TMPDIR")
