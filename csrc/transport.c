@@ -742,6 +742,24 @@ static int hs_fail(rl_comm *c, const rl_opdesc *op, int peer, int fd, int st, co
     return rl_fail(c, op, st, peer, e, "handshake failed %s: %s", stage, strerror(e));
 }
 
+/* A failed connect, worded by what its errno says about the address the
+ * peer advertised: refused means nothing listens there (the peer is gone);
+ * no route means that address is out of this host's reach (the peer bound
+ * an interface the others cannot reach), which no retry can fix. */
+static int connect_fail(rl_comm *c, const rl_opdesc *op, int peer, int e) {
+    if (e == ECONNREFUSED)
+        return rl_fail(c, op, RL_ERR_PEER_CLOSED, peer, e,
+                       "connect: %s (is the peer process alive?)", strerror(e));
+    if (e == ENETUNREACH || e == EHOSTUNREACH || e == ENETDOWN || e == EADDRNOTAVAIL)
+        return rl_fail(c, op, RL_ERR_SYSTEM, peer, e,
+                       "connect: %s: the address world rank %d advertised is unreachable from "
+                       "world rank %d (it listens on an interface this host has no route to; "
+                       "set RINGLET_IFNAME on its host to the interface between the hosts)",
+                       strerror(e), c->world[peer], c->ctx->rank);
+    return rl_fail(c, op, RL_ERR_SYSTEM, peer, e, "connect: %s (is the peer process alive?)",
+                   strerror(e));
+}
+
 /* One connection attempt and handshake, bounded by `deadline`.  Sets
  * *dropped (and records no error) when the acceptor closed or reset the
  * connection before answering our HELLO: it evicts unvalidated connections
@@ -759,8 +777,7 @@ static int connect_once(rl_comm *c, const rl_opdesc *op, int peer,
         if (errno != EINPROGRESS) {
             int e = errno;
             close(fd);
-            return rl_fail(c, op, e == ECONNREFUSED ? RL_ERR_PEER_CLOSED : RL_ERR_SYSTEM,
-                           peer, e, "connect: %s (is the peer process alive?)", strerror(e));
+            return connect_fail(c, op, peer, e);
         }
         for (;;) {
             struct pollfd p = {fd, POLLOUT, 0};
@@ -769,7 +786,10 @@ static int connect_once(rl_comm *c, const rl_opdesc *op, int peer,
             if (rl_call_interrupt_hook()) { close(fd); return rl_fail(c, op, RL_ERR_INTERRUPTED, peer, 0, "interrupted while connecting"); }
             if (rl_now_ns() >= deadline) {
                 close(fd);
-                return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0, "timed out connecting");
+                return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0,
+                               "timed out connecting: no answer from the address the peer "
+                               "advertised (a dropped link, a firewall, or an address only "
+                               "its host can reach; see RINGLET_IFNAME)");
             }
         }
         int soerr = 0;
@@ -777,8 +797,7 @@ static int connect_once(rl_comm *c, const rl_opdesc *op, int peer,
         getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &el);
         if (soerr) {
             close(fd);
-            return rl_fail(c, op, soerr == ECONNREFUSED ? RL_ERR_PEER_CLOSED : RL_ERR_SYSTEM,
-                           peer, soerr, "connect: %s (is the peer process alive?)", strerror(soerr));
+            return connect_fail(c, op, peer, soerr);
         }
     }
     same_host_reno(fd); /* connected by now */

@@ -29,6 +29,7 @@ LAYER_OF = {
     "ringlet.checkpoint": "training", "ringlet.rpc": "training", "ringlet.optim": "training",
     "ringlet.torch": "adapter",
     "ringlet.cli": "tools", "ringlet.run": "tools", "ringlet.testing": "tools",
+    "ringlet.testbed": "tools",
     "ringlet.bench": "tools",
 }
 # Which layers each layer may import (its own included). Lower layers never import upwards.

@@ -363,6 +363,26 @@ def test_failed_first_is_the_rank_that_failed_not_the_first_to_exit(tmp_path):
     assert out.returncode == 3, out.stderr
 
 
+def test_parse_hosts():
+    from ringlet.run import parse_hosts
+    assert parse_hosts("node1:4,node2") == [("node1", 4), ("node2", 1)]
+    for bad in ("", "a:0", "a:x", "a:2,a:1", "a b:1", ":3"):
+        with pytest.raises(ValueError, match="--hosts"):
+            parse_hosts(bad)
+
+
+def test_hosts_option_errors_before_starting_anything(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('started')\n")
+    for args, why in ((["-n", "3", "--hosts", "localhost:2"], "places 2 ranks"),
+                      ([], "give -n N or --hosts"),
+                      (["--hosts", "localhost:1,elsewhere:1", "--rsh", "no-such-rsh-here"],
+                       "not an executable on PATH")):
+        out = _launch(*args, str(script))
+        assert out.returncode == 2 and why in out.stderr, (args, out.stderr)
+        assert "started" not in out.stderr
+
+
 def test_blame_follows_a_chain_of_aborting_peers_to_the_rank_that_vanished():
     # rank 1 saw rank 3 abort, and rank 3 had lost rank 2: rank 2 failed first
     from ringlet.run import _root_cause
@@ -377,3 +397,8 @@ def test_blame_follows_a_chain_of_aborting_peers_to_the_rank_that_vanished():
     assert _root_cause(1, 3, True, "rank 1: lost: the peer exited, crashed or aborted", 4) == 3
     assert _root_cause(1, None, False, "rank 1: desync", 4) == 1
     assert _root_cause(1, 9, True, "rank 1: lost", 4) == 1  # a peer outside the job is ignored
+    # a peer that closed its connection (EOF, not a reset) vanished too
+    eof = ("rank 2: barrier seq=2 peer 0 (10.0.0.1:1) after 0.001s: peer aborted the operation: "
+           "[rank 0: barrier seq=2 peer 3 (10.0.0.2:2) after 0.001s: the peer closed the "
+           "connection (it exited, crashed or aborted)]")
+    assert _root_cause(2, 0, False, eof, 4) == 3

@@ -63,6 +63,10 @@ def _status_of(exc: BaseException) -> int:
     return _core.STATUS["ABORTED"]
 
 
+# Bound on a failed rank's last store requests (its failure record, its check-out).
+_AFTER_FAILURE_S = 5.0
+
+
 class World:
     """Everything one rank holds for one initialised job."""
 
@@ -84,6 +88,7 @@ class World:
         self._watcher: Optional[threading.Thread] = None
         self._store_args: Optional[tuple] = None
         self._watch_store = None
+        self._fail_store: Any = None  # False once it could not be reached
         self._failed = False
         self._closed = False
         # Per world rank: its same-host identity; and the algorithm choice and
@@ -159,8 +164,11 @@ class World:
         """A peer that closed its connection may have done so because another rank
         failed first and its record stopped that peer: name that first failure in
         ``exc`` (True), rather than blame the peer for it."""
+        store = self._store_after_failure()
+        if store is None:
+            return False
         try:
-            raw = self.store.get(self.prefix + "abort", timeout=0)
+            raw = store.get(self.prefix + "abort", timeout=0)
             rec = json.loads(raw.decode())
         except (RingletError, OSError, ValueError):
             return False
@@ -179,11 +187,27 @@ class World:
                              "gen": self.gen, "group": comm_id,
                              "message": message[:600]}).encode()
         try:
-            if self.store.add(self.prefix + "abort_count", 1) == 1:
-                self.store.set(self.prefix + "abort", record)
-                self.store.set(FAILURE_KEY, record)
+            store = self._store_after_failure()
+            if store is not None and store.add(self.prefix + "abort_count", 1) == 1:
+                store.set(self.prefix + "abort", record)
+                store.set(FAILURE_KEY, record)
         except (RingletError, OSError):
-            pass  # the store is gone too; peers notice through their sockets
+            self._fail_store = False  # the store is gone too; peers notice through their sockets
+
+    def _store_after_failure(self):
+        """The store connection for a failed rank's record and check-out: one of its
+        own with short deadlines, since the store may sit behind the link that failed
+        and the main connection waits up to init's timeout (minutes) for a reply."""
+        if self._fail_store is None and self._store_args is not None:
+            from .store import Store
+
+            host, port, key = self._store_args
+            try:
+                self._fail_store = Store(host, port, secret=key,
+                                         timeout=min(self.timeout, _AFTER_FAILURE_S))
+            except (RingletError, OSError):
+                self._fail_store = False
+        return self._fail_store or None
 
     def _cancel_all(self, status: int, reason: str) -> None:
         _trace.on_failure(self, None, reason)  # before the cancel: blocked ops show as started
@@ -241,7 +265,9 @@ class World:
             try:
                 # Check out; the rank serving the store keeps it up until every
                 # rank has, so no rank loses the store while still shutting down.
-                self.store.set(f"{self.prefix}exited/{self.rank}", b"1")
+                out = self._store_after_failure() if self._failed else self.store
+                if out is not None:
+                    out.set(f"{self.prefix}exited/{self.rank}", b"1")
                 if self.server is not None:
                     # Its sockets close first: a peer still blocked on this rank
                     # (in an operation this rank abandoned) fails now instead of
@@ -252,11 +278,12 @@ class World:
             except (RingletError, OSError):
                 pass
         self._close_comms()
-        if self.store is not None:
-            try:
-                self.store.close()
-            except Exception:  # noqa: BLE001
-                pass
+        for st in (self.store, self._fail_store):
+            if st:
+                try:
+                    st.close()
+                except Exception:  # noqa: BLE001
+                    pass
         if self.server is not None and not _is_kept(self.server):
             self.server.close()
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 __all__ = ["main"]
 
 _COMMANDS = {
-    "run": "start N ranks of a job on this host (see `ringlet run -h`)",
+    "run": "start N ranks of a job on this host or several (see `ringlet run -h`)",
     "info": "print versions, the detected launch environment and the core's build",
     "bench": "run the collective benchmarks (see `ringlet bench -h`)",
     "trace": "merge the ranks' flight records in DIR: who is stuck where (`ringlet trace -h`)",

@@ -547,7 +547,7 @@ def load_secret(environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
 # ---- MPI bootstrap -------------------------------------------------------------------------
 _MPI_MISSING = ("launched under MPI without RINGLET_MASTER_ADDR; install mpi4py (pip install "
                 "mpi4py) or set RINGLET_MASTER_ADDR/RINGLET_MASTER_PORT")
-_NAME_BYTES = 256
+_ID_BYTES = 64  # a same-host identity (ringlet._topology.host_id) is at most 64 characters
 _BCAST_BYTES = 1024
 
 
@@ -581,6 +581,10 @@ def mpi_bootstrap(timeout: float) -> Tuple[int, int, str, int, bytes, Optional["
     on an OS-chosen port, takes the secret from ``load_secret()`` or makes a
     random 32-byte one, and broadcasts ``(address, port, secret)``: MPI is the
     trusted channel, so the secret never touches the network unauthenticated.
+    "Its host" is the same-host identity (``_topology.host_id``: boot id and
+    namespaces), not MPI's processor name, which many clusters and containers
+    report alike on every node.  A rank handed a loopback store address by a
+    rank 0 on another host fails at once instead of after ``timeout``.
 
     Args:
         timeout: seconds to wait for every rank to take part.
@@ -619,11 +623,15 @@ def mpi_bootstrap(timeout: float) -> Tuple[int, int, str, int, bytes, Optional["
     deadline = time.monotonic() + timeout
 
     # Which hosts does the job span?  Fixed-size buffers, non-blocking.
-    mine = bytearray(MPI.Get_processor_name().encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0"))
-    names = bytearray(_NAME_BYTES * size)
-    _mpi_wait(comm.Iallgather([mine, MPI.BYTE], [names, MPI.BYTE]), deadline,
-              "the host-name exchange", rank)
-    hosts = {bytes(names[i:i + _NAME_BYTES]) for i in range(0, len(names), _NAME_BYTES)}
+    from ._topology import host_id
+
+    mine = bytearray(host_id().encode()[:_ID_BYTES].ljust(_ID_BYTES, b"\0"))
+    ids = bytearray(_ID_BYTES * size)
+    _mpi_wait(comm.Iallgather([mine, MPI.BYTE], [ids, MPI.BYTE]), deadline,
+              "the host identity exchange", rank)
+    hosts = {bytes(ids[i:i + _ID_BYTES]) for i in range(0, len(ids), _ID_BYTES)}
+    # The machine itself, whatever RINGLET_HOST_ID says: for the loopback check below.
+    machine = host_id({})
 
     server = None
     buf = bytearray(_BCAST_BYTES)
@@ -641,7 +649,7 @@ def mpi_bootstrap(timeout: float) -> Tuple[int, int, str, int, bytes, Optional["
                 addr = "127.0.0.1"
             secret = load_secret() or secrets.token_bytes(32)
             server = _start_server(addr, secret)
-            body = b"\x00" + _pack_bootstrap(addr, server.port, secret)
+            body = b"\x00" + _pack_bootstrap(addr, server.port, secret, machine)
         except Exception as exc:  # noqa: BLE001 - every rank must hear why
             body = b"\x01" + f"{type(exc).__name__}: {exc}".encode()[:_BCAST_BYTES - 1]
             failure: Optional[BaseException] = exc
@@ -661,7 +669,32 @@ def mpi_bootstrap(timeout: float) -> Tuple[int, int, str, int, bytes, Optional["
         msg = bytes(buf[1:]).rstrip(b"\0").decode("utf-8", "replace")
         raise RendezvousError(f"rank {rank}: rank 0 could not start the rendezvous store: {msg}",
                               rank=rank, peer=0)
-    addr, port, secret = _unpack_bootstrap(bytes(buf[1:]))
+    addr, port, secret, root_machine = _unpack_bootstrap(bytes(buf[1:]))
+    # A loopback store is out of reach of ranks on other machines.  Every rank
+    # learns which ranks those are (one byte each), so all fail now together
+    # rather than wait for them until the rendezvous deadline.
+    far = bytearray([is_loopback(addr) and root_machine != machine])
+    fars = bytearray(size)
+    try:
+        _mpi_wait(comm.Iallgather([far, MPI.BYTE], [fars, MPI.BYTE]), deadline,
+                  "the store reachability check", rank)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    cut_off = [r for r in range(size) if fars[r]]
+    if cut_off:
+        if server is not None:
+            server.close()
+        where = (f"this rank runs on another host (host id {machine}) than rank 0 "
+                 f"(host id {root_machine})" if far[0] else
+                 f"ranks {cut_off} run on other hosts than rank 0")
+        raise RendezvousError(
+            f"rank {rank}: rank 0 serves the rendezvous store on loopback ({addr}:{port}) but "
+            f"{where}, so they cannot reach it: rank 0 took the job for a single host "
+            f"(RINGLET_HOST_ID set alike on every host?). Set RINGLET_IFNAME to an interface "
+            f"between the hosts, or RINGLET_MASTER_ADDR/RINGLET_MASTER_PORT",
+            rank=rank, peer=0)
     return rank, size, addr, port, secret, server
 
 
@@ -671,17 +704,19 @@ def _start_server(addr: str, secret: bytes) -> "StoreServer":
     return StoreServer(addr, 0, secret=secret)
 
 
-def _pack_bootstrap(addr: str, port: int, secret: bytes) -> bytes:
-    a = addr.encode()
+def _pack_bootstrap(addr: str, port: int, secret: bytes, machine: str) -> bytes:
+    a, m = addr.encode(), machine.encode()[:_ID_BYTES]
     if len(a) > 255 or len(secret) > 512:
         raise ValueError("bootstrap address or secret too long")
-    return struct.pack("!BHH", len(a), port, len(secret)) + a + secret
+    return struct.pack("!BHHB", len(a), port, len(secret), len(m)) + a + secret + m
 
 
-def _unpack_bootstrap(data: bytes) -> Tuple[str, int, bytes]:
-    alen, port, slen = struct.unpack_from("!BHH", data, 0)
-    a = data[5:5 + alen].decode()
-    return a, port, data[5 + alen:5 + alen + slen]
+def _unpack_bootstrap(data: bytes) -> Tuple[str, int, bytes, str]:
+    alen, port, slen, mlen = struct.unpack_from("!BHHB", data, 0)
+    a = data[6:6 + alen].decode()
+    secret = data[6 + alen:6 + alen + slen]
+    m = data[6 + alen + slen:6 + alen + slen + mlen].decode(errors="replace")
+    return a, port, secret, m
 
 
 def _environ_summary(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:

@@ -1,4 +1,4 @@
-"""``ringlet run``: start N ranks on this host and stop them together.
+"""``ringlet run``: start N ranks on this host (or several) and stop them together.
 
 Usage::
 
@@ -6,6 +6,12 @@ Usage::
     ringlet run -n 4 -m mypkg.train --epochs 3  # a module
     ringlet run -n 4 -- ./a.out arg             # any program
     python -m ringlet.run -n 4 train.py
+    ringlet run --hosts node1:4,node2:4 [--rsh 'ssh -p 2222'] train.py
+
+With ``--hosts``, ranks on other hosts start through the remote shell (ssh by
+default, called as ``CMD HOST COMMAND``) and ``_agent`` there, which reads the
+rank's variables, secret included, as one JSON line on its stdin; the store is
+then served on the address that routes to those hosts (docs/launching.md).
 
 The launcher serves the rendezvous store itself, on 127.0.0.1 with an
 OS-chosen port (nothing to configure, no port collisions between jobs), and
@@ -36,12 +42,15 @@ no orphans behind.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import re
 import secrets
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -75,7 +84,7 @@ except OSError as e:
     sys.stderr.write("ringlet run: cannot execute %r: %s\n" % (sys.argv[2], e.strerror or e))
     os._exit(127)
 """
-_VALUE_OPTS = {"-n", "--nproc", "--grace", "--timeout"}
+_VALUE_OPTS = {"-n", "--nproc", "--grace", "--timeout", "--hosts", "--rsh"}
 _FLAG_OPTS = {"--no-prefix", "-h", "--help"}
 
 
@@ -102,11 +111,19 @@ def own_process_group() -> Dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's option parser (the program and its arguments are split off first)."""
     p = argparse.ArgumentParser(
-        prog=_PROG, description="Start N ranks of a ringlet job on this host.",
-        usage=f"{_PROG} -n N [--grace S] [--timeout S] [--no-prefix] "
-              f"(script.py | -m module | [--] program) [args ...]")
-    p.add_argument("-n", "--nproc", type=int, required=True, metavar="N",
-                   help="number of ranks to start")
+        prog=_PROG, description="Start N ranks of a ringlet job on this host, or on several "
+                                "hosts (--hosts) over ssh.",
+        usage=f"{_PROG} (-n N | --hosts H:K,...) [--rsh CMD] [--grace S] [--timeout S] "
+              f"[--no-prefix] (script.py | -m module | [--] program) [args ...]")
+    p.add_argument("-n", "--nproc", type=int, default=None, metavar="N",
+                   help="number of ranks to start (with --hosts: their total, if given)")
+    p.add_argument("--hosts", default=None, metavar="H:K,...",
+                   help="hosts and ranks per host, e.g. node1:4,node2:4 (K defaults to 1); "
+                        "ranks are numbered host by host; this host runs its own ranks, "
+                        "the others are started with --rsh")
+    p.add_argument("--rsh", default="ssh", metavar="CMD",
+                   help="remote shell for other hosts, called as `CMD HOST COMMAND` "
+                        "(default ssh; e.g. 'ssh -p 2222')")
     p.add_argument("--grace", type=float, default=5.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
@@ -208,7 +225,9 @@ def _root_cause(who: int, peer: Any, closed: bool, message: str, nproc: int) -> 
             break
         message = message[inner.start():]
         peer = int(inner[2])
-        closed = "the peer exited" in message.split("]", 1)[0]
+        head = message.split("]", 1)[0]
+        # The core's two wordings of a vanished peer: a reset, or a plain close (EOF).
+        closed = "the peer exited" in head or "the peer closed the connection" in head
     return who
 
 class _Output:
@@ -245,10 +264,110 @@ class _Output:
             pipe.close()
 
 
+def parse_hosts(spec: str) -> List[Tuple[str, int]]:
+    """``"node1:4,node2:4"`` -> ``[("node1", 4), ("node2", 4)]`` (a missing count is 1).
+
+    Raises:
+        ValueError: an empty list, a bad or non-positive count, or a host named twice.
+    """
+    out: List[Tuple[str, int]] = []
+    for part in spec.split(","):
+        part = part.strip()
+        name, sep, count = part.rpartition(":") if ":" in part else (part, "", "1")
+        if not name or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+            raise ValueError(f"--hosts {spec!r}: bad host {part!r} (expected HOST or HOST:K)")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--hosts {spec!r}: bad rank count in {part!r} (a positive integer)")
+        if any(name == h for h, _ in out):
+            raise ValueError(f"--hosts {spec!r}: host {name!r} is named twice")
+        out.append((name, int(count)))
+    return out
+
+
+def _is_this_host(host: str) -> bool:
+    from .environment import is_loopback
+
+    me = socket.gethostname()
+    return host in (me, me.split(".", 1)[0]) or is_loopback(host)
+
+
+def _store_address(hosts: List[Tuple[str, int]]) -> str:
+    """Where the launcher serves the store: loopback for one host, else the local
+    address that routes to the first remote host (RINGLET_IFNAME if set)."""
+    from .environment import select_bind_address
+
+    remote = [h for h, _ in hosts if not _is_this_host(h)]
+    if not remote:
+        return "127.0.0.1"
+    try:
+        ip = socket.getaddrinfo(remote[0], None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise RingletError(f"host {remote[0]!r} does not resolve here ({exc}); the launcher "
+                           f"serves the store on the address that routes to it") from None
+    return select_bind_address(ip, os.environ.get("RINGLET_IFNAME"))
+
+
+# The remote end of one rank (`CMD HOST 'cd DIR && exec PYTHON -c AGENT'`).
+_AGENT = "from ringlet.run import _agent; _agent()"
+
+
+def _agent() -> None:
+    """Run one rank on a remote host for ``ringlet run --hosts``; never returns.
+
+    Reads the rank's variables and argv as one JSON line on stdin (the secret
+    travels there, never in a command line), starts the rank in a process
+    group of its own and exits with its code (128 + S if signal S killed it).
+    The launcher going away (stdin at EOF, as when ssh exits) or a SIGINT,
+    SIGTERM or SIGHUP stops the rank: that signal (SIGTERM at EOF), then
+    SIGKILL after the launcher's grace period.
+    """
+    line = sys.stdin.buffer.readline(1 << 20)
+    try:
+        spec = json.loads(line)
+        env, cmd, grace = dict(os.environ), list(spec["argv"]), float(spec["grace"])
+        env.update(spec["env"])
+    except (ValueError, KeyError, TypeError) as exc:
+        sys.stderr.write(f"{_PROG}: remote agent got no valid job description on stdin ({exc})\n")
+        os._exit(2)
+    argv = cmd
+    if sys.platform.startswith("linux"):
+        argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), cmd[0]] + cmd
+    asked: List[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: asked.append(signum))
+    try:
+        p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, **own_process_group())
+    except OSError as exc:
+        sys.stderr.write(f"{_PROG}: cannot start {cmd[0]!r} on {socket.gethostname()}: {exc}\n")
+        os._exit(127)
+    gone = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.buffer.read(), gone.set()), daemon=True).start()
+    stop_at: Optional[float] = None
+    while True:
+        try:
+            rc = p.wait(timeout=0.1)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            if stop_at is None and (asked or gone.is_set()):
+                os.killpg(p.pid, asked[0] if asked else signal.SIGTERM)
+                stop_at = time.monotonic() + grace
+            elif stop_at is not None and time.monotonic() >= stop_at:
+                os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(_exit_code(rc))
+
+
 class _Launcher:
     def __init__(self, nproc: int, cmd: List[str], *, grace: float, timeout: Optional[float],
-                 prefix: bool) -> None:
+                 prefix: bool, hosts: Optional[List[Tuple[str, int]]] = None,
+                 rsh: Optional[List[str]] = None) -> None:
         self.nproc = nproc
+        self.hosts = hosts or [("localhost", nproc)]
+        self.rsh = rsh or []
+        self.addr = "127.0.0.1"
         self.cmd = cmd
         self.grace = grace
         self.timeout = timeout
@@ -284,7 +403,8 @@ class _Launcher:
         from .store import StoreServer
 
         secret = secrets.token_hex(32)
-        server = StoreServer("127.0.0.1", 0, secret=secret.encode())
+        self.addr = _store_address(self.hosts)
+        server = StoreServer(self.addr, 0, secret=secret.encode())
         self.secret, self.port = secret.encode(), server.port
         handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         previous = {}
@@ -300,6 +420,12 @@ class _Launcher:
             still = [r for r in range(len(self.procs)) if r not in self.codes]
             if still:
                 self._send(signal.SIGKILL, still)
+            for p in self.procs:
+                if p.stdin is not None:  # a remote rank's channel: its EOF stops the rank
+                    try:
+                        p.stdin.close()
+                    except OSError:
+                        pass
             for p in self.procs:
                 try:
                     p.wait(timeout=5.0)
@@ -319,20 +445,35 @@ class _Launcher:
         base = dict(os.environ)
         base.pop("RINGLET_SECRET_FILE", None)  # the launcher's secret is the job's
         base.setdefault("PYTHONUNBUFFERED", "1")  # timely, line-by-line output
-        base.update(RINGLET_WORLD_SIZE=str(self.nproc), RINGLET_LOCAL_WORLD_SIZE=str(self.nproc),
-                    RINGLET_MASTER_ADDR="127.0.0.1", RINGLET_MASTER_PORT=str(port),
-                    RINGLET_SECRET=secret, RINGLET_EXTERNAL_STORE="1")
-        argv = self.cmd
-        if sys.platform.startswith("linux"):
-            argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()),
-                    self.cmd[0]] + self.cmd
+        job = dict(RINGLET_WORLD_SIZE=str(self.nproc), RINGLET_MASTER_ADDR=self.addr,
+                   RINGLET_MASTER_PORT=str(port), RINGLET_SECRET=secret,
+                   RINGLET_EXTERNAL_STORE="1")
+        # The remote shell itself gets no ringlet variable: the rank's travel on its stdin.
+        shell_env = {k: v for k, v in os.environ.items() if not k.startswith("RINGLET_")}
         lock = threading.Lock()
         out = _Output(lock)
         pipe = subprocess.PIPE if self.prefix else None
-        for r in range(self.nproc):
-            env = dict(base, RINGLET_RANK=str(r), RINGLET_LOCAL_RANK=str(r))
-            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
-                                 stderr=pipe, **own_process_group())
+        placed = [(h, k, n) for h, n in self.hosts for k in range(n)]
+        for r, (host, local, lsize) in enumerate(placed):
+            mine = dict(job, RINGLET_RANK=str(r), RINGLET_LOCAL_RANK=str(local),
+                        RINGLET_LOCAL_WORLD_SIZE=str(lsize))
+            if _is_this_host(host):
+                p = subprocess.Popen(self._trampoline(self.cmd), env=dict(base, **mine),
+                                     stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
+                                     **own_process_group())
+            else:
+                remote = (f"cd {shlex.quote(os.getcwd())} && exec "
+                          f"{shlex.quote(sys.executable)} -c {shlex.quote(_AGENT)}")
+                p = subprocess.Popen(self._trampoline(self.rsh + [host, remote]), env=shell_env,
+                                     stdin=subprocess.PIPE, stdout=pipe, stderr=pipe,
+                                     **own_process_group())
+                desc = {"env": dict(mine, PYTHONUNBUFFERED=base["PYTHONUNBUFFERED"]),
+                        "argv": self.cmd, "grace": self.grace}
+                try:
+                    p.stdin.write(json.dumps(desc).encode() + b"\n")
+                    p.stdin.flush()
+                except OSError:
+                    pass  # the remote shell failed at once: its exit code says why
             self.procs.append(p)
             if self.prefix:
                 tag = f"[{r}] ".encode()
@@ -344,6 +485,12 @@ class _Launcher:
             w = threading.Thread(target=self._reap, args=(r, p), name=f"ringlet-run-wait{r}",
                                  daemon=True)
             w.start()
+
+    def _trampoline(self, cmd: List[str]) -> List[str]:
+        if sys.platform.startswith("linux"):
+            return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()),
+                    cmd[0]] + cmd
+        return cmd
 
     def _reap(self, rank: int, p: subprocess.Popen) -> None:
         self.exits.put((rank, p.wait()))
@@ -365,14 +512,12 @@ class _Launcher:
         atomic add) names the rank that failed and, where the failure was a
         vanished or aborting peer, that peer: the root cause.
         """
-        import json
-
         from . import _core, _world
         from .store import Store
 
         try:
             if self._store is None:
-                self._store = Store("127.0.0.1", self.port, secret=self.secret, timeout=5.0)
+                self._store = Store(self.addr, self.port, secret=self.secret, timeout=5.0)
             st = self._store
             if not st.check(_world.FAILURE_KEY):
                 return rank, ""
@@ -488,6 +633,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     parser = build_parser()
     args = parser.parse_args(opts)  # exits 2 with usage on bad options
+    hosts, rsh = None, None
+    if args.hosts is not None:
+        try:
+            hosts = parse_hosts(args.hosts)
+        except ValueError as exc:
+            parser.error(str(exc))
+        total = sum(n for _, n in hosts)
+        if args.nproc is not None and args.nproc != total:
+            parser.error(f"-n {args.nproc} but --hosts {args.hosts!r} places {total} ranks")
+        args.nproc = total
+        rsh = shlex.split(args.rsh)
+        exe = shutil.which(rsh[0]) if rsh else None
+        if exe is None and any(not _is_this_host(h) for h, _ in hosts):
+            parser.error(f"--rsh {args.rsh!r}: {rsh[0] if rsh else 'nothing'!r} is not an "
+                         f"executable on PATH")
+        rsh = [exe or ""] + rsh[1:]
+    elif args.nproc is None:
+        parser.error("give -n N or --hosts H:K,...")
     if args.nproc < 1:
         parser.error(f"-n must be at least 1, got {args.nproc}")
     if args.grace < 0:
@@ -499,8 +662,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return 127 if "not found" in str(exc) else 2
-    return _Launcher(args.nproc, cmd, grace=args.grace, timeout=args.timeout,
-                     prefix=not args.no_prefix).run()
+    try:
+        return _Launcher(args.nproc, cmd, grace=args.grace, timeout=args.timeout,
+                         prefix=not args.no_prefix, hosts=hosts, rsh=rsh).run()
+    except RingletError as exc:  # e.g. no route to the hosts: nothing was started
+        print(f"{_PROG}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
