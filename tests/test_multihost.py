@@ -357,7 +357,12 @@ def mpirun_on_bed(bed: HostBed, per_host: int, out: str, *extra: str):
     argv = [openmpi_mpirun(), "--hostfile", hostfile, "--mca", "plm_rsh_agent", bed.rsh,
             "-np", str(n), "--map-by", f"ppr:{per_host}:node:OVERSUBSCRIBE", *extra,
             sys.executable, JOB, "matrix", out]
-    return bed.run("h1", argv, openmpi_env(), timeout=DEADLINE_S)
+    r = bed.run("h1", argv, openmpi_env(), timeout=DEADLINE_S)
+    if r.returncode != 0 and b"Open MPI failed to TCP connect to a peer MPI process" in r.stderr + r.stdout:
+        # Open MPI's own connection between its processes (before ringlet runs any
+        # operation) was reset, seen once in ~30 runs on 2 loaded cores: run it again.
+        r = bed.run("h1", argv, openmpi_env(), timeout=DEADLINE_S)
+    return r
 
 
 def test_mpirun_hostfile_hosts_reporting_one_name(make_bed, tmp_path):
@@ -415,8 +420,10 @@ def test_unreachable_advertised_address_names_both_ranks(make_bed, tmp_path):
     bed.add_interface("h2", "side0", "192.0.2.2/24")
     out = str(tmp_path)
     t0 = time.monotonic()
+    # Flat: the error's ranks are then the world's (a hierarchical phase numbers
+    # its sub-group's ranks and adds the parent's in a note).
     procs = start_env_contract(bed, (2, 2), out, "loop", MULTIHOST_OP_TIMEOUT="60",
-                               host_env={"h2": {"RINGLET_IFNAME": "side0"}})
+                               RINGLET_ALGO="flat", host_env={"h2": {"RINGLET_IFNAME": "side0"}})
     recs = failures(out, procs, (0, 1))
     for rec in recs:
         msg = rec["message"]
