@@ -40,7 +40,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from targets import summary  # noqa: E402  (targets puts this checkout's src/ first)
+from targets import summary  # noqa: E402
 
 
 def _blocks(text: str) -> tuple:

@@ -34,12 +34,15 @@ import statistics
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-# From a source checkout, judge with this checkout's definitions (the bound).
-_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-if os.path.isdir(os.path.join(_SRC, "ringlet")) and _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
-
-from ringlet.bench.limits import BOUND_OPS, ceilings, memory_bound  # noqa: E402
+try:
+    from ringlet.bench.limits import BOUND_OPS, ceilings, memory_bound
+except ImportError:
+    # Not installed: judge with this source checkout's definitions (the bound).  Only
+    # then: a path added here would outlive this module in an importing process (its
+    # spawned children would import the uncompiled tree).
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "src"))
+    from ringlet.bench.limits import BOUND_OPS, ceilings, memory_bound
 
 PEERS = ("mpi-tcp", "gloo")  # the earlier targets' peers (paired_ratio's default)
 ALL_PEERS = ("mpi-tcp", "mpi-sm", "gloo")
