@@ -120,6 +120,9 @@ struct rl_comm {
     rl_trace_entry *trace;
     uint64_t trace_mask, trace_keep;
     uint64_t trace_head;
+
+    /* shared-memory transport (shm.c), NULL when the comm runs over TCP */
+    struct rl_shm *shm;
 };
 
 /* What the running operation is; used to build and check headers and to
@@ -263,6 +266,23 @@ static inline int rl_nseg(size_t bytes, size_t seg) {
     return (int)((bytes + seg - 1) / seg);
 }
 static inline int rl_mod(int a, int n) { int m = a % n; return m < 0 ? m + n : m; }
+
+/* ---- shared memory (shm.c) ---- */
+/* The op entry points hand a comm with a segment to these; each runs the
+ * whole op (count > 0, size > 1) and returns its status. */
+int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count,
+                      rl_dtype dt, rl_redop rop, int root);
+int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root);
+int rl_shm_barrier(rl_comm *c, rl_opdesc *op);
+int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in,
+                      size_t count, rl_dtype dt);
+int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in,
+                          size_t count, rl_dtype dt, rl_redop rop);
+/* Publish c's error in the segment and wake every waiter (rl_comm_abort);
+ * wake this rank's waiters only (rl_comm_cancel); unmap (rl_comm_destroy). */
+void rl_shm_abort(rl_comm *c);
+void rl_shm_wake_all(rl_comm *c);
+void rl_shm_detach(rl_comm *c);
 
 /* ---- flight recorder and log (flight.c) ---- */
 /* Allocate / free the comm's ring (size from rl_tune.trace_entries). */
