@@ -220,6 +220,8 @@ int rl_recv_bytes(rl_comm *c, const rl_opdesc *op, int peer, void *buf,
 /* Check a received header against what this rank expects. */
 int rl_check_header(rl_comm *c, const rl_opdesc *op, int peer,
                     const rl_hdr *got, const rl_hdr *want);
+/* "op(seq=.., dtype=.., ...)" of a header, as desync messages print it. */
+void rl_describe_header(char *buf, size_t n, const rl_hdr *h);
 /* Read the remainder of an ABORT frame and record it. */
 int rl_handle_abort(rl_comm *c, const rl_opdesc *op, int peer, int fd,
                     const rl_hdr *h, const char *have, size_t nhave);
@@ -245,10 +247,12 @@ int rl_rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
  * on the root of a broadcast or scatter can all return (each root only
  * sends); the frame left behind reaches the next collective, and its header
  * check then names both roots instead of only the peer's. */
+void rl_shm_note_rooted(rl_comm *c);
 static inline void rl_note_rooted(rl_comm *c, const rl_opdesc *op) {
     c->rooted_seq = op->seq;
     c->rooted_op = op->opcode;
     c->rooted_root = op->root;
+    if (c->shm) rl_shm_note_rooted(c); /* peers over shared memory compare it */
 }
 
 static inline size_t rl_block_count(size_t count, int parts, int i) {

@@ -76,13 +76,18 @@ typedef struct {
     uint32_t ack;    /* last step this rank finished reading                */
     uint32_t closed; /* 1: the owner destroyed its comm                     */
     int32_t pid;
-    uint32_t pad0[11];
+    uint32_t pad0;
+    /* The owner's last rooted op: seq << 24 | opcode << 16 | root.  Ranks
+     * that disagree on a root may all return from that op (the roots only
+     * write); the next op's reader compares records and names both roots. */
+    uint64_t rooted;
+    uint32_t pad1[8];
     /* line 1: written by waiters */
     uint32_t sleepers;
-    uint32_t pad1[15];
+    uint32_t pad2[15];
     /* lines 2-3 */
     rl_hdr desc[2];
-    char pad2[32];
+    char pad3[32];
 } shm_ctrl;
 
 _Static_assert(sizeof(shm_header) <= SHM_PAGE, "shm header must fit a page");
@@ -380,6 +385,12 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
     return RL_OK;
 }
 
+void rl_shm_note_rooted(rl_comm *c) {
+    uint64_t rec = (c->rooted_seq & ((1ull << 40) - 1)) << 24 |
+                   (uint64_t)(c->rooted_op & 0xff) << 16 | (uint16_t)c->rooted_root;
+    __atomic_store_n(&c->shm->ctrl[c->rank].rooted, rec, __ATOMIC_RELEASE);
+}
+
 void rl_shm_abort(rl_comm *c) {
     rl_shm *s = c->shm;
     if (!s) return;
@@ -449,8 +460,25 @@ static int wait_in(rl_comm *c, const rl_opdesc *op, int q, uint32_t step, uint32
     rl_hdr got, want;
     memcpy(&got, &s->ctrl[q].desc[step & 1], sizeof got);
     rl_fill_header(&want, c, op, part, nbytes);
-    if (memcmp(&got, &want, sizeof got) == 0) return RL_OK;
-    return rl_check_header(c, op, q, &got, &want);
+    if (memcmp(&got, &want, sizeof got) != 0) return rl_check_header(c, op, q, &got, &want);
+    if (c->rooted_seq) {
+        uint64_t rec = __atomic_load_n(&s->ctrl[q].rooted, __ATOMIC_ACQUIRE);
+        int proot = (int)(int16_t)(rec & 0xffff), pop = (int)((rec >> 16) & 0xff);
+        if ((rec >> 24) == (c->rooted_seq & ((1ull << 40) - 1)) &&
+            (pop != c->rooted_op || proot != c->rooted_root)) {
+            char a[256];
+            rl_describe_header(a, sizeof a, &want);
+            return rl_fail(c, op, RL_ERR_DESYNC, q, 0,
+                           "desync: ranks passed different roots to %s seq=%llu: root %d on "
+                           "this rank, root %d on the peer; seen over shared memory while this "
+                           "rank expects %s (the peer sent the same, after its %s(seq=%llu, "
+                           "root=%d))",
+                           rl_opcode_name(c->rooted_op), (unsigned long long)c->rooted_seq,
+                           c->rooted_root, proot, a, rl_opcode_name(pop),
+                           (unsigned long long)c->rooted_seq, proot);
+        }
+    }
+    return RL_OK;
 }
 
 static int wait_all_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t part,
