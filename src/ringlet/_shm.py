@@ -128,7 +128,9 @@ def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float) -> str:
 
 def _create(world: Any, comm: Any, key: bytes, rec_key: str, size: int, P: int,
             deadline: float) -> None:
-    fd = os.memfd_create(f"ringlet-comm{comm.comm_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    # Named after the job and comm: /proc/<pid>/maps of a rank shows whose it is.
+    fd = os.memfd_create(f"ringlet-{world.job_id.hex()[:8]}-comm{comm.comm_id}",
+                         os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     listener = None
     try:
         os.ftruncate(fd, size)
