@@ -15,12 +15,12 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 # issue 30 put the mesh (ringlet.parallel.mesh) and the wire layer (ringlet._wire).
 LAYER_OF = {
     "ringlet.errors": "base", "ringlet._timeout": "base", "ringlet._dtypes": "base",
-    "ringlet._version": "base", "ringlet._buffers": "base",
+    "ringlet._version": "base", "ringlet._buffers": "base", "ringlet._topology": "base",
     "ringlet._core": "binding",
     "ringlet._auth": "wire", "ringlet.store": "wire", "ringlet.environment": "wire",
     "ringlet._wire": "wire",
     "ringlet._world": "groups", "ringlet.group": "groups", "ringlet.work": "groups",
-    "ringlet.trace": "groups",
+    "ringlet.trace": "groups", "ringlet._shm": "groups",
     "ringlet.mesh": "mesh", "ringlet.dtensor": "mesh",
     "ringlet.parallel.mesh": "mesh", "ringlet.parallel.dtensor": "mesh",
     "ringlet": "root",
