@@ -349,8 +349,6 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
     c->shm = s;
     __atomic_fetch_add(&h->attached, 1, __ATOMIC_SEQ_CST);
     futex_wake(&h->attached);
-    rl_log(RL_LOG_INFO, c, "communicator %u attached shared memory: %zu bytes, %d ranks, "
-           "chunk %zu", c->id, size, P, s->chunk);
     return RL_OK;
 }
 
