@@ -51,6 +51,7 @@
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
+#define SHM_SPIN_HOT 512
 
 typedef struct {
     uint32_t magic, version;
@@ -230,11 +231,15 @@ static int check_peers(rl_comm *c, const rl_opdesc *op) {
 static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t *sleepers,
                      uint32_t target, int owner) {
     if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
-    int64_t spin = rl_tune.shm_spin;
+    /* The first SHM_SPIN_HOT polls (a few microseconds) only poll, unless ranks
+     * outnumber cores: a peer running on another core answers within them.
+     * Later polls yield every 64, so a peer (or another job) that shares this
+     * core on a busy host gets it instead of waiting for our time slice. */
+    int64_t spin = rl_tune.shm_spin, hot = rl_tune.spin_yield ? 0 : SHM_SPIN_HOT;
     for (int64_t i = 0; i < spin; i++) {
         cpu_relax();
         if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
-        if ((i & 63) == 63 && rl_tune.spin_yield) sched_yield();
+        if ((i & 63) == 63 && i >= hot) sched_yield();
     }
     int64_t last_hook = rl_now_ns();
     for (;;) {
