@@ -185,9 +185,16 @@ static int abort_status_of(int st) {
     return st;
 }
 
-static int check_peers(rl_comm *c, const rl_opdesc *op) {
+/* Whether the op can still finish: no abort, no peer gone.  A peer
+ * publishes before it closes or exits, so a flag that reached target by the
+ * time a peer is seen gone was published in time: re-read it before failing
+ * (a peer may well finish its part of the last op and leave). */
+static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target) {
     rl_shm *s = c->shm, *sh = s;
+#define SHM_DONE_ANYWAY() \
+    if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK
     if (__atomic_load_n(&sh->hdr->abort_set, __ATOMIC_ACQUIRE)) {
+        SHM_DONE_ANYWAY();
         char reason[RL_ABORT_REASON_MAX];
         memcpy(reason, sh->hdr->abort_reason, sizeof reason);
         reason[sizeof reason - 1] = 0;
@@ -198,9 +205,11 @@ static int check_peers(rl_comm *c, const rl_opdesc *op) {
     }
     for (int q = 0; q < c->size; q++) {
         if (q == c->rank) continue;
-        if (__atomic_load_n(&s->ctrl[q].closed, __ATOMIC_ACQUIRE))
+        if (__atomic_load_n(&s->ctrl[q].closed, __ATOMIC_ACQUIRE)) {
+            SHM_DONE_ANYWAY();
             return rl_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
                            "the peer closed its communicator (shared memory)");
+        }
     }
     if (s->npidfds) {
         struct pollfd pf[64];
@@ -215,6 +224,7 @@ static int check_peers(rl_comm *c, const rl_opdesc *op) {
                 idx[n++] = q;
             }
             if (n && poll(pf, (nfds_t)n, 0) > 0) {
+                SHM_DONE_ANYWAY();
                 for (int i = 0; i < n; i++)
                     if (pf[i].revents)
                         return rl_fail(c, op, RL_ERR_PEER_CLOSED, idx[i], 0,
@@ -224,6 +234,7 @@ static int check_peers(rl_comm *c, const rl_opdesc *op) {
         }
     }
     return RL_OK;
+#undef SHM_DONE_ANYWAY
 }
 
 /* Wait until *flag reaches target (modulo 2^32).  `owner` is the comm rank
@@ -245,8 +256,9 @@ static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t *
     for (;;) {
         if (c->poisoned) /* rl_comm_cancel from another thread */
             return c->err.status ? c->err.status : RL_ERR_POISONED;
-        int st = check_peers(c, op);
+        int st = check_peers(c, op, flag, target);
         if (st != RL_OK) return st;
+        if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
         int64_t now = rl_now_ns();
         if (now >= op->deadline_ns)
             return rl_fail(c, op, RL_ERR_TIMEOUT, owner, 0,
