@@ -263,6 +263,47 @@ def test_stopped_peer_hits_the_deadline_over_shm():
         assert 1.3 <= took < 15, took
 
 
+def _root_leaves(rank, P, left):
+    x = np.full(1000, rank + 1.0)
+    ringlet.broadcast(x, src=0)
+    if rank == 0:
+        ringlet.shutdown()  # closes its comm: the segment stays mapped by rank 1
+        left.set()
+        return True
+    assert left.wait(30)
+    y = np.zeros(3000)  # slow reader: enters its second broadcast after the root left
+    try:
+        ringlet.broadcast(y, src=0)
+    except PeerClosedError:
+        return ("closed", bool(np.all(x == 1.0)))
+    return ("read", bool(np.all(x == 1.0)))
+
+
+def _root_leaves_after_publishing(rank, P, left):
+    x = np.full(3000, rank + 1.0)
+    ringlet.broadcast(x, src=0)
+    if rank == 0:
+        # one 4 KiB step: published without waiting for the reader, then the root leaves
+        ringlet.broadcast(np.full(400, 7.0), src=0)
+        ringlet.shutdown()
+        left.set()
+        return True
+    assert left.wait(30)
+    y = np.zeros(400)
+    ringlet.broadcast(y, src=0)  # everything it needs was published before the close
+    return bool(np.all(x == 1.0) and np.all(y == 7.0))
+
+
+def test_a_peer_that_left_fails_only_ops_it_did_not_publish(small_chunks):
+    import threading
+
+    res = run_world(_root_leaves, 2, mode="thread", timeout=60, args=(threading.Event(),))
+    assert res[1] == ("closed", True), res
+    res = run_world(_root_leaves_after_publishing, 2, mode="thread", timeout=60,
+                    args=(threading.Event(),))
+    assert res == [True, True], res
+
+
 # ---- real processes under `ringlet run` ----------------------------------------------
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
