@@ -304,6 +304,47 @@ def test_a_peer_that_left_fails_only_ops_it_did_not_publish(small_chunks):
     assert res == [True, True], res
 
 
+def _bad_claims(rank, P, before):
+    w = _world._current()
+    out = {}
+    ringlet.barrier()  # rank 0's init returned: the world's hand-over socket is closed
+    if rank == 1:
+        # Holds the secret but claims a rank it is not: refused, no descriptor.
+        name, deadline = None, time.monotonic() + 30
+        while name is None and time.monotonic() < deadline:
+            for cand in _abstract_sockets() - before:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    try:
+                        s.connect("\0" + cand)
+                    except OSError:
+                        before.add(cand)
+                        continue
+                name = cand
+        assert name is not None
+        for claim in (b"0", b"2", b"x"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect("\0" + name)
+                try:
+                    _auth.client_handshake(s, w.job_key("shm"), "shm/" + name,
+                                           deadline=time.monotonic() + 10, claim=claim)
+                    out[claim.decode()] = "accepted"
+                except ringlet.errors.AuthenticationError as exc:
+                    out[claim.decode()] = "refused" if "claim" in str(exc) else str(exc)
+    g = ringlet.new_group([0, 1])
+    x = np.ones(3, np.float32)
+    ringlet.all_reduce(x, group=g)
+    out["sum"] = float(x[0])
+    return out
+
+
+def test_a_claim_for_another_rank_is_refused(small_chunks):
+    # Rank 1 attacks rank 0's hand-over of the new group before joining it.
+    before = _abstract_sockets()
+    res = run_world(_bad_claims, 2, mode="thread", timeout=60, args=(before,))
+    assert res[1] == {"0": "refused", "2": "refused", "x": "refused", "sum": 2.0}, res
+    assert res[0] == {"sum": 2.0}
+
+
 # ---- real processes under `ringlet run` ----------------------------------------------
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time

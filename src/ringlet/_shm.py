@@ -159,15 +159,11 @@ def _serve(world: Any, listener: socket.socket, fd: int, key: bytes, name: str, 
     done = threading.Event()
     slots = threading.BoundedSemaphore(_MAX_HANDSHAKES)
 
-    def claim(raw: bytes) -> Optional[str]:
-        try:
-            r = int(raw.decode())
-        except ValueError:
-            return "not a rank"
+    def claim(raw: bytes) -> None:  # raising refuses the claim
+        r = int(raw.decode())
         with lock:
             if not 1 <= r < P or r in served:
-                return f"rank {r} is not a peer still to attach"
-        return None
+                raise ValueError(f"rank {r} is not a peer still to attach")
 
     def hand_over(conn: socket.socket) -> None:
         global rejected
