@@ -185,6 +185,30 @@ static int abort_status_of(int st) {
     return st;
 }
 
+/* Ranks that disagree on a root can all return from that op (the roots only
+ * write); each rank's last rooted op is in its control block, and a peer
+ * that recorded the same op (seq) with another root is a desync, reported
+ * as soon as this rank looks at that peer. */
+static int rooted_check(rl_comm *c, const rl_opdesc *op, int q) {
+    if (!c->rooted_seq) return RL_OK;
+    uint64_t rec = __atomic_load_n(&c->shm->ctrl[q].rooted, __ATOMIC_ACQUIRE);
+    int proot = (int)(int16_t)(rec & 0xffff), pop = (int)((rec >> 16) & 0xff);
+    if ((rec >> 24) != (c->rooted_seq & ((1ull << 40) - 1)) ||
+        (pop == c->rooted_op && proot == c->rooted_root))
+        return RL_OK;
+    rl_hdr want;
+    char a[256];
+    rl_fill_header(&want, c, op, 0, 0);
+    rl_describe_header(a, sizeof a, &want);
+    return rl_fail(c, op, RL_ERR_DESYNC, q, 0,
+                   "desync: ranks passed different roots to %s seq=%llu: root %d on this rank, "
+                   "root %d on the peer; seen over shared memory while this rank expects %s "
+                   "(the peer sent %s(seq=%llu, root=%d) last)",
+                   rl_opcode_name(c->rooted_op), (unsigned long long)c->rooted_seq,
+                   c->rooted_root, proot, a, rl_opcode_name(pop),
+                   (unsigned long long)c->rooted_seq, proot);
+}
+
 /* Whether the op can still finish: no abort, no peer gone.  A peer
  * publishes before it closes or exits, so a flag that reached target by the
  * time a peer is seen gone was published in time: re-read it before failing
@@ -193,6 +217,10 @@ static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
     rl_shm *s = c->shm, *sh = s;
 #define SHM_DONE_ANYWAY() \
     if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK
+    for (int q = 0; q < c->size; q++) {
+        int st = q == c->rank ? RL_OK : rooted_check(c, op, q);
+        if (st != RL_OK) return st;
+    }
     if (__atomic_load_n(&sh->hdr->abort_set, __ATOMIC_ACQUIRE)) {
         SHM_DONE_ANYWAY();
         char reason[RL_ABORT_REASON_MAX];
@@ -254,10 +282,10 @@ static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t *
     }
     int64_t last_hook = rl_now_ns();
     for (;;) {
-        if (c->poisoned) /* rl_comm_cancel from another thread */
-            return c->err.status ? c->err.status : RL_ERR_POISONED;
         int st = check_peers(c, op, flag, target);
         if (st != RL_OK) return st;
+        if (c->poisoned) /* rl_comm_cancel from another thread */
+            return c->err.status ? c->err.status : RL_ERR_POISONED;
         if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
         int64_t now = rl_now_ns();
         if (now >= op->deadline_ns)
@@ -470,30 +498,14 @@ static void publish_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t 
 static int wait_in(rl_comm *c, const rl_opdesc *op, int q, uint32_t step, uint32_t part,
                    uint64_t nbytes) {
     rl_shm *s = c->shm;
-    int st = wait_flag(c, op, &s->ctrl[q].in, &s->ctrl[q].sleepers, step, q);
+    int st = rooted_check(c, op, q);
+    if (st == RL_OK) st = wait_flag(c, op, &s->ctrl[q].in, &s->ctrl[q].sleepers, step, q);
     if (st != RL_OK) return st;
     rl_hdr got, want;
     memcpy(&got, &s->ctrl[q].desc[step & 1], sizeof got);
     rl_fill_header(&want, c, op, part, nbytes);
     if (memcmp(&got, &want, sizeof got) != 0) return rl_check_header(c, op, q, &got, &want);
-    if (c->rooted_seq) {
-        uint64_t rec = __atomic_load_n(&s->ctrl[q].rooted, __ATOMIC_ACQUIRE);
-        int proot = (int)(int16_t)(rec & 0xffff), pop = (int)((rec >> 16) & 0xff);
-        if ((rec >> 24) == (c->rooted_seq & ((1ull << 40) - 1)) &&
-            (pop != c->rooted_op || proot != c->rooted_root)) {
-            char a[256];
-            rl_describe_header(a, sizeof a, &want);
-            return rl_fail(c, op, RL_ERR_DESYNC, q, 0,
-                           "desync: ranks passed different roots to %s seq=%llu: root %d on "
-                           "this rank, root %d on the peer; seen over shared memory while this "
-                           "rank expects %s (the peer sent the same, after its %s(seq=%llu, "
-                           "root=%d))",
-                           rl_opcode_name(c->rooted_op), (unsigned long long)c->rooted_seq,
-                           c->rooted_root, proot, a, rl_opcode_name(pop),
-                           (unsigned long long)c->rooted_seq, proot);
-        }
-    }
-    return RL_OK;
+    return rooted_check(c, op, q); /* the peer may have recorded it while we waited */
 }
 
 static int wait_all_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t part,
