@@ -3,9 +3,10 @@
  * share a host, over one segment that every rank maps.
  *
  * Segment (laid out by comm rank 0; docs/algorithms.md, "Shared memory"):
- *   header page   magic, layout, attach count, the abort record
+ *   header page   magic, layout, attach count, the abort record, the bell
  *   control       one 256-byte block per rank: its step flags (in, out, ack),
- *                 a sleepers count, and the descriptors of its two buffers
+ *                 closed mark, pid, last rooted op, and the descriptors of
+ *                 its two buffers
  *   data          two buffers per rank (steps alternate between them), each
  *                 an input area of `chunk` bytes and a result area of
  *                 chunk/P bytes
@@ -21,13 +22,15 @@
  * Flags are 32-bit and compared modulo 2^32: ranks are never more than two
  * steps apart.
  *
- * Waiting.  A reader polls the flag rl_tune.shm_spin times (yielding the
- * core every 64 polls when rl_tune.spin_yield says ranks outnumber cores),
- * then sleeps on it with FUTEX_WAIT in slices of at most 50 ms.  It counts
- * itself in the owner's `sleepers` first, and a publisher calls FUTEX_WAKE
+ * Waiting.  A reader polls the flag up to rl_tune.shm_spin times (after
+ * the first few microseconds yielding the core every 64 polls, and sooner
+ * when rl_tune.spin_yield says ranks outnumber cores), then sleeps on the
+ * segment's bell with FUTEX_WAIT in slices of at most 50 ms.  It counts
+ * itself in `sleepers` first; a publisher rings the bell (bump + FUTEX_WAKE)
  * only when that count is nonzero, so the fast path makes no system call.
- * Between slices it checks the abort record, peers that closed or died
- * (pidfds), the op's deadline and the interrupt hook.
+ * Aborts, closes and attaches ring it too.  Before each sleep it checks the
+ * abort record, peers that closed or died (pidfds), the op's deadline and
+ * the interrupt hook.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -52,6 +55,7 @@
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
 #define SHM_SPIN_HOT 512
+#define SHM_YIELD_LOST_NS 50000
 
 typedef struct {
     uint32_t magic, version;
@@ -62,8 +66,13 @@ typedef struct {
     uint64_t stride;     /* bytes from one buffer to the next           */
     uint64_t small;      /* all_reduce up to this reads every whole slot */
     uint64_t data_off;   /* offset of rank 0's first buffer              */
-    uint32_t attached;   /* ranks that mapped the segment (futex word)   */
-    uint32_t attach_sleepers;
+    uint32_t attached;   /* ranks that mapped the segment                */
+    uint32_t pad_;
+    /* The one futex word: every event a sleeper may wait for (a flag that a
+     * publisher moved while someone slept, an abort, a close, an attach)
+     * bumps it, so no wake-up is lost between a check and the sleep. */
+    uint32_t bell __attribute__((aligned(64)));
+    uint32_t sleepers; /* ranks sleeping on `bell` */
     uint32_t abort_claim; /* 0 -> 1 by the first rank to abort           */
     uint32_t abort_set;   /* 1 once the record below is complete         */
     int32_t abort_status, abort_rank;
@@ -83,9 +92,8 @@ typedef struct {
      * write); the next op's reader compares records and names both roots. */
     uint64_t rooted;
     uint32_t pad1[8];
-    /* line 1: written by waiters */
-    uint32_t sleepers;
-    uint32_t pad2[15];
+    /* line 1: spare, keeps the descriptors off the flags' line */
+    uint32_t pad2[16];
     /* lines 2-3 */
     rl_hdr desc[2];
     char pad3[32];
@@ -154,26 +162,23 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Store v into the owner's flag, then wake sleepers if there are any.  Both
- * sides use sequentially consistent accesses (store flag / load sleepers
- * here, add sleepers / load flag in the waiter), so either the waiter sees
- * v or this rank sees the waiter. */
-static void publish(uint32_t *flag, uint32_t *sleepers, uint32_t v) {
-    __atomic_store_n(flag, v, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(sleepers, __ATOMIC_SEQ_CST)) futex_wake(flag);
+static void ring_bell(shm_header *h) {
+    __atomic_fetch_add(&h->bell, 1, __ATOMIC_SEQ_CST);
+    futex_wake(&h->bell);
 }
 
-static void wake_rank(rl_shm *s, int q) {
-    futex_wake(&s->ctrl[q].in);
-    futex_wake(&s->ctrl[q].out);
-    futex_wake(&s->ctrl[q].ack);
+/* Store v into one of this rank's flags, then ring the bell if anyone
+ * sleeps.  Both sides are sequentially consistent (store flag / load
+ * sleepers here; add sleepers, read bell, load flag in the waiter), so
+ * either the waiter sees v or this rank sees the waiter and changes the
+ * bell it is about to sleep on. */
+static void publish(rl_shm *s, uint32_t *flag, uint32_t v) {
+    __atomic_store_n(flag, v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&s->hdr->sleepers, __ATOMIC_SEQ_CST)) ring_bell(s->hdr);
 }
 
 void rl_shm_wake_all(rl_comm *c) {
-    rl_shm *s = c->shm;
-    if (!s) return;
-    for (int q = 0; q < c->size; q++) wake_rank(s, q);
-    futex_wake(&s->hdr->attached);
+    if (c->shm) ring_bell(c->shm->hdr);
 }
 
 /* ---- failure checks between sleeps -------------------------------------- */
@@ -265,10 +270,34 @@ static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
 #undef SHM_DONE_ANYWAY
 }
 
+/* Before each sleep (counted in `sleepers`, the bell read): SHM_REACHED
+ * when the flag got there, RL_OK to sleep, else the op's failure. */
+#define SHM_REACHED (-1)
+static int sleep_check(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
+                       int owner, int64_t *last_hook) {
+    if (reached(__atomic_load_n(flag, __ATOMIC_SEQ_CST), target)) return SHM_REACHED;
+    int st = check_peers(c, op, flag, target);
+    if (st != RL_OK) return st;
+    if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return SHM_REACHED;
+    if (c->poisoned) /* rl_comm_cancel from another thread */
+        return c->err.status ? c->err.status : RL_ERR_POISONED;
+    int64_t now = rl_now_ns();
+    if (now >= op->deadline_ns)
+        return rl_fail(c, op, RL_ERR_TIMEOUT, owner, 0,
+                       "timed out (the peer is hung, stopped, or never called this op; "
+                       "shared memory)");
+    if (now - *last_hook >= 90000000LL) {
+        *last_hook = now;
+        if (rl_call_interrupt_hook())
+            return rl_fail(c, op, RL_ERR_INTERRUPTED, -1, 0, "interrupted");
+    }
+    return RL_OK;
+}
+
 /* Wait until *flag reaches target (modulo 2^32).  `owner` is the comm rank
- * that writes the flag (blamed on timeout); sleepers is its count. */
-static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t *sleepers,
-                     uint32_t target, int owner) {
+ * that writes the flag (blamed on timeout). */
+static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
+                     int owner) {
     if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
     /* The first SHM_SPIN_HOT polls (a few microseconds) only poll, unless ranks
      * outnumber cores: a peer running on another core answers within them.
@@ -278,31 +307,33 @@ static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t *
     for (int64_t i = 0; i < spin; i++) {
         cpu_relax();
         if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
-        if ((i & 63) == 63 && i >= hot) sched_yield();
+        if ((i & 63) == 63) {
+            /* An abort or a cancel ends the spin at once: a yield can cost a
+             * time slice on a busy host, and the spin holds several. */
+            if (__atomic_load_n(&c->shm->hdr->abort_set, __ATOMIC_RELAXED) || c->poisoned) break;
+            if (i >= hot) {
+                /* A yield that took a while handed the core to someone: the
+                 * host is busy, and a futex sleep wakes exactly when the flag
+                 * moves instead of after further slices. */
+                int64_t t0 = rl_now_ns();
+                sched_yield();
+                if (rl_now_ns() - t0 > SHM_YIELD_LOST_NS) break;
+            }
+        }
     }
     int64_t last_hook = rl_now_ns();
+    shm_header *h = c->shm->hdr;
     for (;;) {
-        int st = check_peers(c, op, flag, target);
-        if (st != RL_OK) return st;
-        if (c->poisoned) /* rl_comm_cancel from another thread */
-            return c->err.status ? c->err.status : RL_ERR_POISONED;
-        if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
-        int64_t now = rl_now_ns();
-        if (now >= op->deadline_ns)
-            return rl_fail(c, op, RL_ERR_TIMEOUT, owner, 0,
-                           "timed out (the peer is hung, stopped, or never called this op; "
-                           "shared memory)");
-        if (now - last_hook >= 90000000LL) {
-            last_hook = now;
-            if (rl_call_interrupt_hook())
-                return rl_fail(c, op, RL_ERR_INTERRUPTED, -1, 0, "interrupted");
+        __atomic_fetch_add(&h->sleepers, 1, __ATOMIC_SEQ_CST);
+        uint32_t bell = __atomic_load_n(&h->bell, __ATOMIC_SEQ_CST);
+        int st = sleep_check(c, op, flag, target, owner, &last_hook);
+        if (st == RL_OK) {
+            int64_t left = op->deadline_ns - rl_now_ns();
+            futex_wait(&h->bell, bell, left < SHM_SLICE_NS ? (left > 0 ? left : 0) : SHM_SLICE_NS);
         }
-        int64_t left = op->deadline_ns - now;
-        __atomic_fetch_add(sleepers, 1, __ATOMIC_SEQ_CST);
-        uint32_t v = __atomic_load_n(flag, __ATOMIC_SEQ_CST);
-        if (!reached(v, target)) futex_wait(flag, v, left < SHM_SLICE_NS ? left : SHM_SLICE_NS);
-        __atomic_fetch_sub(sleepers, 1, __ATOMIC_SEQ_CST);
-        if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
+        __atomic_fetch_sub(&h->sleepers, 1, __ATOMIC_SEQ_CST);
+        if (st == SHM_REACHED) return RL_OK;
+        if (st != RL_OK) return st;
     }
 }
 
@@ -393,7 +424,7 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
     s->ctrl[c->rank].pid = (int32_t)getpid();
     c->shm = s;
     __atomic_fetch_add(&h->attached, 1, __ATOMIC_SEQ_CST);
-    futex_wake(&h->attached);
+    ring_bell(h);
     return RL_OK;
 }
 
@@ -405,7 +436,7 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
     op.start_ns = rl_now_ns();
     op.deadline_ns = rl_deadline_from(op.start_ns, timeout_ms);
     op.seq = c->seq;
-    int st = wait_flag(c, &op, &s->hdr->attached, &s->hdr->attach_sleepers, (uint32_t)c->size, -1);
+    int st = wait_flag(c, &op, &s->hdr->attached, (uint32_t)c->size, -1);
     if (st != RL_OK) return st;
     if (s->hdr->attached != (uint32_t)c->size)
         return rl_fail(c, &op, RL_ERR_PROTOCOL, -1, 0,
@@ -480,7 +511,7 @@ static int step_begin(rl_comm *c, const rl_opdesc *op, int writes, uint32_t *out
     *out = step;
     if (!writes) return RL_OK;
     for (int q = 0; q < c->size; q++) {
-        int st = wait_flag(c, op, &s->ctrl[q].ack, &s->ctrl[q].sleepers, step - 2, q);
+        int st = wait_flag(c, op, &s->ctrl[q].ack, step - 2, q);
         if (st != RL_OK) return st;
     }
     return RL_OK;
@@ -491,7 +522,7 @@ static void publish_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t 
     rl_shm *s = c->shm;
     shm_ctrl *me = &s->ctrl[c->rank];
     rl_fill_header(&me->desc[step & 1], c, op, part, nbytes);
-    publish(&me->in, &me->sleepers, step);
+    publish(s, &me->in, step);
 }
 
 /* Wait for q's input of this step and compare its descriptor with ours. */
@@ -499,7 +530,7 @@ static int wait_in(rl_comm *c, const rl_opdesc *op, int q, uint32_t step, uint32
                    uint64_t nbytes) {
     rl_shm *s = c->shm;
     int st = rooted_check(c, op, q);
-    if (st == RL_OK) st = wait_flag(c, op, &s->ctrl[q].in, &s->ctrl[q].sleepers, step, q);
+    if (st == RL_OK) st = wait_flag(c, op, &s->ctrl[q].in, step, q);
     if (st != RL_OK) return st;
     rl_hdr got, want;
     memcpy(&got, &s->ctrl[q].desc[step & 1], sizeof got);
@@ -520,7 +551,7 @@ static int wait_all_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t 
 
 static void step_ack(rl_comm *c, uint32_t step) {
     shm_ctrl *me = &c->shm->ctrl[c->rank];
-    publish(&me->ack, &me->sleepers, step);
+    publish(c->shm, &me->ack, step);
 }
 
 /* dst = slot(0) op slot(1) op ... op slot(P-1), element range [off, off+n),
@@ -580,12 +611,11 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
         size_t bs = rl_block_start(n, P, r), bn = rl_block_count(n, P, r);
         reduce_slots(c, step, bs * esz, res_area(s, r, step), bn, dt, rop);
         shm_ctrl *me = &s->ctrl[r];
-        publish(&me->out, &me->sleepers, step);
+        publish(s, &me->out, step);
         if (want) {
             for (int i = 0; i < P; i++) {
                 int q = (r + i) % P; /* start at our own block: it is in cache */
-                if (q != r && (st = wait_flag(c, op, &s->ctrl[q].out, &s->ctrl[q].sleepers,
-                                              step, q)) != RL_OK)
+                if (q != r && (st = wait_flag(c, op, &s->ctrl[q].out, step, q)) != RL_OK)
                     return st;
                 memcpy(base + rl_block_start(n, P, q) * esz, res_area(s, q, step),
                        rl_block_count(n, P, q) * esz);
