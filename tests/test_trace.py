@@ -117,7 +117,12 @@ def test_desync_dump_shows_both_ops(trace_dir):
     assert c["first_incomplete_seq"] == 2 and c["mismatch"]
     assert c["ops"]["0"]["op"] == "all_reduce" and c["ops"]["1"]["op"] == "broadcast"
     assert c["ops"]["1"]["peer"] == 0  # the broadcast's root
-    assert sorted(f["rank"] for f in c["failed"]) == [0, 1]
+    # Rank 1 finds the desync; rank 0 fails on its abort, which over shared
+    # memory can reach rank 0's op after rank 0's store watcher has already
+    # dumped it (on a busy host a spinning rank may wait for a core while the
+    # watcher is woken): then its dump shows the op blocked, not failed.
+    failed = sorted(f["rank"] for f in c["failed"])
+    assert failed == [0, 1] or (failed == [1] and [x["rank"] for x in c["stuck"]] == [0]), c
     assert "DESYNC: ranks are in different ops" in trace.format_report(_report(trace_dir))
 
 
