@@ -335,6 +335,7 @@ int rl_all_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop
         op.algo = "local";
         return rl_end_op(c, &op, RL_OK);
     }
+    if (c->shm) return rl_end_op(c, &op, rl_shm_all_reduce(c, &op, buf, count, dt, rop, -1));
     if ((int64_t)bytes <= rl_tune.allreduce_small_bytes || count < (size_t)c->size) {
         op.algo = "recursive_doubling";
         st = rl_rd_all_reduce(c, &op, buf, count, dt, rop);

@@ -49,6 +49,7 @@ int rl_barrier(rl_comm *c, int64_t timeout_ms) {
     int st = rl_begin_op(c, &op, RL_OP_BARRIER, 0, 0, -1, 0, timeout_ms);
     if (st != RL_OK) return st;
     int P = c->size, r = c->rank;
+    if (c->shm && P > 1) return rl_end_op(c, &op, rl_shm_barrier(c, &op));
     if (P > 2 && P <= RL_BARRIER_FLAT_MAX) {
         op.algo = "flat";
         return rl_end_op(c, &op, flat_barrier(c, &op));

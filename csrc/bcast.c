@@ -140,6 +140,7 @@ int rl_broadcast(rl_comm *c, void *buf, size_t count, rl_dtype dt, int root,
         op.algo = "local";
         return rl_end_op(c, &op, RL_OK);
     }
+    if (c->shm) return rl_end_op(c, &op, rl_shm_broadcast(c, &op, buf, len, root));
     if ((int64_t)len <= rl_tune.bcast_small_bytes) {
         op.algo = "binomial_tree";
         st = tree_bcast(c, &op, buf, len, root);

@@ -44,7 +44,7 @@ void rl_fill_header(rl_hdr *h, const rl_comm *c, const rl_opdesc *op,
     h->flags = 0;
 }
 
-static void describe(char *buf, size_t n, const rl_hdr *h) {
+void rl_describe_header(char *buf, size_t n, const rl_hdr *h) {
     const char *dt = h->dtype < RL_NDTYPES ? rl_dtype_name((rl_dtype)h->dtype) : "?";
     snprintf(buf, n, "%s(seq=%llu, dtype=%s, op=%s, root=%d, total=%llu bytes, frame %u of %llu bytes)",
              rl_opcode_name(h->opcode), (unsigned long long)h->seq, dt,
@@ -92,8 +92,8 @@ int rl_check_header(rl_comm *c, const rl_opdesc *op, int peer,
         got->seq != want->seq || got->total != want->total ||
         got->tag != want->tag || got->nbytes != want->nbytes) {
         char a[256], b[256];
-        describe(a, sizeof a, want);
-        describe(b, sizeof b, got);
+        rl_describe_header(a, sizeof a, want);
+        rl_describe_header(b, sizeof b, got);
         if (got->seq < want->seq && got->seq == c->rooted_seq &&
             got->opcode == c->rooted_op && got->root != c->rooted_root)
             return rl_fail(c, op, RL_ERR_DESYNC, peer, 0,

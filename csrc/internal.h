@@ -120,6 +120,9 @@ struct rl_comm {
     rl_trace_entry *trace;
     uint64_t trace_mask, trace_keep;
     uint64_t trace_head;
+
+    /* shared-memory transport (shm.c), NULL when the comm runs over TCP */
+    struct rl_shm *shm;
 };
 
 /* What the running operation is; used to build and check headers and to
@@ -217,6 +220,8 @@ int rl_recv_bytes(rl_comm *c, const rl_opdesc *op, int peer, void *buf,
 /* Check a received header against what this rank expects. */
 int rl_check_header(rl_comm *c, const rl_opdesc *op, int peer,
                     const rl_hdr *got, const rl_hdr *want);
+/* "op(seq=.., dtype=.., ...)" of a header, as desync messages print it. */
+void rl_describe_header(char *buf, size_t n, const rl_hdr *h);
 /* Read the remainder of an ABORT frame and record it. */
 int rl_handle_abort(rl_comm *c, const rl_opdesc *op, int peer, int fd,
                     const rl_hdr *h, const char *have, size_t nhave);
@@ -242,10 +247,12 @@ int rl_rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,
  * on the root of a broadcast or scatter can all return (each root only
  * sends); the frame left behind reaches the next collective, and its header
  * check then names both roots instead of only the peer's. */
+void rl_shm_note_rooted(rl_comm *c);
 static inline void rl_note_rooted(rl_comm *c, const rl_opdesc *op) {
     c->rooted_seq = op->seq;
     c->rooted_op = op->opcode;
     c->rooted_root = op->root;
+    if (c->shm) rl_shm_note_rooted(c); /* peers over shared memory compare it */
 }
 
 static inline size_t rl_block_count(size_t count, int parts, int i) {
@@ -263,6 +270,23 @@ static inline int rl_nseg(size_t bytes, size_t seg) {
     return (int)((bytes + seg - 1) / seg);
 }
 static inline int rl_mod(int a, int n) { int m = a % n; return m < 0 ? m + n : m; }
+
+/* ---- shared memory (shm.c) ---- */
+/* The op entry points hand a comm with a segment to these; each runs the
+ * whole op (count > 0, size > 1) and returns its status. */
+int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count,
+                      rl_dtype dt, rl_redop rop, int root);
+int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root);
+int rl_shm_barrier(rl_comm *c, rl_opdesc *op);
+int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in,
+                      size_t count, rl_dtype dt);
+int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in,
+                          size_t count, rl_dtype dt, rl_redop rop);
+/* Publish c's error in the segment and wake every waiter (rl_comm_abort);
+ * wake this rank's waiters only (rl_comm_cancel); unmap (rl_comm_destroy). */
+void rl_shm_abort(rl_comm *c);
+void rl_shm_wake_all(rl_comm *c);
+void rl_shm_detach(rl_comm *c);
 
 /* ---- flight recorder and log (flight.c) ---- */
 /* Allocate / free the comm's ring (size from rl_tune.trace_entries). */

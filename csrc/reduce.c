@@ -163,6 +163,7 @@ int rl_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop,
         op.algo = "local";
         return rl_end_op(c, &op, RL_OK);
     }
+    if (c->shm) return rl_end_op(c, &op, rl_shm_all_reduce(c, &op, buf, count, dt, rop, root));
     if ((int64_t)len <= rl_tune.reduce_small_bytes) {
         op.algo = "binomial_tree";
         st = tree_reduce(c, &op, buf, count, dt, rop, root);

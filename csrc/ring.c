@@ -156,6 +156,8 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     size_t blk = count * rl_dtype_size(dt);
     int st = rl_begin_op(c, &op, RL_OP_ALL_GATHER, dt, 0, -1, blk, timeout_ms);
     if (st != RL_OK) return st;
+    if (c->shm && c->size > 1 && count)
+        return rl_end_op(c, &op, rl_shm_all_gather(c, &op, out, in, count, dt));
     /* Bruck saves steps from 3 ranks on; at 2 ranks both are one exchange,
      * and the ring's needs no staging copies (docs/algorithms.md). */
     if (c->size > 2 && count && (int64_t)(blk * (size_t)c->size) <= rl_tune.allreduce_small_bytes) {
@@ -296,6 +298,7 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
         op.algo = "local";
         return rl_end_op(c, &op, RL_OK);
     }
+    if (c->shm) return rl_end_op(c, &op, rl_shm_reduce_scatter(c, &op, out, in, count, dt, rop));
     /* Recursive halving saves steps only for a power of two P >= 4 (2 ranks:
      * one exchange either way).  It sums only whole halves, so the pipelined
      * ring wins from about 16 x the all-reduce switch point (docs/algorithms.md). */

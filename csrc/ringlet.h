@@ -146,7 +146,13 @@ int rl_random_bytes(void *buf, size_t n);
     X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                          \
       "1: same-host connections use Reno congestion control (no pacing); 0: the system's")          \
     X(trace_entries, 2000, "RINGLET_TRACE_ENTRIES",                                                 \
-      "flight recorder: ops kept per communicator, read when one is created; 0: off")
+      "flight recorder: ops kept per communicator, read when one is created; 0: off")             \
+    X(shm_chunk_bytes, 256 << 10, "RINGLET_SHM_CHUNK_BYTES",                                        \
+      "shared memory: bytes a rank stages per step (two buffers each; at least 4096)")              \
+    X(shm_small_bytes, 16 << 10, "RINGLET_SHM_SMALL_BYTES",                                         \
+      "shared memory: up to this, all_reduce and reduce read every rank's whole slot")              \
+    X(shm_spin, 4000, "RINGLET_SHM_SPIN",                                                           \
+      "shared memory: polls of a flag before sleeping on its futex")
 
 typedef struct {
 #define RL_KNOB_FIELD(name, def, env, doc) int64_t name;
@@ -221,6 +227,24 @@ const rl_error *rl_comm_error(const rl_comm *c);
 uint64_t rl_comm_seq(const rl_comm *c);
 /* Open (or wait for) the connection to comm rank `peer` now. */
 int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms);
+
+/* ---- shared memory (shm.c) ------------------------------------------ */
+/* Ranks of one comm on one host can share a segment (a memfd that the
+ * binding creates and hands over); collectives then run over it instead of
+ * TCP: all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier.
+ * Point-to-point, all_to_all, gather and scatter stay on TCP.
+ * Bytes of the segment for a comm of nranks ranks (from the knobs now). */
+size_t rl_shm_segment_bytes(int nranks);
+/* Map fd (size bytes) as this comm's segment.  create: this rank lays the
+ * segment out (rank 0, before handing fd to the others); else the layout is
+ * checked against the comm.  Records this rank's pid and counts it attached;
+ * the caller may close fd afterwards.  Does not block. */
+int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *err);
+/* Wait (deadline-bounded) until every rank of the comm has attached, then
+ * watch the peers' processes (pidfd) so a killed peer fails waiters fast. */
+int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms);
+/* 1 when collectives of c run over shared memory. */
+int rl_comm_uses_shm(const rl_comm *c);
 
 /* ---- collectives (algorithms in allreduce.c, bcast.c, ...) ----------- */
 /* All buffers are contiguous.  `count` is in elements of dt. */

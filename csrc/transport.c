@@ -285,6 +285,7 @@ void rl_comm_abort(rl_comm *c, int status, const char *reason) {
         (void)sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         shutdown(fd, SHUT_RDWR);
     }
+    rl_shm_abort(c); /* ranks waiting in shared memory read the same reason */
 }
 
 void rl_comm_cancel(rl_comm *c, int status, const char *reason) {
@@ -293,6 +294,7 @@ void rl_comm_cancel(rl_comm *c, int status, const char *reason) {
         int fd = __atomic_load_n(&c->fds[p], __ATOMIC_ACQUIRE);
         if (fd >= 0) shutdown(fd, SHUT_RDWR);
     }
+    rl_shm_wake_all(c); /* a waiter in shared memory then sees the poison */
 }
 
 /* ------------------------------------------------------------------ */
@@ -689,6 +691,7 @@ int rl_comm_create(rl_comm **out, rl_ctx *ctx, uint32_t comm_id, int rank,
 
 void rl_comm_destroy(rl_comm *c) {
     if (!c) return;
+    rl_shm_detach(c);
     for (int i = 0; i < c->size; i++) {
         if (c->fds[i] >= 0) close(c->fds[i]);
         pthread_mutex_destroy(&c->peer_locks[i]);

@@ -21,7 +21,7 @@ LAYER_OF = {
     "ringlet._auth": "wire", "ringlet.store": "wire", "ringlet.environment": "wire",
     "ringlet._wire": "wire",
     "ringlet._world": "groups", "ringlet.group": "groups", "ringlet.work": "groups",
-    "ringlet.trace": "groups", "ringlet._hier": "groups",
+    "ringlet.trace": "groups", "ringlet._hier": "groups", "ringlet._shm": "groups",
     "ringlet.mesh": "mesh", "ringlet.dtensor": "mesh",
     "ringlet.parallel.mesh": "mesh", "ringlet.parallel.dtensor": "mesh",
     "ringlet": "root",

@@ -182,7 +182,9 @@ def _different_segments(rank, P):
     return "no error"
 
 
-def test_ranks_with_different_tuning_fail_with_a_desync_at_the_first_frame():
+def test_ranks_with_different_tuning_fail_with_a_desync_at_the_first_frame(monkeypatch):
+    # TCP's segments (over shared memory, every rank takes rank 0's layout)
+    monkeypatch.setenv("RINGLET_TRANSPORT", "tcp")
     res = run_world(_different_segments, 2, mode="process", timeout=90)
     for msg in res:
         assert "desync" in msg and "frame 0 of 4096 bytes" in msg and \

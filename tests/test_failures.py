@@ -343,7 +343,10 @@ def _intruders(rank, P):
     return out
 
 
-def test_wrong_secret_duplicate_claims_and_garbage_are_refused():
+def test_wrong_secret_duplicate_claims_and_garbage_are_refused(monkeypatch):
+    # The duplicate claim needs the world comm's own TCP connection, which a
+    # comm over shared memory never opens.
+    monkeypatch.setenv("RINGLET_TRANSPORT", "tcp")
     res = run_world(_intruders, 3, mode="thread", timeout=60)
     assert all(r["ok"] for r in res)
     assert res[0]["wrong_secret"].startswith("auth:"), res[0]

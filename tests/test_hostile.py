@@ -342,7 +342,10 @@ def _through_dropping_relay(rank, P):
     return out, None
 
 
-def test_connector_retries_handshakes_the_acceptor_dropped():
+def test_connector_retries_handshakes_the_acceptor_dropped(monkeypatch):
+    # The group's all_reduce must open its TCP connection (through the relay);
+    # over shared memory it would open none.
+    monkeypatch.setenv("RINGLET_TRANSPORT", "tcp")
     res = run_world(_through_dropping_relay, 2, mode="thread", timeout=90)
     assert res[0][0] and res[1][0], res
     assert res[0][1] == 4, res  # three attempts dropped, the fourth relayed and used

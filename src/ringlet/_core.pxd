@@ -84,6 +84,10 @@ cdef extern from "ringlet.h" nogil:
     const rl_error *rl_comm_error(const rl_comm *c)
     uint64_t rl_comm_seq(const rl_comm *c)
     int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms)
+    size_t rl_shm_segment_bytes(int nranks)
+    int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *err)
+    int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms)
+    int rl_comm_uses_shm(const rl_comm *c)
     size_t rl_comm_trace(const rl_comm *c, rl_trace_entry *out, size_t max, uint64_t *total)
     size_t rl_comm_trace_capacity(const rl_comm *c)
 

@@ -205,6 +205,11 @@ def set_tuning(**kw):
     rl_set_tuning(&t)
 
 
+def shm_segment_bytes(int nranks):
+    """Bytes of a shared-memory segment for a comm of ``nranks`` (0: too many ranks)."""
+    return rl_shm_segment_bytes(nranks)
+
+
 def set_log_level(int level):
     """The C core's diagnostics log: 0 off, 1 INFO (connections), 2 DETAIL (every op)."""
     rl_set_log_level(level)
@@ -420,6 +425,30 @@ cdef class Comm:
         finally:
             free(buf)
         return total, cap, out
+
+    def attach_shm(self, int fd, size_t size, bint create):
+        """Map segment ``fd`` (``size`` bytes) for this comm's collectives; the
+        caller keeps and closes ``fd``.  ``create``: lay it out (comm rank 0)."""
+        cdef rl_comm *c = self._h()
+        cdef rl_error err
+        cdef int st
+        with nogil:
+            st = rl_comm_attach_shm(c, fd, size, create, &err)
+        if st != RL_OK:
+            raise exception_class(st)(f"rank {self.rank}: " + err.msg.decode(errors="replace"))
+
+    def shm_ready(self, int64_t timeout_ms):
+        """Wait until every rank of the comm has attached its segment."""
+        cdef rl_comm *c = self._h()
+        cdef int st
+        with nogil:
+            st = rl_comm_shm_ready(c, timeout_ms)
+        self._check(st, "attach shared memory")
+
+    @property
+    def transport(self):
+        """"shm" when collectives run over a shared-memory segment, else "tcp"."""
+        return "shm" if rl_comm_uses_shm(self._h()) else "tcp"
 
     def connect(self, int peer, int64_t timeout_ms):
         cdef rl_comm *c = self._h()

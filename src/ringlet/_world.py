@@ -36,7 +36,7 @@ import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import _core
+from . import _core, _shm
 from . import trace as _trace
 from ._timeout import seconds
 from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, PeerClosedError,
@@ -106,6 +106,12 @@ class World:
         if rank >= 0:
             coll = _core.Comm(self.ctx, comm_id, rank, ranks)
             p2p = _core.Comm(self.ctx, comm_id + 1, rank, ranks)
+            try:  # collectives over shared memory when the ranks share a host
+                _shm.setup(self, coll, ranks, self.timeout if timeout is None else timeout)
+            except BaseException:
+                coll.close()
+                p2p.close()
+                raise
         g = ProcessGroup(self, comm_id, ranks, rank, coll, p2p,
                          self.timeout if timeout is None else timeout)
         if self.host_ids:

@@ -53,7 +53,8 @@ def info_dict() -> Dict[str, Any]:
     Keys: ``version``, ``python``, ``executable``, ``platform``, ``numpy`` (None
     when missing), ``launch`` (None when no launcher is detected, else source,
     ranks and master; ``{"error": ...}`` for an invalid launcher environment),
-    ``secret`` ("set", "not set" or "invalid: ..."; never the secret), ``env``
+    ``secret`` ("set", "not set" or "invalid: ..."; never the secret), ``transport``
+    (``RINGLET_TRANSPORT``'s mode and this process's host id, or ``{"error": ...}``), ``env``
     (launcher variables, secrets redacted) and ``core`` (the build facts, or
     ``{"error": ...}`` when the extension is not built).
     """
@@ -83,6 +84,13 @@ def info_dict() -> Dict[str, Any]:
         d["secret"] = f"invalid: {exc}"
     d["env"] = dict(environment._environ_summary())
     try:
+        from ._shm import transport_mode
+        from ._topology import host_id
+
+        d["transport"] = {"mode": transport_mode(), "host_id": host_id()}
+    except (ValueError, ImportError) as exc:
+        d["transport"] = {"error": str(exc)}
+    try:
         from . import _core
 
         d["core"] = dict(_core.build_info())
@@ -109,6 +117,14 @@ def info_lines() -> List[str]:
         lines.append(f"launch: {env['source']} rank {env['rank']}/{env['world_size']} local "
                      f"{env['local_rank']}/{env['local_world_size']} master {where}")
     lines.append(f"secret: {d['secret']}")
+    t = d["transport"]
+    if "error" in t:
+        lines.append(f"transport: invalid ({t['error']})")
+    else:
+        how = {"auto": "shared memory within a host, TCP across hosts",
+               "shm": "shared memory only (a group spanning hosts fails)",
+               "tcp": "TCP only"}[t["mode"]]
+        lines.append(f"transport: {t['mode']} ({how}); host id {t['host_id']}")
     for k, v in d["env"].items():
         lines.append(f"env {k}={v}")
     if set(d["core"]) == {"error"}:

@@ -134,6 +134,16 @@ class ProcessGroup:
                              f"the group of world ranks {self.ranks}")
 
     @property
+    def transport(self) -> Optional[str]:
+        """What this group's collectives run over: ``"shm"`` (a shared-memory
+        segment; its ranks share a host), ``"tcp"``, or None on a non-member
+        or after shutdown.  Point-to-point, all_to_all, gather and scatter
+        always use TCP (docs/launching.md, ``RINGLET_TRANSPORT``)."""
+        if self._coll is None or self._closed:
+            return None
+        return self._coll.transport
+
+    @property
     def timeout(self) -> float:
         """Default deadline in seconds of every operation of this group."""
         return self._timeout

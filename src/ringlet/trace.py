@@ -90,8 +90,10 @@ def on_init(world: Any, source: str = "") -> None:
                            f"{world.host}:{world.ctx.port if world.ctx else '?'}, store "
                            f"{'%s:%s' % store if store else 'none'}, launcher "
                            f"{source or 'args'}, job {world.job_id.hex()[:16]}")
-        log(world.rank, 1, "transport: tcp (same-host Reno: %s), simd %s"
-            % ("on" if tun["local_reno"] else "off", _core.simd_info()))
+        mode = os.environ.get("RINGLET_TRANSPORT", "").strip().lower() or "auto"
+        log(world.rank, 1, "transport: %s (same-host Reno: %s), simd %s; world group: %s"
+            % (mode, "on" if tun["local_reno"] else "off", _core.simd_info(),
+               world.group.transport if world.group is not None else "?"))
         log(world.rank, 1, "tuning: " + ", ".join(f"{k}={v}" for k, v in sorted(tun.items())))
         for rule in _algorithm_rules(tun):
             log(world.rank, 1, "algorithm " + rule)

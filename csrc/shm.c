@@ -1,0 +1,736 @@
+/*
+ * shm.c - the shared-memory transport: collectives of a comm whose ranks
+ * share a host, over one segment that every rank maps.
+ *
+ * Segment (laid out by comm rank 0; docs/algorithms.md, "Shared memory"):
+ *   header page   magic, layout, attach count, the abort record, the bell
+ *   control       one 256-byte block per rank: its step flags (in, out, ack),
+ *                 closed mark, pid, last rooted op, and the descriptors of
+ *                 its two buffers
+ *   data          two buffers per rank (steps alternate between them), each
+ *                 an input area of `chunk` bytes and a result area of
+ *                 chunk/P bytes
+ *
+ * Steps.  Every op is a fixed sequence of steps, the same on every rank, so
+ * all ranks number steps alike (1, 2, ...: rl_shm.step).  Step s uses
+ * buffer s & 1.  A rank that writes its buffer for step s first waits until
+ * every rank's `ack` reached s - 2 (all finished reading the step that used
+ * that buffer last), writes the data and the buffer's descriptor, then
+ * release-stores s into its `in` flag.  Readers wait for `in` >= s, compare
+ * the descriptor with their own (a desync names both sides, as over TCP),
+ * read, and store s into their own `ack`.  `out` marks a result area ready.
+ * Flags are 32-bit and compared modulo 2^32: ranks are never more than two
+ * steps apart.
+ *
+ * Waiting.  A reader polls the flag up to rl_tune.shm_spin times (after
+ * the first few microseconds yielding the core every 64 polls, and sooner
+ * when rl_tune.spin_yield says ranks outnumber cores), then sleeps on the
+ * segment's bell with FUTEX_WAIT in slices of at most 50 ms.  It counts
+ * itself in `sleepers` first; a publisher rings the bell (bump + FUTEX_WAKE)
+ * only when that count is nonzero, so the fast path makes no system call.
+ * Aborts, closes and attaches ring it too.  Before each sleep it checks the
+ * abort record, peers that closed or died (pidfds), the op's deadline and
+ * the interrupt hook.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define SHM_MAGIC 0x4d48534cu /* "LSHM" */
+#define SHM_VERSION 1u
+#define SHM_MAX_RANKS 1024
+#define SHM_PAGE ((size_t)4096)
+#define SHM_SLICE_NS 50000000LL
+#define SHM_SPIN_HOT 512
+#define SHM_YIELD_LOST_NS 50000
+
+typedef struct {
+    uint32_t magic, version;
+    uint32_t nranks, comm_id;
+    uint64_t size;       /* bytes of the segment                        */
+    uint64_t chunk;      /* input area of one buffer                    */
+    uint64_t result;     /* result area of one buffer                   */
+    uint64_t stride;     /* bytes from one buffer to the next           */
+    uint64_t small;      /* all_reduce up to this reads every whole slot */
+    uint64_t data_off;   /* offset of rank 0's first buffer              */
+    uint32_t attached;   /* ranks that mapped the segment                */
+    uint32_t pad_;
+    /* The one futex word: every event a sleeper may wait for (a flag that a
+     * publisher moved while someone slept, an abort, a close, an attach)
+     * bumps it, so no wake-up is lost between a check and the sleep. */
+    uint32_t bell __attribute__((aligned(64)));
+    uint32_t sleepers; /* ranks sleeping on `bell` */
+    uint32_t abort_claim; /* 0 -> 1 by the first rank to abort           */
+    uint32_t abort_set;   /* 1 once the record below is complete         */
+    int32_t abort_status, abort_rank;
+    char abort_reason[RL_ABORT_REASON_MAX];
+} shm_header;
+
+typedef struct {
+    /* line 0: written by the owner only */
+    uint32_t in;     /* last step whose input (and descriptor) is published */
+    uint32_t out;    /* last step whose result area is published            */
+    uint32_t ack;    /* last step this rank finished reading                */
+    uint32_t closed; /* 1: the owner destroyed its comm                     */
+    int32_t pid;
+    uint32_t pad0;
+    /* The owner's last rooted op: seq << 24 | opcode << 16 | root.  Ranks
+     * that disagree on a root may all return from that op (the roots only
+     * write); the next op's reader compares records and names both roots. */
+    uint64_t rooted;
+    uint32_t pad1[8];
+    /* line 1: spare, keeps the descriptors off the flags' line */
+    uint32_t pad2[16];
+    /* lines 2-3 */
+    rl_hdr desc[2];
+    char pad3[32];
+} shm_ctrl;
+
+_Static_assert(sizeof(shm_header) <= SHM_PAGE, "shm header must fit a page");
+_Static_assert(sizeof(shm_ctrl) == 256, "shm control block must be 256 bytes");
+
+typedef struct rl_shm rl_shm;
+struct rl_shm {
+    char *base;
+    size_t size;
+    shm_header *hdr;
+    shm_ctrl *ctrl;
+    char *data;
+    size_t chunk, result, stride, small;
+    uint32_t step;
+    int *pidfds; /* comm rank -> pidfd, -1: none (self, same process) */
+    int npidfds;
+};
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* The layout every rank derives from (nranks, chunk). */
+static void layout(int P, size_t chunk, size_t *result, size_t *stride, size_t *data_off,
+                   size_t *total) {
+    *result = round_up(chunk / (size_t)P + 64, 64);
+    *stride = round_up(chunk + *result, SHM_PAGE);
+    *data_off = SHM_PAGE + round_up(sizeof(shm_ctrl) * (size_t)P, SHM_PAGE);
+    *total = *data_off + *stride * 2 * (size_t)P;
+}
+
+static size_t knob_chunk(void) {
+    int64_t v = rl_tune.shm_chunk_bytes;
+    if (v < 4096) v = 4096;
+    if (v > ((int64_t)1 << 30)) v = (int64_t)1 << 30;
+    return round_up((size_t)v, 64);
+}
+
+size_t rl_shm_segment_bytes(int nranks) {
+    size_t r, s, d, t;
+    if (nranks < 1 || nranks > SHM_MAX_RANKS) return 0;
+    layout(nranks, knob_chunk(), &r, &s, &d, &t);
+    return t;
+}
+
+int rl_comm_uses_shm(const rl_comm *c) { return c->shm != NULL; }
+
+/* ---- futex ------------------------------------------------------------- */
+static void futex_wake(uint32_t *w) {
+    syscall(SYS_futex, w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static void futex_wait(uint32_t *w, uint32_t v, int64_t ns) {
+    struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+    syscall(SYS_futex, w, FUTEX_WAIT, v, &ts, NULL, 0);
+}
+
+static inline int reached(uint32_t v, uint32_t target) { return (int32_t)(v - target) >= 0; }
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void ring_bell(shm_header *h) {
+    __atomic_fetch_add(&h->bell, 1, __ATOMIC_SEQ_CST);
+    futex_wake(&h->bell);
+}
+
+/* Store v into one of this rank's flags, then ring the bell if anyone
+ * sleeps.  Both sides are sequentially consistent (store flag / load
+ * sleepers here; add sleepers, read bell, load flag in the waiter), so
+ * either the waiter sees v or this rank sees the waiter and changes the
+ * bell it is about to sleep on. */
+static void publish(rl_shm *s, uint32_t *flag, uint32_t v) {
+    __atomic_store_n(flag, v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&s->hdr->sleepers, __ATOMIC_SEQ_CST)) ring_bell(s->hdr);
+}
+
+void rl_shm_wake_all(rl_comm *c) {
+    if (c->shm) ring_bell(c->shm->hdr);
+}
+
+/* ---- failure checks between sleeps -------------------------------------- */
+static int abort_status_of(int st) {
+    /* Keep the class of the original failure, as over TCP (rl_handle_abort). */
+    if (st != RL_ERR_TIMEOUT && st != RL_ERR_PEER_CLOSED && st != RL_ERR_DESYNC &&
+        st != RL_ERR_AUTH && st != RL_ERR_PROTOCOL)
+        st = RL_ERR_ABORTED;
+    return st;
+}
+
+/* Ranks that disagree on a root can all return from that op (the roots only
+ * write); each rank's last rooted op is in its control block, and a peer
+ * that recorded the same op (seq) with another root is a desync, reported
+ * as soon as this rank looks at that peer. */
+static int rooted_check(rl_comm *c, const rl_opdesc *op, int q) {
+    if (!c->rooted_seq) return RL_OK;
+    uint64_t rec = __atomic_load_n(&c->shm->ctrl[q].rooted, __ATOMIC_ACQUIRE);
+    int proot = (int)(int16_t)(rec & 0xffff), pop = (int)((rec >> 16) & 0xff);
+    if ((rec >> 24) != (c->rooted_seq & ((1ull << 40) - 1)) ||
+        (pop == c->rooted_op && proot == c->rooted_root))
+        return RL_OK;
+    rl_hdr want;
+    char a[256];
+    rl_fill_header(&want, c, op, 0, 0);
+    rl_describe_header(a, sizeof a, &want);
+    return rl_fail(c, op, RL_ERR_DESYNC, q, 0,
+                   "desync: ranks passed different roots to %s seq=%llu: root %d on this rank, "
+                   "root %d on the peer; seen over shared memory while this rank expects %s "
+                   "(the peer sent %s(seq=%llu, root=%d) last)",
+                   rl_opcode_name(c->rooted_op), (unsigned long long)c->rooted_seq,
+                   c->rooted_root, proot, a, rl_opcode_name(pop),
+                   (unsigned long long)c->rooted_seq, proot);
+}
+
+/* Whether the op can still finish: no abort, no peer gone.  A peer
+ * publishes before it closes or exits, so a flag that reached target by the
+ * time a peer is seen gone was published in time: re-read it before failing
+ * (a peer may well finish its part of the last op and leave). */
+static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target) {
+    rl_shm *s = c->shm, *sh = s;
+#define SHM_DONE_ANYWAY() \
+    if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK
+    for (int q = 0; q < c->size; q++) {
+        int st = q == c->rank ? RL_OK : rooted_check(c, op, q);
+        if (st != RL_OK) return st;
+    }
+    if (__atomic_load_n(&sh->hdr->abort_set, __ATOMIC_ACQUIRE)) {
+        SHM_DONE_ANYWAY();
+        char reason[RL_ABORT_REASON_MAX];
+        memcpy(reason, sh->hdr->abort_reason, sizeof reason);
+        reason[sizeof reason - 1] = 0;
+        int who = sh->hdr->abort_rank;
+        return rl_fail(c, op, abort_status_of(sh->hdr->abort_status),
+                       who >= 0 && who < c->size ? who : -1, 0,
+                       "peer aborted the operation: [%s]", reason);
+    }
+    for (int q = 0; q < c->size; q++) {
+        if (q == c->rank) continue;
+        if (__atomic_load_n(&s->ctrl[q].closed, __ATOMIC_ACQUIRE)) {
+            SHM_DONE_ANYWAY();
+            return rl_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
+                           "the peer closed its communicator (shared memory)");
+        }
+    }
+    if (s->npidfds) {
+        struct pollfd pf[64];
+        int idx[64];
+        for (int q0 = 0; q0 < c->size; q0 += 64) {
+            int n = 0;
+            for (int q = q0; q < c->size && q < q0 + 64; q++) {
+                if (s->pidfds[q] < 0) continue;
+                pf[n].fd = s->pidfds[q];
+                pf[n].events = POLLIN;
+                pf[n].revents = 0;
+                idx[n++] = q;
+            }
+            if (n && poll(pf, (nfds_t)n, 0) > 0) {
+                SHM_DONE_ANYWAY();
+                for (int i = 0; i < n; i++)
+                    if (pf[i].revents)
+                        return rl_fail(c, op, RL_ERR_PEER_CLOSED, idx[i], 0,
+                                       "the peer's process (pid %d) exited or was killed "
+                                       "(shared memory)", (int)s->ctrl[idx[i]].pid);
+            }
+        }
+    }
+    return RL_OK;
+#undef SHM_DONE_ANYWAY
+}
+
+/* Before each sleep (counted in `sleepers`, the bell read): SHM_REACHED
+ * when the flag got there, RL_OK to sleep, else the op's failure. */
+#define SHM_REACHED (-1)
+static int sleep_check(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
+                       int owner, int64_t *last_hook) {
+    if (reached(__atomic_load_n(flag, __ATOMIC_SEQ_CST), target)) return SHM_REACHED;
+    int st = check_peers(c, op, flag, target);
+    if (st != RL_OK) return st;
+    if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return SHM_REACHED;
+    if (c->poisoned) /* rl_comm_cancel from another thread */
+        return c->err.status ? c->err.status : RL_ERR_POISONED;
+    int64_t now = rl_now_ns();
+    if (now >= op->deadline_ns)
+        return rl_fail(c, op, RL_ERR_TIMEOUT, owner, 0,
+                       "timed out (the peer is hung, stopped, or never called this op; "
+                       "shared memory)");
+    if (now - *last_hook >= 90000000LL) {
+        *last_hook = now;
+        if (rl_call_interrupt_hook())
+            return rl_fail(c, op, RL_ERR_INTERRUPTED, -1, 0, "interrupted");
+    }
+    return RL_OK;
+}
+
+/* Wait until *flag reaches target (modulo 2^32).  `owner` is the comm rank
+ * that writes the flag (blamed on timeout). */
+static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
+                     int owner) {
+    if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
+    /* The first SHM_SPIN_HOT polls (a few microseconds) only poll, unless ranks
+     * outnumber cores: a peer running on another core answers within them.
+     * Later polls yield every 64, so a peer (or another job) that shares this
+     * core on a busy host gets it instead of waiting for our time slice. */
+    int64_t spin = rl_tune.shm_spin, hot = rl_tune.spin_yield ? 0 : SHM_SPIN_HOT;
+    for (int64_t i = 0; i < spin; i++) {
+        cpu_relax();
+        if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
+        if ((i & 63) == 63) {
+            /* An abort or a cancel ends the spin at once: a yield can cost a
+             * time slice on a busy host, and the spin holds several. */
+            if (__atomic_load_n(&c->shm->hdr->abort_set, __ATOMIC_RELAXED) || c->poisoned) break;
+            if (i >= hot) {
+                /* A yield that took a while handed the core to someone: the
+                 * host is busy, and a futex sleep wakes exactly when the flag
+                 * moves instead of after further slices. */
+                int64_t t0 = rl_now_ns();
+                sched_yield();
+                if (rl_now_ns() - t0 > SHM_YIELD_LOST_NS) break;
+            }
+        }
+    }
+    int64_t last_hook = rl_now_ns();
+    shm_header *h = c->shm->hdr;
+    for (;;) {
+        __atomic_fetch_add(&h->sleepers, 1, __ATOMIC_SEQ_CST);
+        uint32_t bell = __atomic_load_n(&h->bell, __ATOMIC_SEQ_CST);
+        int st = sleep_check(c, op, flag, target, owner, &last_hook);
+        if (st == RL_OK) {
+            int64_t left = op->deadline_ns - rl_now_ns();
+            futex_wait(&h->bell, bell, left < SHM_SLICE_NS ? (left > 0 ? left : 0) : SHM_SLICE_NS);
+        }
+        __atomic_fetch_sub(&h->sleepers, 1, __ATOMIC_SEQ_CST);
+        if (st == SHM_REACHED) return RL_OK;
+        if (st != RL_OK) return st;
+    }
+}
+
+/* ---- attach ------------------------------------------------------------ */
+static int attach_fail(rl_error *err, int status, const char *fmt, const char *a, long x, long y) {
+    err->status = status;
+    snprintf(err->msg, sizeof err->msg, fmt, a, x, y);
+    return status;
+}
+
+int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *err) {
+    memset(err, 0, sizeof *err);
+    if (c->shm) return attach_fail(err, RL_ERR_INVALID, "%scommunicator already has a segment",
+                                   "", 0, 0);
+    if (c->size > SHM_MAX_RANKS)
+        return attach_fail(err, RL_ERR_INVALID, "%s%ld ranks exceed the shared-memory limit of %ld",
+                           "", c->size, SHM_MAX_RANKS);
+    struct stat stt;
+    if (fstat(fd, &stt) != 0 || (size_t)stt.st_size < size || size < SHM_PAGE)
+        return attach_fail(err, RL_ERR_INVALID, "%ssegment fd is shorter than %ld bytes (%ld)", "",
+                           (long)size, (long)stt.st_size);
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        err->sys_errno = errno;
+        return attach_fail(err, RL_ERR_SYSTEM, "mmap of the shared-memory segment: %s", strerror(errno),
+                           0, 0);
+    }
+    shm_header *h = m;
+    int P = c->size;
+    size_t result, stride, data_off, total;
+    if (create) {
+        size_t chunk = knob_chunk();
+        layout(P, chunk, &result, &stride, &data_off, &total);
+        if (total > size) {
+            munmap(m, size);
+            return attach_fail(err, RL_ERR_INVALID, "%ssegment of %ld bytes, layout needs %ld", "",
+                               (long)size, (long)total);
+        }
+        memset(m, 0, data_off);
+        h->version = SHM_VERSION;
+        h->nranks = (uint32_t)P;
+        h->comm_id = c->id;
+        h->size = size;
+        h->chunk = chunk;
+        h->result = result;
+        h->stride = stride;
+        int64_t small = rl_tune.shm_small_bytes;
+        h->small = small < 0 ? 0 : ((size_t)small > chunk ? chunk : (size_t)small);
+        h->data_off = data_off;
+        h->abort_rank = -1;
+        __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
+    } else {
+        int ok = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC &&
+                 h->version == SHM_VERSION && h->nranks == (uint32_t)P &&
+                 h->comm_id == c->id && h->size == size && h->chunk >= 4096;
+        if (ok) {
+            layout(P, (size_t)h->chunk, &result, &stride, &data_off, &total);
+            ok = result == h->result && stride == h->stride && data_off == h->data_off &&
+                 total <= size && h->small <= h->chunk;
+        }
+        if (!ok) {
+            long got_p = (long)h->nranks, got_id = (long)h->comm_id;
+            munmap(m, size);
+            return attach_fail(err, RL_ERR_PROTOCOL,
+                               "%sshared-memory segment does not match this communicator "
+                               "(%ld ranks, comm id %ld in the segment)", "", got_p, got_id);
+        }
+    }
+    rl_shm *s = calloc(1, sizeof *s);
+    int *pidfds = malloc(sizeof(int) * (size_t)P);
+    if (!s || !pidfds) {
+        free(s);
+        free(pidfds);
+        munmap(m, size);
+        return attach_fail(err, RL_ERR_NOMEM, "%sout of memory", "", 0, 0);
+    }
+    for (int q = 0; q < P; q++) pidfds[q] = -1;
+    s->base = m;
+    s->size = size;
+    s->hdr = h;
+    s->ctrl = (shm_ctrl *)((char *)m + SHM_PAGE);
+    s->data = (char *)m + h->data_off;
+    s->chunk = h->chunk;
+    s->result = h->result;
+    s->stride = h->stride;
+    s->small = h->small;
+    s->pidfds = pidfds;
+    s->ctrl[c->rank].pid = (int32_t)getpid();
+    c->shm = s;
+    __atomic_fetch_add(&h->attached, 1, __ATOMIC_SEQ_CST);
+    ring_bell(h);
+    return RL_OK;
+}
+
+int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
+    rl_shm *s = c->shm;
+    if (!s) return RL_ERR_INVALID;
+    rl_opdesc op;
+    memset(&op, 0, sizeof op);
+    op.start_ns = rl_now_ns();
+    op.deadline_ns = rl_deadline_from(op.start_ns, timeout_ms);
+    op.seq = c->seq;
+    int st = wait_flag(c, &op, &s->hdr->attached, (uint32_t)c->size, -1);
+    if (st != RL_OK) return st;
+    if (s->hdr->attached != (uint32_t)c->size)
+        return rl_fail(c, &op, RL_ERR_PROTOCOL, -1, 0,
+                       "%u ranks attached the shared-memory segment of a %d-rank communicator",
+                       s->hdr->attached, c->size);
+    pid_t me = getpid();
+    for (int q = 0; q < c->size; q++) {
+        pid_t pid = (pid_t)__atomic_load_n(&s->ctrl[q].pid, __ATOMIC_ACQUIRE);
+        if (q == c->rank || pid == me || pid <= 0) continue;
+#ifdef SYS_pidfd_open
+        int fd = (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+        int fd = -1;
+#endif
+        if (fd >= 0) {
+            s->pidfds[q] = fd;
+            s->npidfds++;
+        }
+    }
+    return RL_OK;
+}
+
+void rl_shm_note_rooted(rl_comm *c) {
+    uint64_t rec = (c->rooted_seq & ((1ull << 40) - 1)) << 24 |
+                   (uint64_t)(c->rooted_op & 0xff) << 16 | (uint16_t)c->rooted_root;
+    __atomic_store_n(&c->shm->ctrl[c->rank].rooted, rec, __ATOMIC_RELEASE);
+}
+
+void rl_shm_abort(rl_comm *c) {
+    rl_shm *s = c->shm;
+    if (!s) return;
+    shm_header *h = s->hdr;
+    uint32_t zero = 0;
+    if (__atomic_compare_exchange_n(&h->abort_claim, &zero, 1, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED)) {
+        h->abort_status = c->err.status ? c->err.status : RL_ERR_ABORTED;
+        h->abort_rank = c->rank;
+        size_t n = strnlen(c->err.msg, sizeof h->abort_reason - 1);
+        memcpy(h->abort_reason, c->err.msg, n);
+        h->abort_reason[n] = 0;
+        __atomic_store_n(&h->abort_set, 1, __ATOMIC_RELEASE);
+    }
+    rl_shm_wake_all(c);
+}
+
+void rl_shm_detach(rl_comm *c) {
+    rl_shm *s = c->shm;
+    if (!s) return;
+    __atomic_store_n(&s->ctrl[c->rank].closed, 1, __ATOMIC_RELEASE);
+    rl_shm_wake_all(c);
+    for (int q = 0; q < c->size; q++)
+        if (s->pidfds[q] >= 0) close(s->pidfds[q]);
+    free(s->pidfds);
+    munmap(s->base, s->size);
+    free(s);
+    c->shm = NULL;
+}
+
+/* ---- steps ------------------------------------------------------------- */
+static inline char *in_area(rl_shm *s, int q, uint32_t step) {
+    return s->data + ((size_t)q * 2 + (step & 1)) * s->stride;
+}
+static inline char *res_area(rl_shm *s, int q, uint32_t step) {
+    return in_area(s, q, step) + s->chunk;
+}
+
+/* Next step; a rank about to write its buffer (or descriptor) first waits
+ * until every rank has finished reading the step that used it last. */
+static int step_begin(rl_comm *c, const rl_opdesc *op, int writes, uint32_t *out) {
+    rl_shm *s = c->shm;
+    uint32_t step = ++s->step;
+    *out = step;
+    if (!writes) return RL_OK;
+    for (int q = 0; q < c->size; q++) {
+        int st = wait_flag(c, op, &s->ctrl[q].ack, step - 2, q);
+        if (st != RL_OK) return st;
+    }
+    return RL_OK;
+}
+
+static void publish_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t part,
+                       uint64_t nbytes) {
+    rl_shm *s = c->shm;
+    shm_ctrl *me = &s->ctrl[c->rank];
+    rl_fill_header(&me->desc[step & 1], c, op, part, nbytes);
+    publish(s, &me->in, step);
+}
+
+/* Wait for q's input of this step and compare its descriptor with ours. */
+static int wait_in(rl_comm *c, const rl_opdesc *op, int q, uint32_t step, uint32_t part,
+                   uint64_t nbytes) {
+    rl_shm *s = c->shm;
+    int st = rooted_check(c, op, q);
+    if (st == RL_OK) st = wait_flag(c, op, &s->ctrl[q].in, step, q);
+    if (st != RL_OK) return st;
+    rl_hdr got, want;
+    memcpy(&got, &s->ctrl[q].desc[step & 1], sizeof got);
+    rl_fill_header(&want, c, op, part, nbytes);
+    if (memcmp(&got, &want, sizeof got) != 0) return rl_check_header(c, op, q, &got, &want);
+    return rooted_check(c, op, q); /* the peer may have recorded it while we waited */
+}
+
+static int wait_all_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t part,
+                       uint64_t nbytes) {
+    for (int q = 0; q < c->size; q++) {
+        if (q == c->rank) continue;
+        int st = wait_in(c, op, q, step, part, nbytes);
+        if (st != RL_OK) return st;
+    }
+    return RL_OK;
+}
+
+static void step_ack(rl_comm *c, uint32_t step) {
+    shm_ctrl *me = &c->shm->ctrl[c->rank];
+    publish(c->shm, &me->ack, step);
+}
+
+/* dst = slot(0) op slot(1) op ... op slot(P-1), element range [off, off+n),
+ * in rank order, so every rank that computes it gets the same bits. */
+static void reduce_slots(rl_comm *c, uint32_t step, size_t off_bytes, char *dst, size_t n,
+                         rl_dtype dt, rl_redop rop) {
+    rl_shm *s = c->shm;
+    if (n == 0) return;
+    rl_reduce_kernel(dst, in_area(s, 0, step) + off_bytes, in_area(s, 1, step) + off_bytes, n,
+                     dt, rop);
+    for (int q = 2; q < c->size; q++)
+        rl_reduce_kernel(dst, dst, in_area(s, q, step) + off_bytes, n, dt, rop);
+    if (rop == RL_AVG) rl_scale_kernel(dst, n, dt, 1.0 / c->size);
+}
+
+/* ---- all_reduce and reduce ---------------------------------------------- */
+/* root < 0: all_reduce (every rank gets the result); else reduce to root
+ * (other ranks' buf is left unchanged).
+ *
+ * Small (bytes <= small): one step.  Every rank copies buf into its input
+ * area and publishes; then each rank that wants the result reduces all P
+ * areas in rank order into buf.  Reads P*N bytes, writes 2N.
+ *
+ * Chunked: per step, a chunk of up to `chunk` bytes.  Every rank copies its
+ * chunk in and publishes; rank r reduces block r of the chunk (P near-equal
+ * blocks) from all P input areas, in rank order, into its result area and
+ * publishes `out`; then every rank that wants the result copies the P
+ * blocks from the result areas.  Per rank: writes N (in) + N/P (result) +
+ * N (out), reads N (reduce) + N (copy out).  Two buffers let a rank start
+ * the next chunk while slower ranks finish this one. */
+int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dtype dt,
+                      rl_redop rop, int root) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank, want = root < 0 || root == r;
+    size_t esz = rl_dtype_size(dt), bytes = count * esz;
+    uint32_t step;
+    int st;
+    if (bytes <= s->small) {
+        op->algo = "shm_flat";
+        if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
+        memcpy(in_area(s, r, step), buf, bytes);
+        publish_in(c, op, step, 0, bytes);
+        if ((st = wait_all_in(c, op, step, 0, bytes)) != RL_OK) return st;
+        if (want) reduce_slots(c, step, 0, buf, count, dt, rop);
+        step_ack(c, step);
+        return RL_OK;
+    }
+    op->algo = "shm_chunked";
+    size_t ce = s->chunk / esz;
+    for (size_t k = 0, part = 0; k < count; k += ce, part++) {
+        size_t n = count - k < ce ? count - k : ce;
+        char *base = (char *)buf + k * esz;
+        if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
+        memcpy(in_area(s, r, step), base, n * esz);
+        publish_in(c, op, step, (uint32_t)part, n * esz);
+        if ((st = wait_all_in(c, op, step, (uint32_t)part, n * esz)) != RL_OK) return st;
+        size_t bs = rl_block_start(n, P, r), bn = rl_block_count(n, P, r);
+        reduce_slots(c, step, bs * esz, res_area(s, r, step), bn, dt, rop);
+        shm_ctrl *me = &s->ctrl[r];
+        publish(s, &me->out, step);
+        if (want) {
+            for (int i = 0; i < P; i++) {
+                int q = (r + i) % P; /* start at our own block: it is in cache */
+                if (q != r && (st = wait_flag(c, op, &s->ctrl[q].out, step, q)) != RL_OK)
+                    return st;
+                memcpy(base + rl_block_start(n, P, q) * esz, res_area(s, q, step),
+                       rl_block_count(n, P, q) * esz);
+            }
+        }
+        step_ack(c, step);
+    }
+    return RL_OK;
+}
+
+/* ---- broadcast ------------------------------------------------------------
+ * Per step the root copies a chunk into its input area and publishes; every
+ * other rank checks the root's descriptor and copies the chunk out, all at
+ * once.  The root writes N, each other rank reads N. */
+int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
+    rl_shm *s = c->shm;
+    int r = c->rank;
+    uint32_t step;
+    int st;
+    op->algo = "shm_copy";
+    for (size_t k = 0, part = 0; k < len; k += s->chunk, part++) {
+        size_t n = len - k < s->chunk ? len - k : s->chunk;
+        if ((st = step_begin(c, op, r == root, &step)) != RL_OK) return st;
+        if (r == root) {
+            memcpy(in_area(s, r, step), (char *)buf + k, n);
+            publish_in(c, op, step, (uint32_t)part, n);
+        } else {
+            if ((st = wait_in(c, op, root, step, (uint32_t)part, n)) != RL_OK) return st;
+            memcpy((char *)buf + k, in_area(s, root, step), n);
+        }
+        step_ack(c, step);
+    }
+    return RL_OK;
+}
+
+/* ---- barrier: every rank publishes a descriptor and waits for all. ---- */
+int rl_shm_barrier(rl_comm *c, rl_opdesc *op) {
+    uint32_t step;
+    int st;
+    op->algo = "shm_flags";
+    if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
+    publish_in(c, op, step, 0, 0);
+    if ((st = wait_all_in(c, op, step, 0, 0)) != RL_OK) return st;
+    step_ack(c, step);
+    return RL_OK;
+}
+
+/* ---- all_gather ------------------------------------------------------------
+ * Per step every rank copies a piece of its block in and publishes; every
+ * rank copies that piece of all P blocks out.  Writes N + P*N, reads P*N. */
+int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t count,
+                      rl_dtype dt) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t esz = rl_dtype_size(dt), blk = count * esz, ce = s->chunk / esz;
+    char *mine = (char *)out + (size_t)r * blk;
+    uint32_t step;
+    int st;
+    op->algo = "shm_copy";
+    /* An input inside the output anywhere but our own block would be
+     * overwritten by earlier pieces: move it there first. */
+    if ((const char *)in != mine && rl_overlap(in, blk, out, blk * (size_t)P)) {
+        memmove(mine, in, blk);
+        in = mine;
+    }
+    for (size_t k = 0, part = 0; k < count; k += ce, part++) {
+        size_t n = count - k < ce ? count - k : ce;
+        if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
+        memcpy(in_area(s, r, step), (const char *)in + k * esz, n * esz);
+        publish_in(c, op, step, (uint32_t)part, n * esz);
+        for (int i = 0; i < P; i++) {
+            int q = (r + i) % P;
+            if (q != r && (st = wait_in(c, op, q, step, (uint32_t)part, n * esz)) != RL_OK)
+                return st;
+            if (q == r && (const char *)in == mine) continue; /* already in place */
+            memcpy((char *)out + (size_t)q * blk + k * esz, in_area(s, q, step), n * esz);
+        }
+        step_ack(c, step);
+    }
+    return RL_OK;
+}
+
+/* ---- reduce_scatter ----------------------------------------------------------
+ * Per step every rank copies the same piece of each of its P input blocks
+ * into its input area (P pieces of up to chunk/P bytes) and publishes; rank
+ * r reduces piece r of all P areas, in rank order, straight into out.
+ * Writes P*n per step, reads P*n. */
+int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t count,
+                          rl_dtype dt, rl_redop rop) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t esz = rl_dtype_size(dt), ce = s->chunk / (size_t)P / esz;
+    uint32_t step;
+    int st;
+    op->algo = "shm_flat";
+    /* Results land in out piece by piece while later pieces of in are still
+     * to be read: an out overlapping in anywhere but our own block (where
+     * each piece is read before it is written) is staged in scratch. */
+    char *dst = out;
+    if ((const char *)out != (const char *)in + (size_t)r * count * esz &&
+        rl_overlap(out, count * esz, in, count * esz * (size_t)P)) {
+        if ((st = rl_scratch(c, op, count * esz, out, &dst)) != RL_OK) return st;
+    }
+    for (size_t k = 0, part = 0; k < count; k += ce, part++) {
+        size_t n = count - k < ce ? count - k : ce;
+        if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
+        char *mine = in_area(s, r, step);
+        for (int q = 0; q < P; q++)
+            memcpy(mine + (size_t)q * n * esz, (const char *)in + ((size_t)q * count + k) * esz,
+                   n * esz);
+        publish_in(c, op, step, (uint32_t)part, n * esz);
+        if ((st = wait_all_in(c, op, step, (uint32_t)part, n * esz)) != RL_OK) return st;
+        reduce_slots(c, step, (size_t)r * n * esz, dst + k * esz, n, dt, rop);
+        step_ack(c, step);
+    }
+    if (dst != (char *)out) memmove(out, dst, count * esz);
+    return RL_OK;
+}

@@ -1,0 +1,230 @@
+"""Which transport a communicator uses, and the hand-over of its shared-memory segment.
+
+Policy (``RINGLET_TRANSPORT``): ``auto`` (default) runs a comm's collectives
+over shared memory when all of its ranks report the same ``host_id()``,
+``tcp`` never does, ``shm`` requires it and fails at group creation otherwise.
+The ranks exchange host ids through the job's store once per world.
+
+Hand-over (docs/security.md, "Shared-memory segments"): comm rank 0 creates
+the segment with ``memfd_create`` (no name in /dev/shm; the kernel frees it
+when the last mapping goes, whatever killed the ranks), maps it, and listens
+on an abstract Unix socket with a random name that only the store (which
+needs the secret) tells.  Each other rank connects, proves it holds the job
+secret with the handshake of ``_auth`` (purpose ``shm/<name>``, claim: its
+rank) and only then receives the descriptor over ``SCM_RIGHTS``.  Every rank
+closes its descriptor once mapped; the C core then waits until all ranks
+attached.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, List, Optional, Sequence
+
+from . import _auth, _core
+from ._topology import host_id
+from .errors import AuthenticationError, RendezvousError
+
+__all__ = ["TRANSPORT_ENV", "transport_mode", "setup"]
+
+TRANSPORT_ENV = "RINGLET_TRANSPORT"
+_MODES = ("auto", "shm", "tcp")
+# Handshakes one rank 0 runs at once; a flood of unauthenticated connections
+# waits its turn (each is cut off at _HANDSHAKE_S) instead of exhausting threads.
+_MAX_HANDSHAKES = 32
+_HANDSHAKE_S = 2.0
+
+rejected = 0  # connections refused by this process's hand-over servers (tests read it)
+_rejected_lock = threading.Lock()
+
+
+def transport_mode(env: Optional[dict] = None) -> str:
+    """``RINGLET_TRANSPORT`` as one of auto, shm, tcp (default auto).
+
+    Raises:
+        ValueError: any other value.
+    """
+    e = os.environ if env is None else env
+    raw = e.get(TRANSPORT_ENV, "").strip().lower() or "auto"
+    if raw not in _MODES:
+        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(_MODES)}, got "
+                         f"{e.get(TRANSPORT_ENV)!r}")
+    return raw
+
+
+def _host_ids(world: Any, deadline: float) -> List[str]:
+    """Every world rank's host id (exchanged through the store once per world)."""
+    ids = getattr(world, "_host_ids", None)
+    if ids is not None:
+        return ids
+    known = getattr(world, "host_ids", None)
+    if known and len(known) == world.size:  # init's endpoint exchange carried them
+        world._host_ids = list(known)
+        return world._host_ids
+    mine = host_id()
+    if world.size == 1:
+        ids = [mine]
+    else:
+        p = world.prefix
+        world.store.set(f"{p}host/{world.rank}", mine.encode())
+        ids = []
+        for r in range(world.size):
+            left = max(0.0, deadline - time.monotonic())
+            ids.append(mine if r == world.rank else
+                       world.store.get(f"{p}host/{r}", timeout=left).decode())
+    world._host_ids = ids
+    return ids
+
+
+def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float) -> str:
+    """Give ``comm`` (this rank's member comm of the group ``ranks``) a segment
+    when the policy says so; every member calls this in the same order.
+
+    Returns:
+        "shm" or "tcp": what the comm's collectives run over.
+    Raises:
+        ValueError: ``RINGLET_TRANSPORT`` is invalid.
+        RendezvousError: ``RINGLET_TRANSPORT=shm`` but the ranks span hosts, or
+            the hand-over did not finish within ``timeout``.
+    """
+    from .trace import log
+
+    mode = transport_mode()
+    P = len(ranks)
+    if mode == "tcp" or P == 1:
+        return "tcp"
+    deadline = time.monotonic() + timeout
+    ids = _host_ids(world, deadline)
+    hosts = sorted({ids[r] for r in ranks})
+    if len(hosts) > 1:
+        if mode == "shm":
+            by = {h: [r for r in ranks if ids[r] == h] for h in hosts}
+            raise RendezvousError(
+                f"rank {world.rank}: {TRANSPORT_ENV}=shm but group {list(ranks)} spans "
+                f"{len(hosts)} hosts (world ranks by host id: "
+                + "; ".join(f"{h}: {rs}" for h, rs in by.items())
+                + f"); unset {TRANSPORT_ENV} (auto) to use TCP between hosts", rank=world.rank)
+        log(world.rank, 1, f"communicator {comm.comm_id}: transport tcp ({len(hosts)} hosts)")
+        return "tcp"
+    size = _core.shm_segment_bytes(P)
+    if size == 0:
+        if mode == "shm":
+            raise RendezvousError(f"rank {world.rank}: {TRANSPORT_ENV}=shm but {P} ranks exceed "
+                                  f"the shared-memory limit", rank=world.rank)
+        return "tcp"
+    key = world.job_key("shm")
+    rec_key = f"{world.prefix}shm/{comm.comm_id}"
+    if comm.rank == 0:
+        _create(world, comm, key, rec_key, size, P, deadline)
+    else:
+        _join(world, comm, key, rec_key, deadline)
+    comm.shm_ready(max(1, int((deadline - time.monotonic()) * 1000)))
+    log(world.rank, 1, f"communicator {comm.comm_id}: transport shm ({P} ranks, segment "
+                       f"{size} bytes)")
+    return "shm"
+
+
+def _create(world: Any, comm: Any, key: bytes, rec_key: str, size: int, P: int,
+            deadline: float) -> None:
+    # Named after the job and comm: /proc/<pid>/maps of a rank shows whose it is.
+    fd = os.memfd_create(f"ringlet-{world.job_id.hex()[:8]}-comm{comm.comm_id}",
+                         os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    listener = None
+    try:
+        os.ftruncate(fd, size)
+        # Fixed size: no holder of the descriptor can shrink it under the others.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        comm.attach_shm(fd, size, True)
+        name = "ringlet-shm-" + secrets.token_hex(16)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener.bind("\0" + name)
+        listener.listen(64)
+        world.store.set(rec_key, json.dumps({"name": name, "size": size}).encode())
+        _serve(world, listener, fd, key, name, P, deadline)
+    finally:
+        if listener is not None:
+            listener.close()
+        os.close(fd)
+
+
+def _serve(world: Any, listener: socket.socket, fd: int, key: bytes, name: str, P: int,
+           deadline: float) -> None:
+    """Hand fd to comm ranks 1..P-1, each once, after it proves the secret."""
+    global rejected
+    served: set = set()
+    lock = threading.Lock()
+    done = threading.Event()
+    slots = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+
+    def claim(raw: bytes) -> None:  # raising refuses the claim
+        r = int(raw.decode())
+        with lock:
+            if not 1 <= r < P or r in served:
+                raise ValueError(f"rank {r} is not a peer still to attach")
+
+    def hand_over(conn: socket.socket) -> None:
+        global rejected
+        try:
+            with conn:
+                end = min(deadline, time.monotonic() + _HANDSHAKE_S)
+                r = int(_auth.server_handshake(conn, key, "shm/" + name, deadline=end,
+                                               check_claim=claim).decode())
+                with lock:
+                    if r in served:
+                        raise AuthenticationError(f"rank {r} attached twice")
+                    served.add(r)
+                    if len(served) == P - 1:
+                        done.set()
+                conn.settimeout(max(0.01, end - time.monotonic()))
+                socket.send_fds(conn, [b"\1"], [fd])
+        except (OSError, AuthenticationError, ValueError):
+            with _rejected_lock:
+                rejected += 1
+        finally:
+            slots.release()
+
+    listener.settimeout(0.1)
+    while not done.is_set():
+        if time.monotonic() >= deadline:
+            missing = sorted(set(range(1, P)) - served)
+            raise RendezvousError(f"rank {world.rank}: comm ranks {missing} did not fetch the "
+                                  f"shared-memory segment in time", rank=world.rank)
+        if not slots.acquire(timeout=0.1):
+            continue
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            slots.release()
+            continue
+        conn.setblocking(True)
+        threading.Thread(target=hand_over, args=(conn,), name="ringlet-shm-handover",
+                         daemon=True).start()
+
+
+def _join(world: Any, comm: Any, key: bytes, rec_key: str, deadline: float) -> None:
+    rec = json.loads(world.store.get(rec_key, timeout=max(0.0, deadline - time.monotonic()))
+                     .decode())
+    name, size = str(rec["name"]), int(rec["size"])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        s.connect("\0" + name)
+        _auth.client_handshake(s, key, "shm/" + name, deadline=deadline,
+                               claim=str(comm.rank).encode())
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        msg, fds, _flags, _addr = socket.recv_fds(s, 1, 1)
+    if msg != b"\1" or len(fds) != 1:
+        for f in fds:
+            os.close(f)
+        raise RendezvousError(f"rank {world.rank}: no shared-memory segment came with the "
+                              f"hand-over of communicator {comm.comm_id}", rank=world.rank)
+    try:
+        comm.attach_shm(fds[0], size, False)
+    finally:
+        os.close(fds[0])

@@ -1,0 +1,532 @@
+"""The shared-memory transport (csrc/shm.c, ringlet._shm): every collective it
+carries against numpy, bit-identical results, sub-groups and mixed hosts, and
+its failure modes (killed, stopped and desynchronised peers, outsiders, cleanup).
+
+The shm knobs are lowered (4 KiB chunks) so that a few thousand elements span
+several chunks and the small/chunked all_reduce switch is crossed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import ringlet
+from ringlet import ReduceOp, _auth, _core, _shm, _world
+from ringlet.errors import CollectiveTimeout, DesyncError, PeerClosedError
+from ringlet.testing import WorldError, run_world
+
+from _launchers import clean_env
+from _oracle import BF16, DTYPES, close, data, is_float, ops_for, reduce_np, same
+
+SHM_TUNING = dict(shm_chunk_bytes=4096, shm_small_bytes=1024)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    saved = _core.get_tuning()
+    _core.set_tuning(**SHM_TUNING)
+    yield
+    _core.set_tuning(**saved)
+
+
+def _counts(P):
+    # 0, 1, P-1, P+1, and 3001 (not divisible; 3 to 6 chunks of 4 KiB by dtype)
+    return sorted({0, 1, max(P - 1, 0), P + 1, 3001})
+
+
+def _matrix(rank, P):
+    world = _world._current().group
+    assert world.transport == ("shm" if P > 1 else "tcp"), world.transport
+    bad, digest = [], []
+
+    def check(name, got, want, op=ReduceOp.SUM):
+        if not close(got, want, op):
+            bad.append(f"rank {rank}: {name}: got {got[:6]} want {want[:6]}")
+
+    def moved(name, got, want):
+        if not same(got, want):
+            bad.append(f"rank {rank}: {name}: got {got[:6]} want {want[:6]}")
+
+    root = P // 2
+    for dt in DTYPES:
+        dt = np.dtype(dt)
+        for n in _counts(P):
+            for op in ops_for(dt):
+                ins = [data(r, n, dt, op) for r in range(P)]
+                x = ins[rank].copy()
+                ringlet.all_reduce(x, op)
+                check(f"all_reduce {dt} {op.name} n={n}", x, reduce_np(ins, op, dt), op)
+                x = ins[rank].copy()
+                ringlet.reduce(x, dst=root, op=op)
+                if rank == root:
+                    check(f"reduce {dt} {op.name} n={n}", x, reduce_np(ins, op, dt), op)
+                else:
+                    moved(f"reduce {dt} {op.name} n={n} non-root input", x, ins[rank])
+                big = [data(r, n * P, dt, op, salt=7) for r in range(P)]
+                out = np.empty(n, dt)
+                ringlet.reduce_scatter(out, big[rank], op)
+                check(f"reduce_scatter {dt} {op.name} n={n}", out,
+                      reduce_np(big, op, dt)[rank * n:(rank + 1) * n], op)
+            ins = [data(r, n, dt) for r in range(P)]
+            x = ins[rank].copy()
+            ringlet.broadcast(x, src=root)
+            moved(f"broadcast {dt} n={n}", x, ins[root])
+            out = np.empty(n * P, dt)
+            ringlet.all_gather(out, ins[rank])
+            moved(f"all_gather {dt} n={n}", out, np.concatenate(ins))
+            # in place: the input is this rank's block of the output
+            out = np.zeros(n * P, dt)
+            out[rank * n:(rank + 1) * n] = ins[rank]
+            ringlet.all_gather(out, out[rank * n:(rank + 1) * n])
+            moved(f"all_gather in place {dt} n={n}", out, np.concatenate(ins))
+        if is_float(dt):
+            # Non-integer inputs: results depend on the order of reduction, so
+            # equal digests across ranks show every rank reduced alike.
+            for n in (7, 3001):
+                v = np.random.default_rng(rank + 17).standard_normal(n).astype(dt)
+                for op in (ReduceOp.SUM, ReduceOp.AVG):
+                    x = v.copy()
+                    ringlet.all_reduce(x, op)
+                    digest.append(x.tobytes().hex())
+    for n in (0, 5):
+        ringlet.barrier()
+        w = ringlet.all_reduce(np.full(n, rank, np.int64), async_op=True)
+        w.wait()
+    return bad, digest
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
+def test_every_op_dtype_and_count_over_shm(P, small_chunks):
+    res = run_world(_matrix, P, mode="thread", timeout=240)
+    for bad, _ in res:
+        assert not bad, "\n".join(bad[:20])
+    digests = [d for _, d in res]
+    assert digests[0] and all(d == digests[0] for d in digests), "ranks differ bitwise"
+
+
+def _async_and_inplace(rank, P):
+    assert _world._current().group.transport == "shm"
+    works, bufs = [], []
+    for i in range(6):
+        b = np.full(3001 + i, rank + i, np.float64)
+        bufs.append(b)
+        works.append(ringlet.all_reduce(b, async_op=True))
+    for w in works:
+        w.wait(timeout=60)
+    return [float(b[0]) for b in bufs] + [float(b[-1]) for b in bufs]
+
+
+def test_async_work_queues_over_shm(small_chunks):
+    P = 3
+    res = run_world(_async_and_inplace, P, mode="thread", timeout=60)
+    want = [float(sum(r + i for r in range(P))) for i in range(6)] * 2
+    assert all(r == want for r in res), res
+
+
+def _subgroups(rank, P):
+    odd = ringlet.new_group([1, 3, 4])
+    even = ringlet.new_group([0, 2])
+    out = {}
+    for g in (odd, even):
+        if g.rank < 0:
+            continue
+        assert g.transport == "shm", g.transport
+        x = np.arange(5000, dtype=np.float32) * (rank + 1)
+        ringlet.all_reduce(x, group=g)
+        want = np.arange(5000, dtype=np.float32) * sum(r + 1 for r in g.ranks)
+        out[len(g.ranks)] = bool(np.array_equal(x, want))
+        y = np.full(3, rank, np.int32)
+        ringlet.broadcast(y, src=g.size - 1, group=g)  # world rank g.ranks[-1]
+        out[f"b{len(g.ranks)}"] = y.tolist()
+        ringlet.barrier(group=g)
+    ringlet.all_reduce(np.ones(10, np.float32))  # the world still works beside them
+    return out
+
+
+def test_subgroups_get_their_own_segments(small_chunks):
+    res = run_world(_subgroups, 5, mode="thread", timeout=60)
+    for rank, out in enumerate(res):
+        k = 3 if rank in (1, 3, 4) else 2
+        assert out[k] is True, (rank, out)
+        assert out[f"b{k}"] == [4 if k == 3 else 2] * 3, (rank, out)
+
+
+def _transport_of_world(rank, P):
+    g = _world._current().group
+    x = np.arange(3001, dtype=np.float32) + rank
+    ringlet.all_reduce(x)
+    y = np.full(4, rank, np.int64)
+    ringlet.broadcast(y, src=P - 1)
+    return g.transport, bool(np.array_equal(x, np.arange(3001, dtype=np.float32) * P + 3)), \
+        y.tolist()
+
+
+def test_transport_tcp_forces_tcp(monkeypatch):
+    monkeypatch.setenv("RINGLET_TRANSPORT", "tcp")
+    res = run_world(_transport_of_world, 3, mode="thread", timeout=60)
+    assert res == [("tcp", True, [2] * 4)] * 3
+
+
+def test_transport_env_is_checked(monkeypatch):
+    monkeypatch.setenv("RINGLET_TRANSPORT", "fast")
+    with pytest.raises(ValueError, match="RINGLET_TRANSPORT must be one of auto, shm, tcp"):
+        _shm.transport_mode()
+    monkeypatch.setenv("RINGLET_TRANSPORT", " SHM ")
+    assert _shm.transport_mode() == "shm"
+
+
+# ---- failures ---------------------------------------------------------------------
+def _desync(rank, P):
+    assert _world._current().group.transport == "shm"
+    try:
+        ringlet.all_reduce(np.ones(10 + 2 * rank, np.float32), timeout=30)
+    except DesyncError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_desync_over_shm_names_both_sides():
+    res = run_world(_desync, 2, mode="thread", timeout=60)
+    for msg in res:
+        assert "this rank expects all_reduce(seq=1" in msg, msg
+        assert "total=40 bytes" in msg and "total=48 bytes" in msg, msg
+
+
+def _kill_mid_op(rank, P):
+    assert _world._current().group.transport == "shm"
+    x = np.ones(1 << 16, np.float32)
+    ringlet.all_reduce(x)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(200):
+            ringlet.all_reduce(x, timeout=60)
+    except PeerClosedError as exc:
+        return ("closed", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_killed_peer_is_detected_fast_over_shm():
+    with pytest.raises(WorldError) as ei:
+        run_world(_kill_mid_op, 3, mode="process", timeout=60)
+    assert "signal 9" in ei.value.failures[1]
+    for r in (0, 2):
+        kind, took, msg = ei.value.results[r]
+        assert kind == "closed", (r, kind, msg)
+        # The waiter checks the peers' pidfds every 50 ms (timeout: 60 s); the
+        # bound leaves room for a busy 2-core host.
+        assert took < 3.0, f"rank {r} needed {took:.2f}s to notice a SIGKILL"
+
+
+def _stop_mid_op(rank, P):
+    ringlet.all_reduce(np.ones(4, np.float32))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return "resumed"
+    t0 = time.monotonic()
+    try:
+        ringlet.all_reduce(np.ones(4, np.float32), timeout=1.5)
+    except CollectiveTimeout as exc:
+        return ("timeout", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_stopped_peer_hits_the_deadline_over_shm():
+    with pytest.raises(WorldError) as ei:
+        run_world(_stop_mid_op, 3, mode="process", timeout=8)
+    assert 1 in ei.value.failures
+    for r in (0, 2):
+        kind, took, msg = ei.value.results[r]
+        # The rank that waited on the stopped one times out; the other may
+        # learn of it from that rank's abort first, with the same class.
+        assert kind == "timeout", (r, kind, msg)
+        # (measured from each rank's own start: the ranks entered up to some
+        # scheduling delay apart)
+        assert 1.3 <= took < 15, took
+
+
+def _root_leaves(rank, P, left):
+    x = np.full(1000, rank + 1.0)
+    ringlet.broadcast(x, src=0)
+    if rank == 0:
+        ringlet.shutdown()  # closes its comm: the segment stays mapped by rank 1
+        left.set()
+        return True
+    assert left.wait(30)
+    y = np.zeros(3000)  # slow reader: enters its second broadcast after the root left
+    try:
+        ringlet.broadcast(y, src=0)
+    except PeerClosedError:
+        return ("closed", bool(np.all(x == 1.0)))
+    return ("read", bool(np.all(x == 1.0)))
+
+
+def _root_leaves_after_publishing(rank, P, left):
+    x = np.full(3000, rank + 1.0)
+    ringlet.broadcast(x, src=0)
+    if rank == 0:
+        # one 4 KiB step: published without waiting for the reader, then the root leaves
+        ringlet.broadcast(np.full(400, 7.0), src=0)
+        ringlet.shutdown()
+        left.set()
+        return True
+    assert left.wait(30)
+    y = np.zeros(400)
+    ringlet.broadcast(y, src=0)  # everything it needs was published before the close
+    return bool(np.all(x == 1.0) and np.all(y == 7.0))
+
+
+def test_a_peer_that_left_fails_only_ops_it_did_not_publish(small_chunks):
+    import threading
+
+    res = run_world(_root_leaves, 2, mode="thread", timeout=60, args=(threading.Event(),))
+    assert res[1] == ("closed", True), res
+    res = run_world(_root_leaves_after_publishing, 2, mode="thread", timeout=60,
+                    args=(threading.Event(),))
+    assert res == [True, True], res
+
+
+def _bad_claims(rank, P, before):
+    w = _world._current()
+    out = {}
+    ringlet.barrier()  # rank 0's init returned: the world's hand-over socket is closed
+    if rank == 1:
+        # Holds the secret but claims a rank it is not: refused, no descriptor.
+        name, deadline = None, time.monotonic() + 30
+        while name is None and time.monotonic() < deadline:
+            for cand in _abstract_sockets() - before:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    try:
+                        s.connect("\0" + cand)
+                    except OSError:
+                        before.add(cand)
+                        continue
+                name = cand
+        assert name is not None
+        for claim in (b"0", b"2", b"x"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect("\0" + name)
+                try:
+                    _auth.client_handshake(s, w.job_key("shm"), "shm/" + name,
+                                           deadline=time.monotonic() + 10, claim=claim)
+                    out[claim.decode()] = "accepted"
+                except ringlet.errors.AuthenticationError as exc:
+                    out[claim.decode()] = "refused" if "claim" in str(exc) else str(exc)
+    g = ringlet.new_group([0, 1])
+    x = np.ones(3, np.float32)
+    ringlet.all_reduce(x, group=g)
+    out["sum"] = float(x[0])
+    return out
+
+
+def test_a_claim_for_another_rank_is_refused(small_chunks):
+    # Rank 1 attacks rank 0's hand-over of the new group before joining it.
+    before = _abstract_sockets()
+    res = run_world(_bad_claims, 2, mode="thread", timeout=60, args=(before,))
+    assert res[1] == {"0": "refused", "2": "refused", "x": "refused", "sum": 2.0}, res
+    assert res[0] == {"sum": 2.0}
+
+
+# ---- real processes under `ringlet run` ----------------------------------------------
+WORKER = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import numpy as np
+    mode, outdir = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RINGLET_RANK"])
+
+
+    def report(out):  # a file per rank: the ranks' stdout lines may interleave
+        with open(os.path.join(outdir, f"r{rank}.json"), "w") as f:
+            json.dump(out, f)
+
+    if mode == "mixed":  # ranks 0, 1 on "host A"; 2, 3 on "host B"
+        os.environ["RINGLET_HOST_ID"] = "hostA" if rank < 2 else "hostB"
+    import ringlet
+    from ringlet import _shm, _world
+    g = ringlet.init(timeout=60)
+    out = {"rank": rank, "world": g.transport}
+    if mode == "mixed":
+        sub = ringlet.new_group([0, 1])
+        sub2 = ringlet.new_group([2, 3])
+        mine = sub if rank < 2 else sub2
+        out["sub"] = mine.transport
+        x = np.arange(3001, dtype=np.float64) + rank
+        ringlet.all_reduce(x)
+        out["world_ok"] = bool(np.array_equal(x, np.arange(3001) * 4.0 + 6))
+        y = np.full(5, rank, np.int32)
+        ringlet.all_reduce(y, group=mine)
+        out["sub_sum"] = int(y[0])
+    elif mode == "killall":
+        job = _world._current().job_id.hex()[:8]
+        maps = open("/proc/self/maps").read()
+        out["mapped"] = ("memfd:ringlet-" + job) in maps
+        out["job"] = job
+        report(out)
+        ringlet.barrier()
+        x = np.ones(1 << 18, np.float32)
+        ringlet.all_reduce(x, async_op=True)  # in flight when the signal lands
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "intruder":
+        gate = sys.argv[3]
+        open(os.path.join(outdir, f"init{rank}"), "w").close()  # init's hand-over is closed
+        if rank == 1:  # keeps rank 0's hand-over open until the test has attacked it
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        sub = ringlet.new_group([0, 1])
+        x = np.ones(10, np.float32)
+        ringlet.all_reduce(x, group=sub)
+        out["sub"] = sub.transport
+        out["sum"] = float(x[0])
+        out["rejected"] = _shm.rejected
+    report(out)
+    ringlet.shutdown()
+""")
+
+
+def _launch(tmp_path, n, mode, *args, env=None, wait=True):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-c", "import sys; from ringlet.cli import main; "
+           "sys.exit(main(sys.argv[1:]))", "run", "-n", str(n), "--timeout", "90",
+           sys.executable, str(script), mode, str(tmp_path), *args]
+    p = subprocess.Popen(cmd, env=clean_env(**(env or {})), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return p
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out, err
+
+
+def _results(tmp_path):
+    return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("r*.json"))]
+
+
+def test_mixed_host_ids_keep_tcp_between_hosts(tmp_path):
+    code, out, err = _launch(tmp_path, 4, "mixed")
+    assert code == 0, err[-3000:]
+    res = _results(tmp_path)
+    assert len(res) == 4, out
+    for r in res:
+        assert r["world"] == "tcp" and r["sub"] == "shm", r
+        assert r["world_ok"], r
+        assert r["sub_sum"] == (1 if r["rank"] < 2 else 5), r
+
+
+def test_transport_shm_across_hosts_fails_at_init(tmp_path):
+    code, out, err = _launch(tmp_path, 4, "mixed", env={"RINGLET_TRANSPORT": "shm"})
+    assert code != 0
+    assert "RINGLET_TRANSPORT=shm but group [0, 1, 2, 3] spans 2 hosts" in err, err[-3000:]
+
+
+def _memfd_holders(job):
+    """Processes that still hold or map this job's segments."""
+    holders = []
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                if "memfd:ringlet-" + job in f.read():
+                    holders.append(maps)
+        except OSError:
+            pass
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            if ("memfd:ringlet-" + job) in os.readlink(fd):
+                holders.append(fd)
+        except OSError:
+            pass
+    return holders
+
+
+def test_sigkill_of_every_rank_leaves_nothing(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    code, out, err = _launch(tmp_path, 4, "killall")
+    assert code != 0  # every rank died of SIGKILL
+    res = _results(tmp_path)
+    assert len(res) == 4, (out, err[-2000:])
+    assert all(r["mapped"] and r["world"] == "shm" for r in res), res
+    job = res[0]["job"]
+    assert not _memfd_holders(job)
+    # Nothing ringlet made is named in /dev/shm (other jobs on the host may add entries).
+    assert not [e for e in set(os.listdir("/dev/shm")) - shm_before if "ringlet" in e]
+
+
+def _abstract_sockets():
+    with open("/proc/net/unix") as f:
+        return {line.split()[-1][1:] for line in f.readlines()[1:]
+                if line.split()[-1].startswith("@ringlet-shm-")}
+
+
+def test_outsider_with_wrong_secret_gets_no_segment(tmp_path):
+    gate = tmp_path / "go"
+    before = _abstract_sockets()
+    p = _launch(tmp_path, 2, "intruder", str(gate), wait=False)
+    try:
+        # Once rank 0's init returned, its world hand-over socket is closed (and
+        # refuses connections); the one that accepts is the sub-group's.
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "init0").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # rank 0 serves the sub-group's hand-over until rank 1 (held at the gate) arrives
+        name = None
+        while time.monotonic() < deadline and name is None:
+            for cand in _abstract_sockets() - before:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    try:
+                        s.connect("\0" + cand)
+                    except OSError:
+                        before.add(cand)
+                        continue
+                name = cand
+            time.sleep(0.02)
+        assert name, "the hand-over socket never appeared"
+        got_fds = []
+        for name in [name]:
+            # 1) the handshake with a wrong key: the server's proof does not verify
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect("\0" + name)
+                with pytest.raises(ringlet.errors.AuthenticationError):
+                    _auth.client_handshake(s, secrets.token_bytes(32), "shm/" + name,
+                                           deadline=time.monotonic() + 10, claim=b"1")
+            # 2) a hello, then a forged proof, then wait for descriptors
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect("\0" + name)
+                s.sendall(_auth.encode_hello(b"1", secrets.token_bytes(32)))
+                reply = b""
+                while len(reply) < 64:
+                    chunk = s.recv(64 - len(reply))
+                    assert chunk
+                    reply += chunk
+                s.sendall(secrets.token_bytes(32))
+                while True:
+                    msg, fds, _, _ = socket.recv_fds(s, 64, 4)
+                    got_fds += fds
+                    if not msg:
+                        break
+        assert not got_fds
+    finally:
+        gate.write_text("go")
+        out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    res = _results(tmp_path)
+    assert [r["sum"] for r in res] == [2.0, 2.0] and res[0]["sub"] == "shm", res
+    assert res[0]["rejected"] >= 2, res
