@@ -136,8 +136,9 @@ class _Hier:
         return ok
 
     # ---- sub-communicators ---------------------------------------------------
-    def _subs(self) -> None:
-        """Create the intra- and inter-host groups (collective over the parent, once)."""
+    def _subs(self, ms: int) -> None:
+        """Create the intra- and inter-host groups (collective over the parent, once),
+        within the calling operation's ``ms`` milliseconds."""
         if self.intra is not None:
             return
         t = self.topo
@@ -146,7 +147,13 @@ class _Hier:
         # Every rank lists every sub-group in the same order: hosts, then local indices.
         lists = [[g.ranks[r] for r in host] for host in t.hosts]
         lists += [[g.ranks[host[j]] for host in t.hosts if j < len(host)] for j in range(lmax)]
-        made = g._world.sub_groups(g, lists)
+        try:
+            made = g._world.sub_groups(g, lists, timeout=ms / 1000.0)
+        except RingletError as exc:
+            raise type(exc)(f"{exc} [group rank {g.rank}: creating the sub-groups of a "
+                            f"hierarchical collective of group {g.comm_id}]",
+                            rank=g.rank, peer=None, op=exc.op, seq=exc.seq,
+                            waited=exc.waited) from exc
         self.intra = made[t.host]
         self.inter = made[t.num_hosts + t.local_rank]
 
@@ -171,7 +178,7 @@ class _Hier:
     # ---- algorithms ----------------------------------------------------------
     # Each runs as the parent group's operation: fn(coll, *args) under its lock.
     def all_reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, ms: int) -> None:
-        self._subs()
+        self._subs(ms)
         dl = _deadline(ms)
         flat = arr.reshape(-1)
         P = self.group.size
@@ -210,7 +217,7 @@ class _Hier:
 
     def reduce_scatter(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int, op: int,
                        ms: int) -> None:
-        self._subs()
+        self._subs(ms)
         dl = _deadline(ms)
         P, H = self.group.size, self.topo.num_hosts
         b = out.size
@@ -231,7 +238,7 @@ class _Hier:
 
     def all_gather(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int,
                    ms: int) -> None:
-        self._subs()
+        self._subs(ms)
         dl = _deadline(ms)
         P, H = self.group.size, self.topo.num_hosts
         b = inp.size
@@ -249,7 +256,7 @@ class _Hier:
         o.reshape(P, b)[self.perm] = big.reshape(P, b)
 
     def broadcast(self, coll: Any, arr: np.ndarray, code: int, root: int, ms: int) -> None:
-        self._subs()
+        self._subs(ms)
         dl = _deadline(ms)
         h0, j0 = self.topo.where(root)
         flat = arr.reshape(-1)
@@ -261,7 +268,7 @@ class _Hier:
 
     def reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, root: int,
                ms: int) -> None:
-        self._subs()
+        self._subs(ms)
         dl = _deadline(ms)
         h0, j0 = self.topo.where(root)
         flat = arr.reshape(-1)

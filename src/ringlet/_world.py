@@ -99,7 +99,8 @@ class World:
 
     # ---- groups ------------------------------------------------------------
     def make_group(self, comm_id: int, ranks: Sequence[int],
-                   timeout: Optional[float] = None) -> ProcessGroup:
+                   timeout: Optional[float] = None,
+                   setup_timeout: Optional[float] = None) -> ProcessGroup:
         ranks = list(ranks)
         rank = ranks.index(self.rank) if self.rank in ranks else -1
         coll = p2p = None
@@ -107,7 +108,8 @@ class World:
             coll = _core.Comm(self.ctx, comm_id, rank, ranks)
             p2p = _core.Comm(self.ctx, comm_id + 1, rank, ranks)
             try:  # collectives over shared memory when the ranks share a host
-                _shm.setup(self, coll, ranks, self.timeout if timeout is None else timeout)
+                _shm.setup(self, coll, ranks, setup_timeout or
+                           (self.timeout if timeout is None else timeout))
             except BaseException:
                 coll.close()
                 p2p.close()
@@ -122,10 +124,14 @@ class World:
         self._groups.add(g)
         return g
 
-    def sub_groups(self, parent: ProcessGroup, lists: Sequence[Sequence[int]]) -> list:
+    def sub_groups(self, parent: ProcessGroup, lists: Sequence[Sequence[int]],
+                   timeout: Optional[float] = None) -> list:
         """Groups of world ranks ``lists`` (collective over ``parent``: every member
         calls it with the same lists, at most once per parent); returns the groups
-        this rank is in, None elsewhere.  One store round trip for all of them."""
+        this rank is in, None elsewhere.  One store round trip for all of them.
+        ``timeout`` bounds the creation (the calling operation's); the groups keep
+        the parent's default timeout."""
+        wait = parent.timeout if timeout is None else timeout
         # Once per parent group, from inside one of its operations: a key of its
         # own, so a new_group() racing on another thread cannot shift it.
         key = f"{self.prefix}sub/{parent.comm_id}"
@@ -135,13 +141,13 @@ class World:
             ids = [2 * (last - len(want) + 1 + i) for i in range(len(want))]
             self.store.set(key, json.dumps({"ids": ids, "lists": want}).encode())
         else:
-            rec = json.loads(self.store.get(key, timeout=parent.timeout).decode())
+            rec = json.loads(self.store.get(key, timeout=wait).decode())
             if rec["lists"] != want:
                 raise DesyncError(f"rank {parent.rank}: hierarchical sub-groups {want} but "
                                   f"group rank 0 made {rec['lists']}", rank=parent.rank)
             ids = rec["ids"]
-        return [self.make_group(i, x, parent.timeout) if self.rank in x else None
-                for i, x in zip(ids, want)]
+        return [self.make_group(i, x, parent.timeout, setup_timeout=wait) if self.rank in x
+                else None for i, x in zip(ids, want)]
 
     def job_key(self, purpose: str) -> bytes:
         return hmac.new(self.secret or _INSECURE_KEY,
