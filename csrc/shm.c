@@ -22,7 +22,9 @@
  * Flags are 32-bit and compared modulo 2^32: ranks are never more than two
  * steps apart.
  *
- * Waiting.  A reader polls the flag up to rl_tune.shm_spin times (after
+ * Waiting.  A reader polls the flag up to rl_tune.shm_spin times (only
+ * the first few microseconds' worth while other processes keep the host
+ * busy, as wait.c tells; after
  * the first few microseconds yielding the core every 64 polls, and sooner
  * when rl_tune.spin_yield says ranks outnumber cores), then sleeps on the
  * segment's bell with FUTEX_WAIT in slices of at most 50 ms.  It counts
@@ -304,6 +306,10 @@ static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t t
      * Later polls yield every 64, so a peer (or another job) that shares this
      * core on a busy host gets it instead of waiting for our time slice. */
     int64_t spin = rl_tune.shm_spin, hot = rl_tune.spin_yield ? 0 : SHM_SPIN_HOT;
+    /* Other processes want the cores (wait.c): a long spinner is charged a
+     * whole time slice for its polls, so only the hot polls (a peer running
+     * now answers within them), then sleep. */
+    if (spin > hot && rl_host_contended(rl_now_ns())) spin = hot;
     for (int64_t i = 0; i < spin; i++) {
         cpu_relax();
         if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
