@@ -407,9 +407,11 @@ def _ring_connections(rank, P):
 
 
 @pytest.mark.parametrize("reno", [1, 0])
-def test_same_host_connections_use_reno(reno):
+def test_same_host_connections_use_reno(reno, monkeypatch):
     # Thread ranks share this process, so rank 0 sees both ends of every
     # connection; ringlet's are those with a rank's listening port at one end.
+    # Over TCP: same-host collectives would otherwise open no connection at all.
+    monkeypatch.setenv("RINGLET_TRANSPORT", "tcp")
     from ringlet import _core
     from ringlet.testing import run_world
 
