@@ -381,15 +381,17 @@ def measure_link(bed, rate: str, nbytes: int = 32 << 20, reps: int = 3) -> Dict[
             "tcp_both_ways": nbytes / both / 1e9, "rtt_us": {"blocking_1pair": rtt * 1e6}}
 
 
-def measure_intra(bed) -> Dict[str, Any]:
+def measure_intra(bed, tmp: str) -> Dict[str, Any]:
     """``ringlet bench limits`` on h1 (one host's loopback, memory and kernels)."""
-    r = bed.run("h1", [sys.executable, "-m", "ringlet.bench", "limits", "-n", "2",
-                       "--duration", "0.5", "--json", "/dev/stdout"], _env(), timeout=300)
+    out = os.path.join(tmp, "intra-limits.json")
+    r = bed.run("h1", [sys.executable, "-c", "import sys, ringlet.bench as b; "
+                       "sys.exit(b.main(sys.argv[1:]))", "limits", "-n", "2", "--duration",
+                       "0.5", "--json", out], _env(), timeout=300)
     if r.returncode:
         raise RuntimeError(f"ringlet bench limits on h1 failed: "
                            f"{r.stderr.decode(errors='replace')[-2000:]}")
-    text = r.stdout.decode()
-    return json.loads(text[text.index("{"):])["limits"]
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)["limits"]
 
 
 def _mpirun() -> str:
@@ -417,6 +419,9 @@ def _job(bed, system: str, hosts: int, per_host: int, payload: str, port: int,
         argv = [_mpirun(), "--hostfile", hostfile, "--mca", "plm_rsh_agent", bed.rsh,
                 "-np", str(P), "--map-by", f"ppr:{per_host}:node:OVERSUBSCRIBE",
                 "--bind-to", "none", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                # K slots per host hide the oversubscription of this machine's cores from
+                # Open MPI: without yielding, its ranks poll each other off the CPUs.
+                "--mca", "mpi_yield_when_idle", "1",
                 "--mca", "btl_tcp_if_include", bed.ifname, "--mca", "oob_tcp_if_include",
                 bed.ifname, "-x", "OMP_NUM_THREADS", sys.executable, "-m",
                 "ringlet.bench.peers.mpi_peer", "--name", system, "--config", payload]
@@ -449,7 +454,7 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
             f"{link['tcp_both_ways']:.4f} both ways, rtt {link['rtt_us']['blocking_1pair']:.0f} us")
         if intra is None:
             say("measuring intra-host limits on h1 ...")
-            intra = measure_intra(bed)
+            intra = measure_intra(bed, tmp)
         per_round: Dict[str, List[list]] = {s: [] for s in a.systems}
         loads, port = [], PORT
         for k in range(a.rounds):
