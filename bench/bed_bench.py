@@ -405,7 +405,7 @@ def _mpirun() -> str:
 
 
 def _job(bed, system: str, hosts: int, per_host: int, payload: str, port: int,
-         timeout: float, tmp: str):
+         timeout: float, tmp: str, model_file: str):
     from ringlet.bench import launch
 
     def on(host: str) -> Callable[..., subprocess.Popen]:
@@ -433,7 +433,8 @@ def _job(bed, system: str, hosts: int, per_host: int, payload: str, port: int,
         host = bed.hosts[r // per_host]
         env = _env(RANK=str(r), WORLD_SIZE=str(P), LOCAL_RANK=str(r % per_host),
                    LOCAL_WORLD_SIZE=str(per_host), MASTER_ADDR=bed.addr("h1"),
-                   MASTER_PORT=str(port), RINGLET_SECRET=secret, RINGLET_ALGO=system)
+                   MASTER_PORT=str(port), RINGLET_SECRET=secret, RINGLET_ALGO=system,
+                   RINGLET_MODEL=model_file)
         cmds.append((f"rank {r}", [sys.executable, "-m", "ringlet.bench.ringlet_driver",
                                    "--config", payload], env, on(host)))
     return launch.run_commands(f"ringlet-{system}", cmds, timeout=timeout)
@@ -455,6 +456,12 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
         if intra is None:
             say("measuring intra-host limits on h1 ...")
             intra = measure_intra(bed, tmp)
+        # auto decides with the parameters fitted from this bed (what
+        # `ringlet bench model --save` would write for RINGLET_MODEL).
+        params = cm.fit(intra, link)
+        model_file = os.path.join(tmp, "model.json")
+        with open(model_file, "w", encoding="utf-8") as f:
+            json.dump({"params": params.as_dict()}, f)
         per_round: Dict[str, List[list]] = {s: [] for s in a.systems}
         loads, port = [], PORT
         for k in range(a.rounds):
@@ -463,7 +470,7 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
                 port += 1  # a fresh store port per job: no wait on the last one's TIME_WAIT
                 loads.append(os.getloadavg()[0])
                 t0 = time.monotonic()
-                res = _job(bed, s, hosts, per_host, payload, port, a.timeout, tmp)
+                res = _job(bed, s, hosts, per_host, payload, port, a.timeout, tmp, model_file)
                 per_round[s].append([dict(r, system=s) for r in res.rows])
                 say(f"{hosts}x{per_host} round {k + 1}/{a.rounds}: {s} in "
                     f"{time.monotonic() - t0:.1f} s (load {loads[-1]:.1f})")
@@ -472,7 +479,7 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
         rows += [{k: v for k, v in r.items() if k != "kind"}
                  for r in report.aggregate(per_round[s])]
     return {"hosts": hosts, "per_host": per_host, "link": link, "intra": intra, "rows": rows,
-            "loads": loads, "round_rows": per_round}
+            "loads": loads, "round_rows": per_round, "params": params.as_dict()}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -496,9 +503,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for hosts, per_host in a.layouts:
         res = run_layout(a, hosts, per_host, intra, say)
         intra = res["intra"]
-        # Fitted from this bed's own link figures and the host's limits.
-        params = cm.fit(intra, res["link"])
-        res["params"] = params.as_dict()
+        params = cm.ModelParams(**res["params"])
         res["model"] = model_rows(res["rows"], params, hosts, per_host)
         results.append(res)
         print(format_layout(hosts, per_host, res["rows"], a.systems, res["link"], a.rounds,
