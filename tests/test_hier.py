@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ringlet
-from ringlet import ReduceOp, _core
+from ringlet import ReduceOp, _core, _hier
 from ringlet import _costmodel as cm
 from ringlet.testing import run_world
 
@@ -36,10 +36,14 @@ LAYOUTS = {
 def small_segments():
     # Small thresholds: a few thousand elements take the pipelined algorithms
     # with several segments in every phase.
+    # and all_reduce's hierarchical form runs pipelined over 4 KiB slices.
     saved = _core.get_tuning()
     _core.set_tuning(segment_bytes=4096, allreduce_small_bytes=256, bcast_small_bytes=256,
                      reduce_small_bytes=256)
+    slice_bytes = _hier.SLICE_BYTES
+    _hier.SLICE_BYTES = 4096
     yield
+    _hier.SLICE_BYTES = slice_bytes
     _core.set_tuning(**saved)
 
 

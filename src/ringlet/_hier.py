@@ -28,6 +28,10 @@ from .errors import GroupPoisonedError, RingletError
 
 __all__ = ["Topology"]
 
+# Bytes of the buffer per slice of a pipelined hierarchical all_reduce: large enough
+# that each phase runs at its link's rate, small enough that the first slice's
+# intra-host reduce_scatter and the last one's all_gather (not overlapped) stay short.
+SLICE_BYTES = 8 << 20
 _AVG = 4  # RL_AVG; AVG runs as SUM and is scaled once at the end, as the C core does
 _SUM = 0
 
@@ -152,8 +156,12 @@ class _Hier:
 
     def _phase(self, sub: Any, op: str, fn: Any, *args: Any) -> Any:
         """Run one phase on a sub-group; its errors name the parent group's ranks."""
+        return self._named(sub, op, lambda: sub._call(op, False, fn, *args))
+
+    def _named(self, sub: Any, op: str, run: Any) -> Any:
+        """``run()``, a phase on ``sub``; its errors name the parent group's ranks."""
         try:
-            return sub._call(op, False, fn, *args)
+            return run()
         except RingletError as exc:
             if isinstance(exc, GroupPoisonedError):
                 raise
@@ -182,20 +190,64 @@ class _Hier:
         L = self.sizes[0]
         b = flat.size // L
         main = flat[: b * L]
-        # 1. intra reduce_scatter: local rank j gets block j summed over its host.
-        part = np.empty(b, dtype=flat.dtype)
-        self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, part, main, code, sop,
-                    _left(dl))
-        # 2. inter all_reduce of block j among the ranks with local index j: all L
-        # local ranks drive their own block at once.
-        self._phase(self.inter, "all_reduce", _C.all_reduce, part, code, sop, _left(dl))
-        if op == _AVG:
-            _core.scale_kernel(part, code, 1.0 / P)
-        # 3. intra all_gather of the blocks into the user's buffer.
-        self._phase(self.intra, "all_gather", _C.all_gather, main, part, code, _left(dl))
+        # Slices of whole blocks (c elements per local rank, c*L of the buffer); one
+        # slice unless the buffer spans two SLICE_BYTES or more.
+        c = max(1, SLICE_BYTES // (flat.itemsize * L))
+        slices = [(lo, min(b, lo + c)) for lo in range(0, b, c)] if b >= 2 * c else [(0, b)]
+        if len(slices) == 1:
+            part = np.empty(b, dtype=flat.dtype)
+            self._slice_rs(main, part, code, sop, dl)
+            self._phase(self.inter, "all_reduce", _C.all_reduce, part, code, sop, _left(dl))
+            self._slice_ag(main, part, code, op, P, dl)
+        else:
+            self._pipelined(main, slices, L, code, op, sop, P, dl)
         if b * L < flat.size:
             # The count % L elements past the last whole block: one small flat all_reduce.
             _C.all_reduce(coll, flat[b * L:], code, op, _left(dl))
+
+    # The three phases of the equal-hosts all_reduce, on one slice ``seg`` (c*L
+    # elements) of the buffer: 1. intra reduce_scatter, local rank j gets block j
+    # of the slice summed over its host; 2. inter all_reduce of block j among the
+    # ranks with local index j (all L local ranks drive their own block at once);
+    # 3. intra all_gather of the blocks back into the slice.
+    def _slice_rs(self, seg: np.ndarray, part: np.ndarray, code: int, sop: int,
+                  dl: float) -> None:
+        self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, part, seg, code, sop,
+                    _left(dl))
+
+    def _slice_ag(self, seg: np.ndarray, part: np.ndarray, code: int, op: int, P: int,
+                  dl: float) -> None:
+        if op == _AVG:
+            _core.scale_kernel(part, code, 1.0 / P)
+        self._phase(self.intra, "all_gather", _C.all_gather, seg, part, code, _left(dl))
+
+    def _pipelined(self, main: np.ndarray, slices: List[Tuple[int, int]], L: int, code: int,
+                   op: int, sop: int, P: int, dl: float) -> None:
+        """The slices' phases overlapped: slice s's inter all_reduce runs on the inter
+        group's executor while this thread runs slice s+1's reduce_scatter and slice
+        s-1's all_gather inside the host, so the host link never waits for them.
+        Every element still takes the same three phases: the same sums on every rank."""
+        parts = [np.empty(hi - lo, dtype=main.dtype) for lo, hi in slices]
+        segs = [main[lo * L: hi * L] for lo, hi in slices]
+        self._slice_rs(segs[0], parts[0], code, sop, dl)
+        for s in range(len(slices)):
+            w = self.inter._call("all_reduce", True, _C.all_reduce, parts[s], code, sop,
+                                 _left(dl))
+            try:
+                if s + 1 < len(slices):
+                    self._slice_rs(segs[s + 1], parts[s + 1], code, sop, dl)
+                if s > 0:
+                    self._slice_ag(segs[s - 1], parts[s - 1], code, op, P, dl)
+            except BaseException:
+                # The inter op still uses parts[s]: let it end (by its deadline at the
+                # latest) before the first error propagates.
+                try:
+                    w.wait()
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+                raise
+            self._named(self.inter, "all_reduce", w.wait)
+        self._slice_ag(segs[-1], parts[-1], code, op, P, dl)
 
     def _leader_all_reduce(self, flat: np.ndarray, code: int, op: int, sop: int, P: int,
                            dl: float) -> None:
