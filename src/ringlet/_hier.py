@@ -31,7 +31,8 @@ __all__ = ["Topology"]
 # Bytes of the buffer per slice of a pipelined hierarchical all_reduce: large enough
 # that each phase runs at its link's rate, small enough that the first slice's
 # intra-host reduce_scatter and the last one's all_gather (not overlapped) stay short.
-SLICE_BYTES = 8 << 20
+# The cost model's copy (cm.SLICE_BYTES) is the one it predicts with.
+SLICE_BYTES = cm.SLICE_BYTES
 _AVG = 4  # RL_AVG; AVG runs as SUM and is scaled once at the end, as the C core does
 _SUM = 0
 
