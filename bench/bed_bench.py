@@ -8,7 +8,8 @@ of H network namespaces with ``tbf``-shaped links (1 Gbit/s by default), then:
   round trip.  Those figures are ``--inter-limits`` for the cost model (the
   JSON shape of ``ringlet bench limits``), so the model's parameters come from
   the bed; the intra-host figures come from ``ringlet bench limits`` run on h1
-  (once per run, or ``--intra-limits FILE``);
+  (once per run, or ``--intra-limits FILE``); ``auto`` decides with the parameters
+  fitted from them (RINGLET_MODEL), and ``--save-model`` writes them;
 * runs the sweeps on every system, interleaved: rounds of one job per system
   whose order rotates, each job fresh: ringlet with RINGLET_ALGO=flat, hier and
   auto (ranks started on their hosts with the env contract, the store on h1),
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="`ringlet bench limits --json` from one host (default: measured on h1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--json", metavar="FILE", help="write everything measured here")
+    p.add_argument("--save-model", metavar="FILE",
+                   help="write the first layout's fitted parameters (for RINGLET_MODEL and "
+                        "`ringlet bench model --params`)")
     return p
 
 
@@ -511,6 +515,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         print(format_model(hosts, per_host, res["model"]))
         print(flush=True)
+    if a.save_model and results:
+        with open(a.save_model, "w", encoding="utf-8") as f:
+            json.dump({"params": results[0]["params"], "source": "bench/bed_bench.py, "
+                       f"{results[0]['hosts']}x{results[0]['per_host']}, links {a.rate}"}, f,
+                      indent=1)
     if a.json:
         report.write_json(a.json, {"tool": "bench/bed_bench.py", "argv": list(argv or sys.argv[1:]),
                                    "environment": report.environment_info(),
