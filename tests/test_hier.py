@@ -169,6 +169,28 @@ def _hier_equals_flat(rank, P):
     return ok, _digest(got["hier"])
 
 
+def _pipelined_rank(rank, P):
+    calls = []
+    real = _hier._Hier._pipelined
+    h = ringlet._world._require(None)._hier
+    h._pipelined = lambda *a: (calls.append(len(a[1])), real(h, *a))[1]
+    n = 3 * 1024 + 1  # 4 KiB slices of int64 over 2 local ranks: 256 per block, a tail
+    x = (np.arange(n, dtype=np.int64) * 7 + rank) % 1000
+    ringlet.all_reduce(x)
+    want = sum((np.arange(n, dtype=np.int64) * 7 + r) % 1000 for r in range(P))
+    y = np.full(100, rank + 1.5, np.float32)  # one slice: not pipelined
+    ringlet.all_reduce(y)
+    return calls, bool(np.array_equal(x, want)), float(y[0])
+
+
+def test_pipelined_all_reduce_runs_its_slices_and_matches_numpy(monkeypatch, small_segments):
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    res = run_world(_pipelined_rank, 4, timeout=60, host_ids=LAYOUTS["2x2"])
+    for calls, exact, y in res:
+        # 1536 elements per local rank in blocks of 256: 6 slices; the last element goes flat.
+        assert calls == [6] and exact and y == 1.5 * 4 + 6
+
+
 def test_hier_equals_flat_within_the_oracles_tolerance(monkeypatch):
     monkeypatch.setenv("RINGLET_ALGO", "hier")
     res = run_world(_hier_equals_flat, 4, timeout=60, host_ids=LAYOUTS["2x2"])
