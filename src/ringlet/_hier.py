@@ -232,8 +232,8 @@ class _Hier:
         segs = [main[lo * L: hi * L] for lo, hi in slices]
         self._slice_rs(segs[0], parts[0], code, sop, dl)
         for s in range(len(slices)):
-            w = self.inter._call("all_reduce", True, _C.all_reduce, parts[s], code, sop,
-                                 _left(dl))
+            w = self._named(self.inter, "all_reduce", lambda: self.inter._call(
+                "all_reduce", True, _C.all_reduce, parts[s], code, sop, _left(dl)))
             try:
                 if s + 1 < len(slices):
                     self._slice_rs(segs[s + 1], parts[s + 1], code, sop, dl)
