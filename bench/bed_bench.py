@@ -267,6 +267,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 # this host's address; ``oneway``/``both``/``ping`` connect to the peer's.
 _PROBE = r"""
 import socket, sys, threading, time
+from statistics import median
 mode, addr, nbytes, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 CH = 1 << 22
 buf = bytearray(CH)
@@ -312,6 +313,7 @@ print(median(out))
 """
 _PING = r"""
 import socket, sys, time
+from statistics import median
 role, addr, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if role == "pong":
     srv = socket.create_server((addr, 29602))
