@@ -334,6 +334,11 @@ def test_pipelined_hier_all_reduce_overlaps_the_host_with_the_link():
     assert cm.slices(n) == 8 and cm.slices(2 * m - 1) == 1 and cm.slices(2 * m + 1) == 3
     assert cm.hier_time("all_reduce", n, [2, 2], unit) == pytest.approx(9 * m)
     assert cm.hier_time("all_reduce", m, [2, 2], unit) == pytest.approx(2 * m)
+    # reduce_scatter / all_gather: intra m/2 and inter m/2 a slice: m/2 + 7 * m/2 + m/2,
+    # against n/2 + n/2 = 8m unpipelined.
+    for op in ("reduce_scatter", "all_gather"):
+        assert cm.hier_time(op, n, [2, 2], unit) == pytest.approx(4.5 * m)
+        assert cm.hier_time(op, m, [2, 2], unit) == pytest.approx(m)
     assert _hier.SLICE_BYTES == cm.SLICE_BYTES
 
 

@@ -23,7 +23,8 @@ __all__ = ["ModelParams", "ALGO_ENV", "MODEL_ENV", "ALGOS", "OPS", "algo_from_en
            "slices", "SLICE_BYTES"]
 
 ALGO_ENV = "RINGLET_ALGO"
-# Bytes of the buffer per slice of the pipelined hierarchical all_reduce (``_hier``).
+# Bytes per slice of the pipelined hierarchical all_reduce, reduce_scatter and
+# all_gather (``_hier``).
 SLICE_BYTES = 8 << 20
 MODEL_ENV = "RINGLET_MODEL"
 ALGOS = ("auto", "flat", "hier")
@@ -196,8 +197,9 @@ def _layout(sizes: Sequence[int]) -> tuple:
 
 
 def slices(nbytes: float) -> int:
-    """Slices of the pipelined hierarchical all_reduce of ``nbytes`` (as ``_hier`` cuts
-    them: ``SLICE_BYTES`` each, one slice below two of them)."""
+    """Slices of a pipelined hierarchical all_reduce, reduce_scatter (``nbytes`` of input)
+    or all_gather (of output), as ``_hier`` cuts them: ``SLICE_BYTES`` each, one slice
+    below two of them."""
     return max(1, math.ceil(nbytes / SLICE_BYTES)) if nbytes >= 2 * SLICE_BYTES else 1
 
 
@@ -290,8 +292,7 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
         if not even:  # leader form: reduce to local 0, all_reduce among leaders, broadcast
             return (reduce_1(lmax, n, ai, bi, g) + all_reduce_1(h, n, ae, be, g)
                     + broadcast_1(lmax, n, ai, bi))
-        k = slices(n)
-        m_ = n / k
+        k, m_ = slices(n), n / slices(n)
         rs = reduce_scatter_1(lmax, m_, ai, bi, g)
         ar = all_reduce_1(h, m_ / lmax, ae, lmax * be, g)
         ag = all_gather_1(lmax, m_, ai, bi)
@@ -301,11 +302,18 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
         if tail:
             t += flat_time("all_reduce", 0, sizes, m)
         return t
+    k = slices(n)
+    m_ = n / k
+    # Pipelined like all_reduce: the link works on one slice while the host works on
+    # the next (reduce_scatter) or the previous (all_gather).
     if op == "reduce_scatter":
-        return reduce_scatter_1(lmax, n, ai, bi, g) + reduce_scatter_1(h, n / lmax, ae,
-                                                                       lmax * be, g)
+        inner = reduce_scatter_1(lmax, m_, ai, bi, g)
+        outer = reduce_scatter_1(h, m_ / lmax, ae, lmax * be, g)
+        return inner + (k - 1) * max(inner, outer) + outer
     if op == "all_gather":
-        return all_gather_1(h, n / lmax, ae, lmax * be) + all_gather_1(lmax, n, ai, bi)
+        outer = all_gather_1(h, m_ / lmax, ae, lmax * be)
+        inner = all_gather_1(lmax, m_, ai, bi)
+        return outer + (k - 1) * max(inner, outer) + inner
     if op == "broadcast":
         return broadcast_1(h, n, ae, be) + broadcast_1(lmax, n, ai, bi)
     if op == "reduce":
