@@ -2,7 +2,8 @@
 
     python _multihost_job.py matrix OUTDIR   # every collective against numpy
     python _multihost_job.py loop OUTDIR     # all_reduce until it fails (fault tests);
-                                             # MULTIHOST_OP_TIMEOUT: its deadline
+                                             # MULTIHOST_OP_TIMEOUT: its deadline,
+                                             # MULTIHOST_COUNT: its float32 count
 
 Rank, world size and the rendezvous come from whatever launcher started the
 process (``ringlet.init()`` with no arguments).  Each rank writes
@@ -86,7 +87,7 @@ def loop(out: str) -> int:
     group = ringlet.init()
     rank = ringlet.get_rank()
     op_timeout = float(os.environ["MULTIHOST_OP_TIMEOUT"])
-    x = np.ones(4096, np.float32)
+    x = np.ones(int(os.environ.get("MULTIHOST_COUNT", "4096")), np.float32)
     i = 0
     try:
         while True:

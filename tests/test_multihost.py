@@ -224,11 +224,11 @@ def test_env_contract_every_collective(make_bed, tmp_path, per_host, rate):
 FAULT_TIMEOUT_S = 3.0  # the op deadline of the fault jobs
 
 
-def start_loop(bed: HostBed, out: str) -> List[subprocess.Popen]:
+def start_loop(bed: HostBed, out: str, **extra: str) -> List[subprocess.Popen]:
     """A 2x2 job looping all_reduce with a short op deadline; returns once every rank
     has completed operations (each creates a ready file), under a generous deadline."""
     procs = start_env_contract(bed, (2, 2), out, "loop",
-                               MULTIHOST_OP_TIMEOUT=str(FAULT_TIMEOUT_S))
+                               MULTIHOST_OP_TIMEOUT=str(FAULT_TIMEOUT_S), **extra)
     end = time.monotonic() + DEADLINE_S
     while not all(os.path.exists(os.path.join(out, f"ready{r}")) for r in range(4)):
         dead = [r for r, p in enumerate(procs) if p.poll() is not None]
@@ -285,10 +285,14 @@ def test_link_cut_mid_collective_errors_at_the_deadline(make_bed, tmp_path):
     assert any(rec["error"] == "CollectiveTimeout" for rec in recs[:2]), recs
 
 
-def test_host_killed_survivors_error_within_a_second(make_bed, tmp_path):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_host_killed_survivors_error_within_a_second(make_bed, tmp_path, pipelined):
     bed = make_bed(2)
     out = str(tmp_path)
-    procs = start_loop(bed, out)
+    # pipelined: a 32 MiB hierarchical all_reduce, 4 slices whose inter-host phase runs
+    # on the inter group's executor while the host works on the next slice.
+    extra = dict(RINGLET_ALGO="hier", MULTIHOST_COUNT=str(8 << 20)) if pipelined else {}
+    procs = start_loop(bed, out, **extra)
     killed = time.monotonic()
     assert len(bed.signal_host("h2", signal.SIGKILL)) == 2
     recs = failures(out, procs)

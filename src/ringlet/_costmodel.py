@@ -19,9 +19,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 __all__ = ["ModelParams", "ALGO_ENV", "MODEL_ENV", "ALGOS", "OPS", "algo_from_env",
-           "params_from_env", "fit", "predict", "flat_time", "hier_time", "hier_applies"]
+           "params_from_env", "fit", "predict", "flat_time", "hier_time", "hier_applies",
+           "slices", "SLICE_BYTES"]
 
 ALGO_ENV = "RINGLET_ALGO"
+# Bytes per slice of the pipelined hierarchical all_reduce, reduce_scatter and
+# all_gather (``_hier``).
+SLICE_BYTES = 8 << 20
 MODEL_ENV = "RINGLET_MODEL"
 ALGOS = ("auto", "flat", "hier")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -192,6 +196,13 @@ def _layout(sizes: Sequence[int]) -> tuple:
     return h, lmax, sum(sizes), all(s == lmax for s in sizes)
 
 
+def slices(nbytes: float) -> int:
+    """Slices of a pipelined hierarchical all_reduce, reduce_scatter (``nbytes`` of input)
+    or all_gather (of output), as ``_hier`` cuts them: ``SLICE_BYTES`` each, one slice
+    below two of them."""
+    return max(1, math.ceil(nbytes / SLICE_BYTES)) if nbytes >= 2 * SLICE_BYTES else 1
+
+
 def hier_applies(op: str, sizes: Sequence[int], root_local: int = 0) -> bool:
     """Whether the hierarchical form of ``op`` runs on hosts of ``sizes`` ranks.
 
@@ -281,16 +292,28 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
         if not even:  # leader form: reduce to local 0, all_reduce among leaders, broadcast
             return (reduce_1(lmax, n, ai, bi, g) + all_reduce_1(h, n, ae, be, g)
                     + broadcast_1(lmax, n, ai, bi))
-        t = (reduce_scatter_1(lmax, n, ai, bi, g) + all_reduce_1(h, n / lmax, ae, lmax * be, g)
-             + all_gather_1(lmax, n, ai, bi))
+        k, m_ = slices(n), n / slices(n)
+        rs = reduce_scatter_1(lmax, m_, ai, bi, g)
+        ar = all_reduce_1(h, m_ / lmax, ae, lmax * be, g)
+        ag = all_gather_1(lmax, m_, ai, bi)
+        # Pipelined slices: after the first reduce_scatter, each step lasts as long
+        # as the slower of the link (slice s) and the host (RS of s+1, AG of s-1).
+        t = rs + (k - 1) * max(ar, rs + ag) + ar + ag
         if tail:
             t += flat_time("all_reduce", 0, sizes, m)
         return t
+    k = slices(n)
+    m_ = n / k
+    # Pipelined like all_reduce: the link works on one slice while the host works on
+    # the next (reduce_scatter) or the previous (all_gather).
     if op == "reduce_scatter":
-        return reduce_scatter_1(lmax, n, ai, bi, g) + reduce_scatter_1(h, n / lmax, ae,
-                                                                       lmax * be, g)
+        inner = reduce_scatter_1(lmax, m_, ai, bi, g)
+        outer = reduce_scatter_1(h, m_ / lmax, ae, lmax * be, g)
+        return inner + (k - 1) * max(inner, outer) + outer
     if op == "all_gather":
-        return all_gather_1(h, n / lmax, ae, lmax * be) + all_gather_1(lmax, n, ai, bi)
+        outer = all_gather_1(h, m_ / lmax, ae, lmax * be)
+        inner = all_gather_1(lmax, m_, ai, bi)
+        return outer + (k - 1) * max(inner, outer) + inner
     if op == "broadcast":
         return broadcast_1(h, n, ae, be) + broadcast_1(lmax, n, ai, bi)
     if op == "reduce":

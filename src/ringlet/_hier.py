@@ -28,6 +28,12 @@ from .errors import GroupPoisonedError, RingletError
 
 __all__ = ["Topology"]
 
+# Bytes per slice of a pipelined hierarchical all_reduce (of the buffer), reduce_scatter
+# (of the input) or all_gather (of the output): large enough
+# that each phase runs at its link's rate, small enough that the first slice's
+# intra-host reduce_scatter and the last one's all_gather (not overlapped) stay short.
+# The cost model's copy (cm.SLICE_BYTES) is the one it predicts with.
+SLICE_BYTES = cm.SLICE_BYTES
 _AVG = 4  # RL_AVG; AVG runs as SUM and is scaled once at the end, as the C core does
 _SUM = 0
 
@@ -159,8 +165,12 @@ class _Hier:
 
     def _phase(self, sub: Any, op: str, fn: Any, *args: Any) -> Any:
         """Run one phase on a sub-group; its errors name the parent group's ranks."""
+        return self._named(sub, op, lambda: sub._call(op, False, fn, *args))
+
+    def _named(self, sub: Any, op: str, run: Any) -> Any:
+        """``run()``, a phase on ``sub``; its errors name the parent group's ranks."""
         try:
-            return sub._call(op, False, fn, *args)
+            return run()
         except RingletError as exc:
             if isinstance(exc, GroupPoisonedError):
                 raise
@@ -189,20 +199,64 @@ class _Hier:
         L = self.sizes[0]
         b = flat.size // L
         main = flat[: b * L]
-        # 1. intra reduce_scatter: local rank j gets block j summed over its host.
-        part = np.empty(b, dtype=flat.dtype)
-        self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, part, main, code, sop,
-                    _left(dl))
-        # 2. inter all_reduce of block j among the ranks with local index j: all L
-        # local ranks drive their own block at once.
-        self._phase(self.inter, "all_reduce", _C.all_reduce, part, code, sop, _left(dl))
-        if op == _AVG:
-            _core.scale_kernel(part, code, 1.0 / P)
-        # 3. intra all_gather of the blocks into the user's buffer.
-        self._phase(self.intra, "all_gather", _C.all_gather, main, part, code, _left(dl))
+        # Slices of whole blocks (c elements per local rank, c*L of the buffer); one
+        # slice unless the buffer spans two SLICE_BYTES or more.
+        c = max(1, SLICE_BYTES // (flat.itemsize * L))
+        slices = [(lo, min(b, lo + c)) for lo in range(0, b, c)] if b >= 2 * c else [(0, b)]
+        if len(slices) == 1:
+            part = np.empty(b, dtype=flat.dtype)
+            self._slice_rs(main, part, code, sop, dl)
+            self._phase(self.inter, "all_reduce", _C.all_reduce, part, code, sop, _left(dl))
+            self._slice_ag(main, part, code, op, P, dl)
+        else:
+            self._pipelined(main, slices, L, code, op, sop, P, dl)
         if b * L < flat.size:
             # The count % L elements past the last whole block: one small flat all_reduce.
             _C.all_reduce(coll, flat[b * L:], code, op, _left(dl))
+
+    # The three phases of the equal-hosts all_reduce, on one slice ``seg`` (c*L
+    # elements) of the buffer: 1. intra reduce_scatter, local rank j gets block j
+    # of the slice summed over its host; 2. inter all_reduce of block j among the
+    # ranks with local index j (all L local ranks drive their own block at once);
+    # 3. intra all_gather of the blocks back into the slice.
+    def _slice_rs(self, seg: np.ndarray, part: np.ndarray, code: int, sop: int,
+                  dl: float) -> None:
+        self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, part, seg, code, sop,
+                    _left(dl))
+
+    def _slice_ag(self, seg: np.ndarray, part: np.ndarray, code: int, op: int, P: int,
+                  dl: float) -> None:
+        if op == _AVG:
+            _core.scale_kernel(part, code, 1.0 / P)
+        self._phase(self.intra, "all_gather", _C.all_gather, seg, part, code, _left(dl))
+
+    def _pipelined(self, main: np.ndarray, slices: List[Tuple[int, int]], L: int, code: int,
+                   op: int, sop: int, P: int, dl: float) -> None:
+        """The slices' phases overlapped: slice s's inter all_reduce runs on the inter
+        group's executor while this thread runs slice s+1's reduce_scatter and slice
+        s-1's all_gather inside the host, so the host link never waits for them.
+        Every element still takes the same three phases: the same sums on every rank."""
+        parts = [np.empty(hi - lo, dtype=main.dtype) for lo, hi in slices]
+        segs = [main[lo * L: hi * L] for lo, hi in slices]
+        self._slice_rs(segs[0], parts[0], code, sop, dl)
+        for s in range(len(slices)):
+            w = self._named(self.inter, "all_reduce", lambda: self.inter._call(
+                "all_reduce", True, _C.all_reduce, parts[s], code, sop, _left(dl)))
+            try:
+                if s + 1 < len(slices):
+                    self._slice_rs(segs[s + 1], parts[s + 1], code, sop, dl)
+                if s > 0:
+                    self._slice_ag(segs[s - 1], parts[s - 1], code, op, P, dl)
+            except BaseException:
+                # The inter op still uses parts[s]: let it end (by its deadline at the
+                # latest) before the first error propagates.
+                try:
+                    w.wait()
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+                raise
+            self._named(self.inter, "all_reduce", w.wait)
+        self._slice_ag(segs[-1], parts[-1], code, op, P, dl)
 
     def _leader_all_reduce(self, flat: np.ndarray, code: int, op: int, sop: int, P: int,
                            dl: float) -> None:
@@ -222,6 +276,10 @@ class _Hier:
         P, H = self.group.size, self.topo.num_hosts
         b = out.size
         sop = _SUM if op == _AVG else op
+        cuts = self._cuts(b, out.itemsize * P)
+        if len(cuts) > 1:
+            self._pipelined_rs(out.reshape(-1), inp.reshape(P, b), cuts, code, op, sop, dl)
+            return
         src = inp.reshape(-1)
         if not self.perm_is_identity:
             # Blocks in (local index, host) order, so that local rank j's H blocks
@@ -236,12 +294,94 @@ class _Hier:
         if op == _AVG:
             _core.scale_kernel(o, code, 1.0 / P)
 
+    def _cuts(self, b: int, row_bytes: int) -> List[Tuple[int, int]]:
+        """Column ranges of ``b``-element blocks whose P rows (``row_bytes`` per column)
+        make a slice of about SLICE_BYTES; one range below two slices."""
+        c = max(1, SLICE_BYTES // row_bytes)
+        return [(lo, min(b, lo + c)) for lo in range(0, b, c)] if b >= 2 * c else [(0, b)]
+
+    def _overlap(self, works: List[Any], op: str, run: Any) -> None:
+        """``run()`` while the inter-host ``works`` are in flight, then wait for them; on an
+        error they still end (their deadline bounds it) before it propagates."""
+        try:
+            run()
+        except BaseException:
+            for w in works:
+                try:
+                    w.wait()
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
+        for w in works:
+            self._named(self.inter, op, w.wait)
+
+    def _async_inter(self, op: str, fn: Any, *args: Any) -> Any:
+        return self._named(self.inter, op, lambda: self.inter._call(op, True, fn, *args))
+
+    def _pipelined_rs(self, o: np.ndarray, rows: np.ndarray, cuts: List[Tuple[int, int]],
+                      code: int, op: int, sop: int, dl: float) -> None:
+        """reduce_scatter by column slices of every rank's block: slice s's inter-host
+        reduce_scatter runs on the inter group's executor while this thread copies slice
+        s+1's columns (local-index-major) and reduce-scatters them inside the host."""
+        H = self.topo.num_hosts
+        pick = slice(None) if self.perm_is_identity else self.perm
+
+        def intra(lo: int, hi: int) -> np.ndarray:
+            mid = np.empty(H * (hi - lo), dtype=o.dtype)
+            src = np.ascontiguousarray(rows[pick, lo:hi])
+            self._phase(self.intra, "reduce_scatter", _C.reduce_scatter, mid,
+                        src.reshape(-1), code, sop, _left(dl))
+            return mid
+
+        mids = [intra(*cuts[0])]
+        for s, (lo, hi) in enumerate(cuts):
+            w = self._async_inter("reduce_scatter", _C.reduce_scatter, o[lo:hi], mids[s], code,
+                                  sop, _left(dl))
+            nxt = cuts[s + 1] if s + 1 < len(cuts) else None
+            self._overlap([w], "reduce_scatter",
+                          lambda: mids.append(intra(*nxt)) if nxt else None)
+        if op == _AVG:
+            _core.scale_kernel(o, code, 1.0 / self.group.size)
+
+    def _pipelined_ag(self, out: np.ndarray, inp: np.ndarray, cuts: List[Tuple[int, int]],
+                      code: int, dl: float) -> None:
+        """all_gather by column slices: slice s+1's inter-host all_gather runs on the inter
+        group's executor while this thread gathers slice s inside the host and writes its
+        columns of every rank's block (in place too: each slice reads only its own
+        columns of ``inp``)."""
+        P, H = self.group.size, self.topo.num_hosts
+        rows = out.reshape(P, -1)
+        dest = slice(None) if self.perm_is_identity else self.perm
+
+        def inter(lo: int, hi: int) -> Tuple[np.ndarray, Any]:
+            mid = np.empty(H * (hi - lo), dtype=out.dtype)
+            return mid, self._async_inter("all_gather", _C.all_gather, mid, inp[lo:hi], code,
+                                          _left(dl))
+
+        def intra(lo: int, hi: int, mid: np.ndarray) -> None:
+            big = np.empty(P * (hi - lo), dtype=out.dtype)
+            self._phase(self.intra, "all_gather", _C.all_gather, big, mid, code, _left(dl))
+            rows[dest, lo:hi] = big.reshape(P, hi - lo)
+
+        mid, w = inter(*cuts[0])
+        self._overlap([w], "all_gather", lambda: None)
+        for s, (lo, hi) in enumerate(cuts):
+            nxt = inter(*cuts[s + 1]) if s + 1 < len(cuts) else None
+            self._overlap([nxt[1]] if nxt else [], "all_gather",
+                          lambda: intra(lo, hi, mid))
+            if nxt:
+                mid = nxt[0]
+
     def all_gather(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int,
                    ms: int) -> None:
         self._subs(ms)
         dl = _deadline(ms)
         P, H = self.group.size, self.topo.num_hosts
         b = inp.size
+        cuts = self._cuts(b, out.itemsize * P)
+        if len(cuts) > 1:
+            self._pipelined_ag(out.reshape(-1), inp.reshape(-1), cuts, code, dl)
+            return
         mid = np.empty(H * b, dtype=out.dtype)
         # 1. inter all_gather: the blocks of the ranks with this local index.
         self._phase(self.inter, "all_gather", _C.all_gather, mid, inp.reshape(-1), code,

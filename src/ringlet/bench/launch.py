@@ -42,8 +42,8 @@ from ..run import own_process_group
 from .peers import INSTALL
 from .sweep import ROW_PREFIX
 
-__all__ = ["SYSTEMS", "JobResult", "LaunchError", "run_system", "missing_reason",
-           "expand_systems"]
+__all__ = ["SYSTEMS", "JobResult", "LaunchError", "run_system", "run_commands",
+           "missing_reason", "expand_systems"]
 
 SYSTEMS = ("ringlet", "ringlet-tcp", "mpi-tcp", "mpi-sm", "gloo")
 _GRACE_S = 15.0  # after one rank fails, how long the others get to notice
@@ -138,13 +138,16 @@ def _job_secret() -> tuple:
 
 class _Proc:
     def __init__(self, label: str, argv: List[str], env: Dict[str, str], capture: bool,
-                 tmp: str) -> None:
+                 tmp: str, start: Optional[Callable[..., subprocess.Popen]] = None) -> None:
         self.label = label
         self.errfile = open(os.path.join(tmp, f"{label.replace(' ', '_')}.log"), "w+b")
-        self.popen = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if capture else self.errfile,
-            stderr=self.errfile, **own_process_group())
+        out = subprocess.PIPE if capture else self.errfile
+        if start is not None:  # the caller's own way to start it (leading its own group)
+            self.popen = start(argv, env, stdin=subprocess.DEVNULL, stdout=out,
+                               stderr=self.errfile)
+        else:
+            self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=self.errfile, **own_process_group())
 
     def tail(self, nbytes: int = 4000) -> str:
         self.errfile.flush()
@@ -250,6 +253,40 @@ def _run_procs(system: str, procs: List[_Proc], timeout: float,
         if body:
             parts.append(f"[{p.label}] " + body.replace("\n", f"\n[{p.label}] "))
     raise LaunchError("\n".join(parts))
+
+
+def run_commands(system: str, commands: Sequence[tuple], *, timeout: float = 900.0,
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None) -> JobResult:
+    """Run one benchmark job made of the given processes; the first one reports.
+
+    For jobs ``run_system`` cannot start, e.g. ranks on the hosts of a
+    ``ringlet.testbed.HostBed`` (bench/bed_bench.py).
+
+    Args:
+        system: the name the job's rows are labelled with.
+        commands: ``(label, argv, env, start)`` per process; ``start(argv, env,
+            **popen_kwargs)`` returns its ``Popen``, which must lead a process
+            group of its own (it is killed with ``killpg``), or None for a local
+            ``subprocess.Popen``.  The first process's stdout carries the records.
+        timeout: seconds for the whole job.
+        on_record: called with every record the first process prints.
+    Returns:
+        The job's rows, skipped ops and library versions.
+    Raises:
+        LaunchError: a process failed or the job timed out.
+        ValueError: no commands.
+    """
+    if not commands:
+        raise ValueError("run_commands needs at least one process")
+    with tempfile.TemporaryDirectory(prefix="ringlet-bench-") as tmp:
+        procs: List[_Proc] = []
+        try:
+            for i, (label, argv, env, start) in enumerate(commands):
+                procs.append(_Proc(label, list(argv), dict(env), i == 0, tmp, start))
+            return _run_procs(system, procs, timeout, on_record)
+        finally:
+            for p in procs:
+                p.kill()
 
 
 def run_system(system: str, nranks: int, sweeps: Sequence[Dict[str, Any]], *,
