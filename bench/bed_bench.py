@@ -46,9 +46,12 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
-if SRC not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, SRC)
+try:
+    import ringlet
+except ImportError:  # run from a checkout without installing (only then: the path would
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))  # outlive an importer)
+    import ringlet
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))  # the ringlet in use
 
 from ringlet import _costmodel as cm  # noqa: E402
 from ringlet.bench import report  # noqa: E402

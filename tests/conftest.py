@@ -31,3 +31,21 @@ def pytest_sessionstart(session):
         except ImportError as exc:
             raise pytest.UsageError(f"CI=true but torch is not installed ({exc}); .ci/run "
                                     f"installs torch==2.13.0+cpu first") from exc
+
+
+def pytest_collection_finish(session):
+    # When the ringlet under test is installed (CI), no test module may put the
+    # checkout's uncompiled src/ on sys.path: spawned ranks inherit the path and
+    # would import that tree instead, without its compiled core.
+    import os
+    import sys
+
+    import ringlet
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    used = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
+    if os.path.realpath(used) != os.path.realpath(src):
+        leaked = [p for p in sys.path if p and os.path.realpath(p) == os.path.realpath(src)]
+        if leaked:
+            raise pytest.UsageError(f"a test module put the checkout's {src} on sys.path while "
+                                    f"the ringlet under test is {used}; import it conditionally")
