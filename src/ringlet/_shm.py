@@ -25,10 +25,9 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import _auth, _core
-from ._topology import host_id
 from .errors import AuthenticationError, RendezvousError
 
 __all__ = ["TRANSPORT_ENV", "transport_mode", "setup"]
@@ -58,30 +57,6 @@ def transport_mode(env: Optional[dict] = None) -> str:
     return raw
 
 
-def _host_ids(world: Any, deadline: float) -> List[str]:
-    """Every world rank's host id (exchanged through the store once per world)."""
-    ids = getattr(world, "_host_ids", None)
-    if ids is not None:
-        return ids
-    known = getattr(world, "host_ids", None)
-    if known and len(known) == world.size:  # init's endpoint exchange carried them
-        world._host_ids = list(known)
-        return world._host_ids
-    mine = host_id()
-    if world.size == 1:
-        ids = [mine]
-    else:
-        p = world.prefix
-        world.store.set(f"{p}host/{world.rank}", mine.encode())
-        ids = []
-        for r in range(world.size):
-            left = max(0.0, deadline - time.monotonic())
-            ids.append(mine if r == world.rank else
-                       world.store.get(f"{p}host/{r}", timeout=left).decode())
-    world._host_ids = ids
-    return ids
-
-
 def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float) -> str:
     """Give ``comm`` (this rank's member comm of the group ``ranks``) a segment
     when the policy says so; every member calls this in the same order.
@@ -100,7 +75,7 @@ def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float) -> str:
     if mode == "tcp" or P == 1:
         return "tcp"
     deadline = time.monotonic() + timeout
-    ids = _host_ids(world, deadline)
+    ids = world.host_ids  # every world rank's, from init's endpoint exchange
     hosts = sorted({ids[r] for r in ranks})
     if len(hosts) > 1:
         if mode == "shm":
