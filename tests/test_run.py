@@ -402,3 +402,9 @@ def test_blame_follows_a_chain_of_aborting_peers_to_the_rank_that_vanished():
            "[rank 0: barrier seq=2 peer 3 (10.0.0.2:2) after 0.001s: the peer closed the "
            "connection (it exited, crashed or aborted)]")
     assert _root_cause(2, 0, False, eof, 4) == 3
+    # over shared memory a peer vanishes as a closed communicator or a process gone
+    for gone in ("the peer closed its communicator (shared memory)",
+                 "the peer's process (pid 77) exited or was killed (shared memory)"):
+        shm = ("rank 0: all_reduce seq=2 peer 1 (127.0.0.1:1) after 0.001s: peer aborted the "
+               f"operation: [rank 1: all_reduce seq=2 peer 2 (127.0.0.1:2) after 0.001s: {gone}]")
+        assert _root_cause(0, 1, False, shm, 4) == 2, gone

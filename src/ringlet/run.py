@@ -203,6 +203,10 @@ def _describe(rc: int) -> str:
 
 _ABORTED = "peer aborted the operation: ["
 _INNER = re.compile(r"rank (\d+): \S+ seq=\d+ peer (\d+) ")
+# The core's wordings of a vanished peer: over TCP a reset or a plain close (EOF); over
+# shared memory a closed communicator or a process gone.
+_VANISHED = ("the peer exited", "the peer closed the connection",
+             "the peer closed its communicator", "the peer's process")
 
 
 def _root_cause(who: int, peer: Any, closed: bool, message: str, nproc: int) -> int:
@@ -226,8 +230,7 @@ def _root_cause(who: int, peer: Any, closed: bool, message: str, nproc: int) -> 
         message = message[inner.start():]
         peer = int(inner[2])
         head = message.split("]", 1)[0]
-        # The core's two wordings of a vanished peer: a reset, or a plain close (EOF).
-        closed = "the peer exited" in head or "the peer closed the connection" in head
+        closed = any(w in head for w in _VANISHED)
     return who
 
 class _Output:
