@@ -143,6 +143,12 @@ int rl_all_to_all(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
     if ((unsigned)dt >= RL_NDTYPES || (count && (!out || !in))) return RL_ERR_INVALID;
     int P = c->size;
     size_t blk = count * rl_dtype_size(dt);
+    if (c->shm && P > 1 && count) {
+        rl_opdesc op;
+        int st = rl_begin_op(c, &op, RL_OP_ALL_TO_ALL, dt, 0, -1, blk, timeout_ms);
+        if (st != RL_OK) return st;
+        return rl_end_op(c, &op, rl_shm_all_to_all(c, &op, out, in, blk));
+    }
     /* Two ranks: one pairwise step either way.  Larger blocks: every block
      * sent once beats fewer, fuller messages. */
     if (P > 2 && count && (int64_t)(blk * (size_t)P) <= rl_tune.allreduce_small_bytes) {

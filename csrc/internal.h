@@ -282,6 +282,9 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in,
                       size_t count, rl_dtype dt);
 int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in,
                           size_t count, rl_dtype dt, rl_redop rop);
+int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,
+                  int root);
+int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk);
 /* Publish c's error in the segment and wake every waiter (rl_comm_abort);
  * wake this rank's waiters only (rl_comm_cancel); unmap (rl_comm_destroy). */
 void rl_shm_abort(rl_comm *c);

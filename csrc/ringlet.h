@@ -152,7 +152,12 @@ int rl_random_bytes(void *buf, size_t n);
     X(shm_small_bytes, 16 << 10, "RINGLET_SHM_SMALL_BYTES",                                         \
       "shared memory: up to this, all_reduce and reduce read every rank's whole slot")              \
     X(shm_spin, 4000, "RINGLET_SHM_SPIN",                                                           \
-      "shared memory: polls of a flag before sleeping on its futex")
+      "shared memory: polls of a flag before sleeping on its futex")                                \
+    X(shm_slots, 64, "RINGLET_SHM_SLOTS",                                                           \
+      "shared memory: small-message slots per rank (a power of two up to 128; below 2: none), so a "          \
+      "broadcast root or reduce leaf runs that many ops ahead")                                     \
+    X(shm_slot_bytes, 4096, "RINGLET_SHM_SLOT_BYTES",                                               \
+      "shared memory: payload of one small-message slot (at most 1 MiB)")
 
 typedef struct {
 #define RL_KNOB_FIELD(name, def, env, doc) int64_t name;

@@ -38,6 +38,8 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
     if (st != RL_OK) return st;
     rl_note_rooted(c, &op);
     int gather = opcode == RL_OP_GATHER;
+    if (c->shm && c->size > 1 && count)
+        return rl_end_op(c, &op, rl_shm_rooted(c, &op, gather, many, one, blk, root));
     rl_idle_copy cp = {NULL, NULL, 0, 0};
     if (c->rank == root) {
         char *mine = (char *)many + (size_t)root * blk;

@@ -52,12 +52,14 @@
 #include "internal.h"
 
 #define SHM_MAGIC 0x4d48534cu /* "LSHM" */
-#define SHM_VERSION 1u
+#define SHM_VERSION 2u
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
 #define SHM_SPIN_HOT 512
 #define SHM_YIELD_LOST_NS 50000
+#define SHM_SLOT_HDR ((size_t)64) /* a slot's descriptor, then its payload */
+#define SHM_LOG 256u /* op log entries per rank: more than a writer can run ahead */
 
 typedef struct {
     uint32_t magic, version;
@@ -68,8 +70,11 @@ typedef struct {
     uint64_t stride;     /* bytes from one buffer to the next           */
     uint64_t small;      /* all_reduce up to this reads every whole slot */
     uint64_t data_off;   /* offset of rank 0's first buffer              */
+    uint64_t slot_off;   /* offset of rank 0's first slot (small lane)    */
+    uint64_t log_off;    /* offset of rank 0's op log                     */
+    uint64_t slot_bytes; /* payload of one slot; 0: no small lane         */
+    uint32_t slots;      /* slots per rank, a power of two                */
     uint32_t attached;   /* ranks that mapped the segment                */
-    uint32_t pad_;
     /* The one futex word: every event a sleeper may wait for (a flag that a
      * publisher moved while someone slept, an abort, a close, an attach)
      * bumps it, so no wake-up is lost between a check and the sleep. */
@@ -93,7 +98,9 @@ typedef struct {
      * that disagree on a root may all return from that op (the roots only
      * write); the next op's reader compares records and names both roots. */
     uint64_t rooted;
-    uint32_t pad1[8];
+    uint32_t s_in;   /* small lane: last step published                     */
+    uint32_t s_ack;  /* small lane: last step finished reading              */
+    uint32_t pad1[6];
     /* line 1: spare, keeps the descriptors off the flags' line */
     uint32_t pad2[16];
     /* lines 2-3 */
@@ -101,6 +108,18 @@ typedef struct {
     char pad3[32];
 } shm_ctrl;
 
+/* One entry of a rank's op log: the ops it entered lately, at seq % SHM_LOG
+ * (a seqlock: odd `ver` while it is rewritten).  Read only before a sleep:
+ * ranks in different lanes never meet at a flag, and a writer may have run
+ * ops ahead, so a desync between them is found here. */
+typedef struct {
+    uint32_t ver;
+    uint32_t pad;
+    rl_hdr op;
+    char pad2[8];
+} shm_logent;
+
+_Static_assert(sizeof(shm_logent) == 64, "shm op log entry must be 64 bytes");
 _Static_assert(sizeof(shm_header) <= SHM_PAGE, "shm header must fit a page");
 _Static_assert(sizeof(shm_ctrl) == 256, "shm control block must be 256 bytes");
 
@@ -112,20 +131,46 @@ struct rl_shm {
     shm_ctrl *ctrl;
     char *data;
     size_t chunk, result, stride, small;
-    uint32_t step;
+    char *slot_base;
+    shm_logent *log;
+    size_t slot_bytes, slot_stride;
+    uint32_t slots;
+    uint32_t step[2]; /* per lane */
     int *pidfds; /* comm rank -> pidfd, -1: none (self, same process) */
     int npidfds;
 };
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-/* The layout every rank derives from (nranks, chunk). */
-static void layout(int P, size_t chunk, size_t *result, size_t *stride, size_t *data_off,
-                   size_t *total) {
-    *result = round_up(chunk / (size_t)P + 64, 64);
-    *stride = round_up(chunk + *result, SHM_PAGE);
-    *data_off = SHM_PAGE + round_up(sizeof(shm_ctrl) * (size_t)P, SHM_PAGE);
-    *total = *data_off + *stride * 2 * (size_t)P;
+/* The layout every rank derives from (nranks, chunk, slots, slot_bytes). */
+typedef struct {
+    size_t result, stride, data_off, slot_stride, slot_off, log_off, total;
+} shm_layout;
+static void layout(int P, size_t chunk, size_t slots, size_t slot_bytes, shm_layout *l) {
+    l->result = round_up(chunk / (size_t)P + 64, 64);
+    l->stride = round_up(chunk + l->result, SHM_PAGE);
+    l->data_off = SHM_PAGE + round_up(sizeof(shm_ctrl) * (size_t)P, SHM_PAGE);
+    l->slot_stride = SHM_SLOT_HDR + round_up(slot_bytes, 64);
+    l->slot_off = l->data_off + l->stride * 2 * (size_t)P;
+    l->log_off = l->slot_off + round_up(l->slot_stride * slots * (size_t)P, SHM_PAGE);
+    l->total = l->log_off + round_up(sizeof(shm_logent) * SHM_LOG * (size_t)P, SHM_PAGE);
+}
+
+/* Slots per rank: the knob rounded down to a power of two (steps index them
+ * modulo 2^32); 0 when there is no small lane. */
+static size_t knob_slots(void) {
+    int64_t v = rl_tune.shm_slots;
+    if (v < 2 || rl_tune.shm_slot_bytes < 1) return 0;
+    if (v > (int64_t)SHM_LOG / 2) v = SHM_LOG / 2; /* the op log outlasts any run-ahead */
+    size_t n = 1;
+    while (n * 2 <= (size_t)v) n *= 2;
+    return n;
+}
+
+static size_t knob_slot_bytes(void) {
+    int64_t v = rl_tune.shm_slot_bytes;
+    if (v > 1 << 20) v = 1 << 20;
+    return knob_slots() ? round_up((size_t)v, 64) : 0;
 }
 
 static size_t knob_chunk(void) {
@@ -136,10 +181,10 @@ static size_t knob_chunk(void) {
 }
 
 size_t rl_shm_segment_bytes(int nranks) {
-    size_t r, s, d, t;
+    shm_layout l;
     if (nranks < 1 || nranks > SHM_MAX_RANKS) return 0;
-    layout(nranks, knob_chunk(), &r, &s, &d, &t);
-    return t;
+    layout(nranks, knob_chunk(), knob_slots(), knob_slot_bytes(), &l);
+    return l.total;
 }
 
 int rl_comm_uses_shm(const rl_comm *c) { return c->shm != NULL; }
@@ -220,12 +265,14 @@ static int rooted_check(rl_comm *c, const rl_opdesc *op, int q) {
  * publishes before it closes or exits, so a flag that reached target by the
  * time a peer is seen gone was published in time: re-read it before failing
  * (a peer may well finish its part of the last op and leave). */
+static int op_check(rl_comm *c, const rl_opdesc *op, int q);
 static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target) {
     rl_shm *s = c->shm, *sh = s;
 #define SHM_DONE_ANYWAY() \
     if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK
     for (int q = 0; q < c->size; q++) {
         int st = q == c->rank ? RL_OK : rooted_check(c, op, q);
+        if (st == RL_OK && q != c->rank) st = op_check(c, op, q);
         if (st != RL_OK) return st;
     }
     if (__atomic_load_n(&sh->hdr->abort_set, __ATOMIC_ACQUIRE)) {
@@ -369,36 +416,43 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
     }
     shm_header *h = m;
     int P = c->size;
-    size_t result, stride, data_off, total;
+    shm_layout l;
     if (create) {
-        size_t chunk = knob_chunk();
-        layout(P, chunk, &result, &stride, &data_off, &total);
-        if (total > size) {
+        size_t chunk = knob_chunk(), slots = knob_slots(), slot_bytes = knob_slot_bytes();
+        layout(P, chunk, slots, slot_bytes, &l);
+        if (l.total > size) {
             munmap(m, size);
             return attach_fail(err, RL_ERR_INVALID, "%ssegment of %ld bytes, layout needs %ld", "",
-                               (long)size, (long)total);
+                               (long)size, (long)l.total);
         }
-        memset(m, 0, data_off);
+        memset(m, 0, l.data_off);
+        memset((char *)m + l.log_off, 0, l.total - l.log_off);
         h->version = SHM_VERSION;
         h->nranks = (uint32_t)P;
         h->comm_id = c->id;
         h->size = size;
         h->chunk = chunk;
-        h->result = result;
-        h->stride = stride;
+        h->result = l.result;
+        h->stride = l.stride;
+        h->slots = (uint32_t)slots;
+        h->slot_bytes = slot_bytes;
+        h->slot_off = l.slot_off;
+        h->log_off = l.log_off;
         int64_t small = rl_tune.shm_small_bytes;
         h->small = small < 0 ? 0 : ((size_t)small > chunk ? chunk : (size_t)small);
-        h->data_off = data_off;
+        h->data_off = l.data_off;
         h->abort_rank = -1;
         __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
     } else {
         int ok = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC &&
                  h->version == SHM_VERSION && h->nranks == (uint32_t)P &&
-                 h->comm_id == c->id && h->size == size && h->chunk >= 4096;
+                 h->comm_id == c->id && h->size == size && h->chunk >= 4096 &&
+                 h->slots <= SHM_LOG / 2 && (h->slots & (h->slots - 1)) == 0 &&
+                 h->slot_bytes <= (1u << 20) && (h->slots == 0) == (h->slot_bytes == 0);
         if (ok) {
-            layout(P, (size_t)h->chunk, &result, &stride, &data_off, &total);
-            ok = result == h->result && stride == h->stride && data_off == h->data_off &&
-                 total <= size && h->small <= h->chunk;
+            layout(P, (size_t)h->chunk, h->slots, (size_t)h->slot_bytes, &l);
+            ok = l.result == h->result && l.stride == h->stride && l.data_off == h->data_off &&
+                 l.slot_off == h->slot_off && l.log_off == h->log_off && l.total <= size && h->small <= h->chunk;
         }
         if (!ok) {
             long got_p = (long)h->nranks, got_id = (long)h->comm_id;
@@ -426,6 +480,11 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
     s->result = h->result;
     s->stride = h->stride;
     s->small = h->small;
+    s->slots = h->slots;
+    s->slot_bytes = h->slot_bytes;
+    s->slot_stride = SHM_SLOT_HDR + round_up(s->slot_bytes, 64);
+    s->slot_base = (char *)m + h->slot_off;
+    s->log = (shm_logent *)((char *)m + h->log_off);
     s->pidfds = pidfds;
     s->ctrl[c->rank].pid = (int32_t)getpid();
     c->shm = s;
@@ -502,74 +561,127 @@ void rl_shm_detach(rl_comm *c) {
 }
 
 /* ---- steps ------------------------------------------------------------- */
-static inline char *in_area(rl_shm *s, int q, uint32_t step) {
+/* Two lanes of steps, each numbered alike on every rank.  The big lane has
+ * two buffers per rank (step s uses buffer s & 1) and carries chunked
+ * messages; the small lane has `slots` slots per rank and carries every op
+ * whose bytes fit a slot, so a rank that only writes (a broadcast root, a
+ * reduce leaf) runs up to `slots` ops ahead of its readers. */
+enum { BIG = 0, SMALL = 1 };
+
+static inline uint32_t *lane_in(rl_shm *s, int q, int lane) {
+    return lane == SMALL ? &s->ctrl[q].s_in : &s->ctrl[q].in;
+}
+static inline uint32_t *lane_ack(rl_shm *s, int q, int lane) {
+    return lane == SMALL ? &s->ctrl[q].s_ack : &s->ctrl[q].ack;
+}
+static inline char *slot_at(rl_shm *s, int q, uint32_t step) {
+    return s->slot_base + ((size_t)q * s->slots + (step & (s->slots - 1))) * s->slot_stride;
+}
+static inline char *in_area(rl_shm *s, int q, int lane, uint32_t step) {
+    if (lane == SMALL) return slot_at(s, q, step) + SHM_SLOT_HDR;
     return s->data + ((size_t)q * 2 + (step & 1)) * s->stride;
 }
+static inline rl_hdr *in_desc(rl_shm *s, int q, int lane, uint32_t step) {
+    return lane == SMALL ? (rl_hdr *)slot_at(s, q, step) : &s->ctrl[q].desc[step & 1];
+}
 static inline char *res_area(rl_shm *s, int q, uint32_t step) {
-    return in_area(s, q, step) + s->chunk;
+    return in_area(s, q, BIG, step) + s->chunk;
+}
+/* The small lane when `bytes` (what one rank publishes) fit a slot. */
+static inline int lane_for(const rl_shm *s, size_t bytes) {
+    return s->slots && bytes <= s->slot_bytes ? SMALL : BIG;
 }
 
-/* Next step; a rank about to write its buffer (or descriptor) first waits
- * until every rank has finished reading the step that used it last. */
-static int step_begin(rl_comm *c, const rl_opdesc *op, int writes, uint32_t *out) {
+static inline shm_logent *log_at(rl_shm *s, int q, uint64_t seq) {
+    return &s->log[(size_t)q * SHM_LOG + (seq % SHM_LOG)];
+}
+
+/* Log the op this rank enters. */
+static void note_op(rl_comm *c, const rl_opdesc *op) {
+    shm_logent *e = log_at(c->shm, c->rank, op->seq);
+    uint32_t v = e->ver;
+    __atomic_store_n(&e->ver, v + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    rl_fill_header(&e->op, c, op, 0, 0);
+    __atomic_store_n(&e->ver, v + 2, __ATOMIC_RELEASE);
+}
+
+/* A peer that entered this same op (seq) with another opcode, dtype, size or
+ * root: a desync, named with both sides.  Other ops are skipped. */
+static int op_check(rl_comm *c, const rl_opdesc *op, int q) {
+    shm_logent *e = log_at(c->shm, q, op->seq);
+    uint32_t v = __atomic_load_n(&e->ver, __ATOMIC_ACQUIRE);
+    if (v & 1) return RL_OK;
+    rl_hdr got, want;
+    memcpy(&got, (const void *)&e->op, sizeof got);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&e->ver, __ATOMIC_RELAXED) != v) return RL_OK;
+    if (got.magic != RL_MAGIC || got.seq != op->seq || op->opcode == 0) return RL_OK;
+    rl_fill_header(&want, c, op, 0, 0);
+    if (memcmp(&got, &want, sizeof got) == 0) return RL_OK;
+    return rl_check_header(c, op, q, &got, &want);
+}
+
+/* Next step of a lane; a rank about to write its buffer (or descriptor)
+ * first waits until every rank has finished reading the step that used it
+ * last. */
+static int step_begin(rl_comm *c, const rl_opdesc *op, int lane, int writes, uint32_t *out) {
     rl_shm *s = c->shm;
-    uint32_t step = ++s->step;
+    uint32_t step = ++s->step[lane], depth = lane == SMALL ? s->slots : 2;
     *out = step;
     if (!writes) return RL_OK;
     for (int q = 0; q < c->size; q++) {
-        int st = wait_flag(c, op, &s->ctrl[q].ack, step - 2, q);
+        int st = wait_flag(c, op, lane_ack(s, q, lane), step - depth, q);
         if (st != RL_OK) return st;
     }
     return RL_OK;
 }
 
-static void publish_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t part,
+static void publish_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step, uint32_t part,
                        uint64_t nbytes) {
     rl_shm *s = c->shm;
-    shm_ctrl *me = &s->ctrl[c->rank];
-    rl_fill_header(&me->desc[step & 1], c, op, part, nbytes);
-    publish(s, &me->in, step);
+    rl_fill_header(in_desc(s, c->rank, lane, step), c, op, part, nbytes);
+    publish(s, lane_in(s, c->rank, lane), step);
 }
 
 /* Wait for q's input of this step and compare its descriptor with ours. */
-static int wait_in(rl_comm *c, const rl_opdesc *op, int q, uint32_t step, uint32_t part,
-                   uint64_t nbytes) {
+static int wait_in(rl_comm *c, const rl_opdesc *op, int lane, int q, uint32_t step,
+                   uint32_t part, uint64_t nbytes) {
     rl_shm *s = c->shm;
     int st = rooted_check(c, op, q);
-    if (st == RL_OK) st = wait_flag(c, op, &s->ctrl[q].in, step, q);
+    if (st == RL_OK) st = wait_flag(c, op, lane_in(s, q, lane), step, q);
     if (st != RL_OK) return st;
     rl_hdr got, want;
-    memcpy(&got, &s->ctrl[q].desc[step & 1], sizeof got);
+    memcpy(&got, in_desc(s, q, lane, step), sizeof got);
     rl_fill_header(&want, c, op, part, nbytes);
     if (memcmp(&got, &want, sizeof got) != 0) return rl_check_header(c, op, q, &got, &want);
     return rooted_check(c, op, q); /* the peer may have recorded it while we waited */
 }
 
-static int wait_all_in(rl_comm *c, const rl_opdesc *op, uint32_t step, uint32_t part,
+static int wait_all_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step, uint32_t part,
                        uint64_t nbytes) {
     for (int q = 0; q < c->size; q++) {
         if (q == c->rank) continue;
-        int st = wait_in(c, op, q, step, part, nbytes);
+        int st = wait_in(c, op, lane, q, step, part, nbytes);
         if (st != RL_OK) return st;
     }
     return RL_OK;
 }
 
-static void step_ack(rl_comm *c, uint32_t step) {
-    shm_ctrl *me = &c->shm->ctrl[c->rank];
-    publish(c->shm, &me->ack, step);
+static void step_ack(rl_comm *c, int lane, uint32_t step) {
+    publish(c->shm, lane_ack(c->shm, c->rank, lane), step);
 }
 
 /* dst = slot(0) op slot(1) op ... op slot(P-1), element range [off, off+n),
  * in rank order, so every rank that computes it gets the same bits. */
-static void reduce_slots(rl_comm *c, uint32_t step, size_t off_bytes, char *dst, size_t n,
-                         rl_dtype dt, rl_redop rop) {
+static void reduce_slots(rl_comm *c, int lane, uint32_t step, size_t off_bytes, char *dst,
+                         size_t n, rl_dtype dt, rl_redop rop) {
     rl_shm *s = c->shm;
     if (n == 0) return;
-    rl_reduce_kernel(dst, in_area(s, 0, step) + off_bytes, in_area(s, 1, step) + off_bytes, n,
-                     dt, rop);
+    rl_reduce_kernel(dst, in_area(s, 0, lane, step) + off_bytes,
+                     in_area(s, 1, lane, step) + off_bytes, n, dt, rop);
     for (int q = 2; q < c->size; q++)
-        rl_reduce_kernel(dst, dst, in_area(s, q, step) + off_bytes, n, dt, rop);
+        rl_reduce_kernel(dst, dst, in_area(s, q, lane, step) + off_bytes, n, dt, rop);
     if (rop == RL_AVG) rl_scale_kernel(dst, n, dt, 1.0 / c->size);
 }
 
@@ -579,7 +691,8 @@ static void reduce_slots(rl_comm *c, uint32_t step, size_t off_bytes, char *dst,
  *
  * Small (bytes <= small): one step.  Every rank copies buf into its input
  * area and publishes; then each rank that wants the result reduces all P
- * areas in rank order into buf.  Reads P*N bytes, writes 2N.
+ * areas in rank order into buf.  Reads P*N bytes, writes 2N.  A reduce's
+ * leaves leave at once; in the small lane they run ahead of the root.
  *
  * Chunked: per step, a chunk of up to `chunk` bytes.  Every rank copies its
  * chunk in and publishes; rank r reduces block r of the chunk (P near-equal
@@ -595,14 +708,18 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
     size_t esz = rl_dtype_size(dt), bytes = count * esz;
     uint32_t step;
     int st;
-    if (bytes <= s->small) {
-        op->algo = "shm_flat";
-        if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
-        memcpy(in_area(s, r, step), buf, bytes);
-        publish_in(c, op, step, 0, bytes);
-        if ((st = wait_all_in(c, op, step, 0, bytes)) != RL_OK) return st;
-        if (want) reduce_slots(c, step, 0, buf, count, dt, rop);
-        step_ack(c, step);
+    note_op(c, op);
+    if (bytes <= s->small || lane_for(s, bytes) == SMALL) {
+        int lane = lane_for(s, bytes);
+        op->algo = lane == SMALL ? "shm_slot" : "shm_flat";
+        if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
+        memcpy(in_area(s, r, lane, step), buf, bytes);
+        publish_in(c, op, lane, step, 0, bytes);
+        if (want) {
+            if ((st = wait_all_in(c, op, lane, step, 0, bytes)) != RL_OK) return st;
+            reduce_slots(c, lane, step, 0, buf, count, dt, rop);
+        }
+        step_ack(c, lane, step);
         return RL_OK;
     }
     op->algo = "shm_chunked";
@@ -610,12 +727,12 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
     for (size_t k = 0, part = 0; k < count; k += ce, part++) {
         size_t n = count - k < ce ? count - k : ce;
         char *base = (char *)buf + k * esz;
-        if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
-        memcpy(in_area(s, r, step), base, n * esz);
-        publish_in(c, op, step, (uint32_t)part, n * esz);
-        if ((st = wait_all_in(c, op, step, (uint32_t)part, n * esz)) != RL_OK) return st;
+        if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
+        memcpy(in_area(s, r, BIG, step), base, n * esz);
+        publish_in(c, op, BIG, step, (uint32_t)part, n * esz);
+        if ((st = wait_all_in(c, op, BIG, step, (uint32_t)part, n * esz)) != RL_OK) return st;
         size_t bs = rl_block_start(n, P, r), bn = rl_block_count(n, P, r);
-        reduce_slots(c, step, bs * esz, res_area(s, r, step), bn, dt, rop);
+        reduce_slots(c, BIG, step, bs * esz, res_area(s, r, step), bn, dt, rop);
         shm_ctrl *me = &s->ctrl[r];
         publish(s, &me->out, step);
         if (want) {
@@ -627,7 +744,7 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
                        rl_block_count(n, P, q) * esz);
             }
         }
-        step_ack(c, step);
+        step_ack(c, BIG, step);
     }
     return RL_OK;
 }
@@ -635,37 +752,43 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
 /* ---- broadcast ------------------------------------------------------------
  * Per step the root copies a chunk into its input area and publishes; every
  * other rank checks the root's descriptor and copies the chunk out, all at
- * once.  The root writes N, each other rank reads N. */
+ * once.  The root writes N, each other rank reads N.  A message that fits a
+ * slot goes in the small lane: the root runs ahead of its readers. */
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
     rl_shm *s = c->shm;
-    int r = c->rank;
+    int r = c->rank, lane = lane_for(s, len);
+    size_t piece = lane == SMALL ? s->slot_bytes : s->chunk;
     uint32_t step;
     int st;
-    op->algo = "shm_copy";
-    for (size_t k = 0, part = 0; k < len; k += s->chunk, part++) {
-        size_t n = len - k < s->chunk ? len - k : s->chunk;
-        if ((st = step_begin(c, op, r == root, &step)) != RL_OK) return st;
+    note_op(c, op);
+    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
+    for (size_t k = 0, part = 0; k < len; k += piece, part++) {
+        size_t n = len - k < piece ? len - k : piece;
+        if ((st = step_begin(c, op, lane, r == root, &step)) != RL_OK) return st;
         if (r == root) {
-            memcpy(in_area(s, r, step), (char *)buf + k, n);
-            publish_in(c, op, step, (uint32_t)part, n);
+            memcpy(in_area(s, r, lane, step), (char *)buf + k, n);
+            publish_in(c, op, lane, step, (uint32_t)part, n);
         } else {
-            if ((st = wait_in(c, op, root, step, (uint32_t)part, n)) != RL_OK) return st;
-            memcpy((char *)buf + k, in_area(s, root, step), n);
+            if ((st = wait_in(c, op, lane, root, step, (uint32_t)part, n)) != RL_OK) return st;
+            memcpy((char *)buf + k, in_area(s, root, lane, step), n);
         }
-        step_ack(c, step);
+        step_ack(c, lane, step);
     }
     return RL_OK;
 }
 
 /* ---- barrier: every rank publishes a descriptor and waits for all. ---- */
 int rl_shm_barrier(rl_comm *c, rl_opdesc *op) {
+    rl_shm *s = c->shm;
+    int lane = lane_for(s, 0);
     uint32_t step;
     int st;
+    note_op(c, op);
     op->algo = "shm_flags";
-    if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
-    publish_in(c, op, step, 0, 0);
-    if ((st = wait_all_in(c, op, step, 0, 0)) != RL_OK) return st;
-    step_ack(c, step);
+    if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
+    publish_in(c, op, lane, step, 0, 0);
+    if ((st = wait_all_in(c, op, lane, step, 0, 0)) != RL_OK) return st;
+    step_ack(c, lane, step);
     return RL_OK;
 }
 
@@ -675,12 +798,14 @@ int rl_shm_barrier(rl_comm *c, rl_opdesc *op) {
 int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t count,
                       rl_dtype dt) {
     rl_shm *s = c->shm;
-    int P = c->size, r = c->rank;
-    size_t esz = rl_dtype_size(dt), blk = count * esz, ce = s->chunk / esz;
+    int P = c->size, r = c->rank, lane = lane_for(s, count * rl_dtype_size(dt));
+    size_t esz = rl_dtype_size(dt), blk = count * esz;
+    size_t ce = (lane == SMALL ? s->slot_bytes : s->chunk) / esz;
     char *mine = (char *)out + (size_t)r * blk;
     uint32_t step;
     int st;
-    op->algo = "shm_copy";
+    note_op(c, op);
+    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     /* An input inside the output anywhere but our own block would be
      * overwritten by earlier pieces: move it there first. */
     if ((const char *)in != mine && rl_overlap(in, blk, out, blk * (size_t)P)) {
@@ -689,17 +814,17 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     }
     for (size_t k = 0, part = 0; k < count; k += ce, part++) {
         size_t n = count - k < ce ? count - k : ce;
-        if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
-        memcpy(in_area(s, r, step), (const char *)in + k * esz, n * esz);
-        publish_in(c, op, step, (uint32_t)part, n * esz);
+        if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
+        memcpy(in_area(s, r, lane, step), (const char *)in + k * esz, n * esz);
+        publish_in(c, op, lane, step, (uint32_t)part, n * esz);
         for (int i = 0; i < P; i++) {
             int q = (r + i) % P;
-            if (q != r && (st = wait_in(c, op, q, step, (uint32_t)part, n * esz)) != RL_OK)
+            if (q != r && (st = wait_in(c, op, lane, q, step, (uint32_t)part, n * esz)) != RL_OK)
                 return st;
             if (q == r && (const char *)in == mine) continue; /* already in place */
-            memcpy((char *)out + (size_t)q * blk + k * esz, in_area(s, q, step), n * esz);
+            memcpy((char *)out + (size_t)q * blk + k * esz, in_area(s, q, lane, step), n * esz);
         }
-        step_ack(c, step);
+        step_ack(c, lane, step);
     }
     return RL_OK;
 }
@@ -713,10 +838,13 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
                           rl_dtype dt, rl_redop rop) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
-    size_t esz = rl_dtype_size(dt), ce = s->chunk / (size_t)P / esz;
+    size_t esz = rl_dtype_size(dt);
+    int lane = lane_for(s, count * esz * (size_t)P);
+    size_t ce = (lane == SMALL ? s->slot_bytes : s->chunk) / (size_t)P / esz;
     uint32_t step;
     int st;
-    op->algo = "shm_flat";
+    note_op(c, op);
+    op->algo = lane == SMALL ? "shm_slot" : "shm_flat";
     /* Results land in out piece by piece while later pieces of in are still
      * to be read: an out overlapping in anywhere but our own block (where
      * each piece is read before it is written) is staged in scratch. */
@@ -727,16 +855,103 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
     }
     for (size_t k = 0, part = 0; k < count; k += ce, part++) {
         size_t n = count - k < ce ? count - k : ce;
-        if ((st = step_begin(c, op, 1, &step)) != RL_OK) return st;
-        char *mine = in_area(s, r, step);
+        if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
+        char *mine = in_area(s, r, lane, step);
         for (int q = 0; q < P; q++)
             memcpy(mine + (size_t)q * n * esz, (const char *)in + ((size_t)q * count + k) * esz,
                    n * esz);
-        publish_in(c, op, step, (uint32_t)part, n * esz);
-        if ((st = wait_all_in(c, op, step, (uint32_t)part, n * esz)) != RL_OK) return st;
-        reduce_slots(c, step, (size_t)r * n * esz, dst + k * esz, n, dt, rop);
-        step_ack(c, step);
+        publish_in(c, op, lane, step, (uint32_t)part, n * esz);
+        if ((st = wait_all_in(c, op, lane, step, (uint32_t)part, n * esz)) != RL_OK) return st;
+        reduce_slots(c, lane, step, (size_t)r * n * esz, dst + k * esz, n, dt, rop);
+        step_ack(c, lane, step);
     }
     if (dst != (char *)out) memmove(out, dst, count * esz);
+    return RL_OK;
+}
+
+/* ---- gather and scatter ------------------------------------------------------
+ * gather: per step every leaf copies a piece of its block in and publishes;
+ * the root copies that piece of every block out.  Leaves leave without
+ * waiting (in the small lane they run ahead).  scatter: per step the root
+ * copies the same piece of every block in (P pieces of up to chunk/P
+ * bytes) and publishes; each leaf copies its piece out.  The root's own
+ * block moves by memmove: first for gather (`one` is then free), last for
+ * scatter (after every piece of `many` was read). */
+int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,
+                  int root) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    int lane = lane_for(s, gather ? blk : blk * (size_t)P);
+    size_t area = lane == SMALL ? s->slot_bytes : s->chunk;
+    size_t piece = gather ? area : area / (size_t)P;
+    char *mine = (char *)many + (size_t)root * blk;
+    uint32_t step;
+    int st;
+    note_op(c, op);
+    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
+    if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
+    int writes = gather ? r != root : r == root;
+    for (size_t k = 0, part = 0; k < blk; k += piece, part++) {
+        size_t n = blk - k < piece ? blk - k : piece;
+        if ((st = step_begin(c, op, lane, writes, &step)) != RL_OK) return st;
+        if (gather && r != root) {
+            memcpy(in_area(s, r, lane, step), (char *)one + k, n);
+            publish_in(c, op, lane, step, (uint32_t)part, n);
+        } else if (gather) {
+            for (int i = 1; i < P; i++) {
+                int q = (r + i) % P;
+                if ((st = wait_in(c, op, lane, q, step, (uint32_t)part, n)) != RL_OK) return st;
+                memcpy((char *)many + (size_t)q * blk + k, in_area(s, q, lane, step), n);
+            }
+        } else if (r == root) {
+            char *dst = in_area(s, r, lane, step);
+            for (int q = 0; q < P; q++)
+                if (q != root) memcpy(dst + (size_t)q * n, (char *)many + (size_t)q * blk + k, n);
+            publish_in(c, op, lane, step, (uint32_t)part, n);
+        } else {
+            if ((st = wait_in(c, op, lane, root, step, (uint32_t)part, n)) != RL_OK) return st;
+            memcpy((char *)one + k, in_area(s, root, lane, step) + (size_t)r * n, n);
+        }
+        step_ack(c, lane, step);
+    }
+    if (r == root && !gather && mine != (char *)one) memmove(one, mine, blk);
+    return RL_OK;
+}
+
+/* ---- all_to_all (equal blocks) -------------------------------------------------
+ * Per step every rank copies the same piece of each of its P blocks in (as
+ * reduce_scatter does) and publishes; rank r copies piece r of every rank's
+ * area into block q of out.  An out that overlaps in is staged in scratch:
+ * later pieces of in are read after earlier pieces of out were written. */
+int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    int lane = lane_for(s, blk * (size_t)P);
+    size_t piece = (lane == SMALL ? s->slot_bytes : s->chunk) / (size_t)P;
+    uint32_t step;
+    int st;
+    note_op(c, op);
+    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
+    char *dst = out;
+    size_t span = blk * (size_t)P;
+    if (rl_overlap(out, span, in, span) && blk > piece) {
+        if ((st = rl_scratch(c, op, span, out, &dst)) != RL_OK) return st;
+    }
+    for (size_t k = 0, part = 0; k < blk; k += piece, part++) {
+        size_t n = blk - k < piece ? blk - k : piece;
+        if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
+        char *area = in_area(s, r, lane, step);
+        for (int q = 0; q < P; q++)
+            memcpy(area + (size_t)q * n, (const char *)in + (size_t)q * blk + k, n);
+        publish_in(c, op, lane, step, (uint32_t)part, n);
+        for (int i = 0; i < P; i++) {
+            int q = (r + i) % P;
+            if (q != r && (st = wait_in(c, op, lane, q, step, (uint32_t)part, n)) != RL_OK)
+                return st;
+            memcpy(dst + (size_t)q * blk + k, in_area(s, q, lane, step) + (size_t)r * n, n);
+        }
+        step_ack(c, lane, step);
+    }
+    if (dst != (char *)out) memcpy(out, dst, span);
     return RL_OK;
 }

@@ -30,7 +30,9 @@ from ringlet.testing import WorldError, run_world
 from _launchers import clean_env
 from _oracle import BF16, DTYPES, close, data, is_float, ops_for, reduce_np, same
 
-SHM_TUNING = dict(shm_chunk_bytes=4096, shm_small_bytes=1024)
+# Both lanes at small sizes: slots up to 512 B, one-step big-lane buffers up
+# to 1 KiB, chunked steps of 4 KiB beyond.
+SHM_TUNING = dict(shm_chunk_bytes=4096, shm_small_bytes=1024, shm_slots=8, shm_slot_bytes=512)
 
 
 @pytest.fixture
@@ -43,8 +45,9 @@ def small_chunks(monkeypatch):
 
 
 def _counts(P):
-    # 0, 1, P-1, P+1, and 3001 (not divisible; 3 to 6 chunks of 4 KiB by dtype)
-    return sorted({0, 1, max(P - 1, 0), P + 1, 3001})
+    # 0, 1, P-1, P+1 (slots), 100 (slots or one-step buffers by dtype), and 3001
+    # (not divisible; 3 to 6 chunks of 4 KiB by dtype)
+    return sorted({0, 1, max(P - 1, 0), P + 1, 100, 3001})
 
 
 def _matrix(rank, P):
@@ -92,6 +95,23 @@ def _matrix(rank, P):
             out[rank * n:(rank + 1) * n] = ins[rank]
             ringlet.all_gather(out, out[rank * n:(rank + 1) * n])
             moved(f"all_gather in place {dt} n={n}", out, np.concatenate(ins))
+            out = np.full(n * P, 99, dt) if rank == root else None
+            ringlet.gather(out, ins[rank], dst=root)
+            if rank == root:
+                moved(f"gather {dt} n={n}", out, np.concatenate(ins))
+            many = [data(r, n * P, dt, salt=3) for r in range(P)]
+            one = np.zeros(n, dt)
+            ringlet.scatter(one, many[rank] if rank == root else None, src=root)
+            moved(f"scatter {dt} n={n}", one, many[root][rank * n:(rank + 1) * n])
+            # in place: the root's output is its own block of the input
+            buf = many[rank].copy()
+            mine = buf[rank * n:(rank + 1) * n] if rank == root else np.zeros(n, dt)
+            ringlet.scatter(mine, buf if rank == root else None, src=root)
+            moved(f"scatter in place {dt} n={n}", mine, many[root][rank * n:(rank + 1) * n])
+            out = np.zeros(n * P, dt)
+            ringlet.all_to_all(out, many[rank])
+            moved(f"all_to_all {dt} n={n}", out,
+                  np.concatenate([many[q][rank * n:(rank + 1) * n] for q in range(P)]))
         if is_float(dt):
             # Non-integer inputs: results depend on the order of reduction, so
             # equal digests across ranks show every rank reduced alike.
@@ -205,6 +225,80 @@ def test_desync_over_shm_names_both_sides():
         assert "total=40 bytes" in msg and "total=48 bytes" in msg, msg
 
 
+def _desync_across_lanes(rank, P):
+    # Rank 0's 8 bytes fit a slot, rank 1's 64 KiB do not: they wait in
+    # different lanes and never meet at a flag; the op record still meets.
+    # The root only writes and may return; its next op reads the reader's abort.
+    n = 1 if rank == 0 else 8192
+    try:
+        ringlet.broadcast(np.ones(n, np.float64), src=0, timeout=30)
+        ringlet.barrier(timeout=30)
+    except DesyncError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_desync_across_lanes_names_both_sides():
+    res = run_world(_desync_across_lanes, 2, mode="thread", timeout=60)
+    for msg in res:
+        assert "this rank expects broadcast(seq=1" in msg, msg
+        assert "total=8 bytes" in msg and "total=65536 bytes" in msg, msg
+
+
+def _run_ahead(rank, P, gate):
+    # The broadcast root and the reduce leaves only write: with slots they
+    # finish `slots` ops before any reader has started one.
+    x = np.zeros(4, np.float64)
+    if rank == 0:
+        for i in range(8):
+            x[:] = i
+            ringlet.broadcast(x, src=0, timeout=60)
+        gate.set()  # no reader called broadcast before this
+        return "root ran ahead"
+    assert gate.wait(60)
+    got = []
+    for i in range(8):
+        ringlet.broadcast(x, src=0, timeout=60)
+        got.append(float(x[0]))
+    return got
+
+
+def _leaves_run_ahead(rank, P, done):
+    x = np.full(3, rank + 1.0)
+    if rank != 0:
+        for i in range(8):
+            ringlet.reduce(x * (i + 1), dst=0, timeout=60)
+        done.release()
+        return "leaf ran ahead"
+    # Both leaves finish all eight before the root starts the first.
+    assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    out = []
+    for i in range(8):
+        y = x * (i + 1)
+        ringlet.reduce(y, dst=0, timeout=60)
+        out.append(float(y[0]))
+    return out
+
+
+def test_writers_run_ahead_of_readers_in_the_slots(monkeypatch):
+    import threading
+
+    saved = _core.get_tuning()
+    _core.set_tuning(shm_slots=8)
+    try:
+        res = run_world(_run_ahead, 3, mode="thread", timeout=60, args=(threading.Event(),))
+        assert res[0] == "root ran ahead"
+        assert res[1] == res[2] == [float(i) for i in range(8)], res
+        res = run_world(_leaves_run_ahead, 3, mode="thread", timeout=60,
+                        args=(threading.Semaphore(0),))
+        assert res[1] == res[2] == "leaf ran ahead"
+        assert res[0] == [6.0 * (i + 1) for i in range(8)], res
+    finally:
+        _core.set_tuning(**saved)
+
+
 def _kill_mid_op(rank, P):
     assert _world._current().group.transport == "shm"
     x = np.ones(1 << 16, np.float32)
@@ -312,7 +406,7 @@ def _bad_claims(rank, P, before):
         # Holds the secret but claims a rank it is not: refused, no descriptor.
         name, deadline = None, time.monotonic() + 30
         while name is None and time.monotonic() < deadline:
-            for cand in _abstract_sockets() - before:
+            for cand in _abstract_sockets([os.getpid()]) - before:  # rank 0 is a thread here
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     try:
                         s.connect("\0" + cand)
@@ -469,10 +563,42 @@ def test_sigkill_of_every_rank_leaves_nothing(tmp_path):
     assert not [e for e in set(os.listdir("/dev/shm")) - shm_before if "ringlet" in e]
 
 
-def _abstract_sockets():
+def _tree_pids(root):
+    """root and its descendants (the launcher and its ranks)."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                todo += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return pids
+
+
+def _abstract_sockets(pids=None):
+    """ringlet's hand-over sockets; with pids, only those these processes hold
+    (other jobs on the machine have their own)."""
+    inodes = None
+    if pids is not None:
+        inodes = set()
+        for pid in pids:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
     with open("/proc/net/unix") as f:
         return {line.split()[-1][1:] for line in f.readlines()[1:]
-                if line.split()[-1].startswith("@ringlet-shm-")}
+                if line.split()[-1].startswith("@ringlet-shm-")
+                and (inodes is None or line.split()[6] in inodes)}
 
 
 def test_outsider_with_wrong_secret_gets_no_segment(tmp_path):
@@ -488,7 +614,7 @@ def test_outsider_with_wrong_secret_gets_no_segment(tmp_path):
         # rank 0 serves the sub-group's hand-over until rank 1 (held at the gate) arrives
         name = None
         while time.monotonic() < deadline and name is None:
-            for cand in _abstract_sockets() - before:
+            for cand in _abstract_sockets(_tree_pids(p.pid)) - before:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     try:
                         s.connect("\0" + cand)
