@@ -11,9 +11,9 @@
  * one session: ringlet run sees to that).  With no more ranks than cores
  * init() turns the yield off (rl_tune.spin_yield): two ranks that yield to
  * each other every few microseconds on one core both stay "cache hot", so
- * the scheduler never moves one to the idle core.  While the host has more
- * runnable threads than cores (wait.c) it skips the spin: a spinner there
- * takes the slice its peer needs.  After the spin budget it
+ * the scheduler never moves one to the idle core.  While other processes
+ * want the host's cores (wait.c) it skips the spin: a spinner there takes
+ * the slice its peer needs.  After the spin budget it
  * blocks in poll(2) in slices of at most 100 ms, calling the interrupt hook
  * between slices (so Ctrl-C works) and checking the operation's deadline.
  */

@@ -309,8 +309,8 @@ void rl_log(int level, const rl_comm *c, const char *fmt, ...)
 extern rl_tuning rl_tune;
 
 /* ---- wait policy (wait.c) ---- */
-/* Nonzero while the host has more runnable threads than online CPUs (and the
- * busy_block knob is on): a waiter should block instead of spinning.  Cheap
+/* Nonzero while other processes want the host's CPUs (and the busy_block
+ * knob is on): a waiter should block instead of spinning.  Cheap
  * between samples (two atomic loads); `now_ns` is rl_now_ns(). */
 int rl_host_contended(int64_t now_ns);
 int rl_call_interrupt_hook(void);

@@ -178,8 +178,12 @@ extern const int rl_nknobs;
 
 /* Nonzero while the wait policy sees a busy host (other processes want its
  * CPUs; wait.c), with the busy_block knob on: then waiters block at once.
- * Sampled at most every 20 ms; does not block. */
+ * Measured over 100 ms windows; does not block. */
 int rl_host_busy(void);
+/* The pids of this host's ranks (this process included), whose CPU time the
+ * busy test does not count as load; n = 0 forgets them (the host then
+ * counts as idle). */
+void rl_set_host_pids(const int *pids, int n);
 
 void rl_tuning_defaults(rl_tuning *t);
 void rl_set_tuning(const rl_tuning *t);

@@ -9,46 +9,91 @@
  * job's own ranks are not such load: when they alone outnumber the cores,
  * spinning with sched_yield hands the core from rank to rank (spin_yield).
  *
- * The verdict comes from the kernel's count of runnable threads (the fourth
- * field of /proc/loadavg), sampled at most every RL_BUSY_SAMPLE_NS by
- * whichever waiter needs it first:
- *  - while ranks spin they are all runnable, so others = running - host_ranks;
- *    the host turns busy when others >= 1 and running > CPUs;
- *  - while ranks block they are not counted, so the host stays busy while
- *    running (the sampler included) > CPUs, and turns idle only after
- *    RL_BUSY_CALM quiet samples in a row, so a moment when the other load
- *    sleeps does not put every rank back to spinning.
+ * The measure is CPU time, not a count of runnable threads: counts taken
+ * in one instant are noise when 4 ranks share 2 cores (a rank that was
+ * runnable when the count was read sleeps by the time its state is).  Over
+ * windows of RL_BUSY_WINDOW_NS the CPU time the whole host used
+ * (/proc/stat) less the time this host's ranks used (/proc/<pid>/stat of
+ * each; init() passes their pids with rl_set_host_pids) is what others
+ * used.  The host is busy when others used at least RL_BUSY_OTHERS of a
+ * core and the ranks (each wanting a core while it spins) plus the others
+ * want more cores than there are; idle after RL_BUSY_CALM quiet windows in
+ * a row.  Without pids (a C program that never called it) the host counts
+ * as idle.  Whichever waiter needs the verdict first samples, at most every
+ * RL_BUSY_SAMPLE_NS.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "internal.h"
 
-#define RL_BUSY_SAMPLE_NS 20000000LL /* 20 ms */
-#define RL_BUSY_CALM 5
+#define RL_BUSY_SAMPLE_NS 20000000LL  /* 20 ms */
+#define RL_BUSY_WINDOW_NS 100000000LL /* 100 ms: ten ticks of the CPU clock */
+#define RL_BUSY_OTHERS 0.3            /* of one core */
+#define RL_BUSY_CALM 2
+#define RL_HOST_PIDS_MAX 256
 
 static int64_t sampled_at; /* rl_now_ns() of the last sample; 0: never */
 static int busy, calm;     /* written by the sampling thread only */
+static int host_pids[RL_HOST_PIDS_MAX], n_host_pids;
+static int64_t win_at;                   /* start of the current window; 0: none */
+static long long win_host, win_ours;     /* CPU ticks at its start */
 
-/* Threads runnable right now, host-wide ("running/total" in /proc/loadavg),
- * or -1 if it cannot be read. */
-static int runnable_now(void) {
-    char buf[128];
-    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+void rl_set_host_pids(const int *pids, int n) {
+    if (n < 0 || n > RL_HOST_PIDS_MAX) n = 0;
+    for (int i = 0; i < n; i++) host_pids[i] = pids[i];
+    __atomic_store_n(&n_host_pids, n, __ATOMIC_RELEASE);
+    __atomic_store_n(&win_at, 0, __ATOMIC_RELAXED); /* a new set of ranks: a new window */
+}
+
+static ssize_t read_file(const char *path, char *buf, size_t n) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
+    ssize_t got = read(fd, buf, n - 1);
     close(fd);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    char *p = buf;
-    for (int field = 0; field < 3; field++) { /* skip the three averages */
+    if (got >= 0) buf[got] = 0;
+    return got;
+}
+
+/* CPU ticks the host spent busy (every state but idle and iowait), or -1. */
+static long long host_ticks(void) {
+    char buf[512];
+    if (read_file("/proc/stat", buf, sizeof buf) <= 0 || strncmp(buf, "cpu ", 4) != 0) return -1;
+    long long v[8] = {0}, sum = 0;
+    char *p = buf + 4;
+    for (int i = 0; i < 8; i++) v[i] = strtoll(p, &p, 10);
+    for (int i = 0; i < 8; i++) sum += v[i];
+    return sum - v[3] - v[4];
+}
+
+/* User + system ticks of a process, its exited threads included, or -1. */
+static long long proc_ticks(int pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    if (read_file(path, buf, sizeof buf) <= 0) return -1;
+    char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    if (!p) return -1;
+    p += 2; /* field 3, the state */
+    for (int field = 3; field < 14; field++) {
         while (*p && *p != ' ') p++;
         while (*p == ' ') p++;
     }
-    if (*p < '0' || *p > '9') return -1;
-    return (int)strtol(p, NULL, 10);
+    char *end;
+    long long ut = strtoll(p, &end, 10), st = strtoll(end, NULL, 10);
+    return ut + st;
+}
+
+static long long ours_ticks(int n) {
+    long long sum = 0;
+    for (int i = 0; i < n; i++) {
+        long long t = proc_ticks(host_pids[i]);
+        if (t > 0) sum += t; /* a rank that exited stops counting */
+    }
+    return sum;
 }
 
 int rl_host_contended(int64_t now_ns) {
@@ -60,20 +105,30 @@ int rl_host_contended(int64_t now_ns) {
     if (!__atomic_compare_exchange_n(&sampled_at, &last, now_ns, 0, __ATOMIC_RELAXED,
                                      __ATOMIC_RELAXED))
         return __atomic_load_n(&busy, __ATOMIC_RELAXED);
+    int n = __atomic_load_n(&n_host_pids, __ATOMIC_ACQUIRE);
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    int running = runnable_now();
-    if (running < 0 || cpus < 1) return 0;
-    int v;
-    if (!__atomic_load_n(&busy, __ATOMIC_RELAXED)) {
-        int64_t ours = rl_tune.host_ranks > 0 ? rl_tune.host_ranks : 1;
-        v = running - ours >= 1 && running > cpus;
-        calm = 0;
-    } else if (running > cpus) {
-        v = 1;
-        calm = 0;
-    } else {
-        v = ++calm < RL_BUSY_CALM;
+    if (n == 0 || cpus < 1) return 0;
+    int64_t start = __atomic_load_n(&win_at, __ATOMIC_RELAXED);
+    if (start != 0 && now_ns - start < RL_BUSY_WINDOW_NS)
+        return __atomic_load_n(&busy, __ATOMIC_RELAXED);
+    long long h = host_ticks(), o = ours_ticks(n);
+    if (h < 0) return 0;
+    int v = __atomic_load_n(&busy, __ATOMIC_RELAXED);
+    if (start != 0) {
+        double secs = (double)(now_ns - start) * 1e-9, hz = (double)sysconf(_SC_CLK_TCK);
+        double others = ((double)(h - win_host) - (double)(o - win_ours)) / (secs * hz);
+        double ranks = rl_tune.host_ranks > 0 ? (double)rl_tune.host_ranks : 1.0;
+        int loaded = others >= RL_BUSY_OTHERS && ranks + others > (double)cpus;
+        if (loaded) {
+            v = 1;
+            calm = 0;
+        } else if (v) {
+            v = ++calm < RL_BUSY_CALM;
+        }
     }
+    win_host = h;
+    win_ours = o;
+    __atomic_store_n(&win_at, now_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&busy, v, __ATOMIC_RELAXED);
     return v;
 }

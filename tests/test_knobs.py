@@ -89,21 +89,45 @@ def test_every_env_variable_is_read(monkeypatch):
         _world._tuning_from_env()
 
 
-def test_host_busy_follows_the_hosts_runnable_threads():
-    """busy_block's detector: more runnable threads than CPUs reads as busy; off, never."""
+def test_host_busy_follows_other_processes_cpu_time():
+    """busy_block's detector: other processes' CPU time while the cores are short reads
+    as busy; the same load from the job's own ranks does not; off, never."""
     import time
 
-    loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
-             for _ in range((os.cpu_count() or 1) + 2)]
+    def spin(n):
+        return [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
+
+    def wait_for(state, what):
+        deadline = time.monotonic() + 60  # windows of 100 ms; the loops must get going
+        while _core.host_busy() != state:
+            assert time.monotonic() < deadline, what
+
+    n = (os.cpu_count() or 1) + 2
     saved = _core.get_tuning()
+    loops = []
     try:
-        deadline = time.monotonic() + 60
-        while not _core.host_busy():  # sampled every 20 ms; the loops must get going
-            assert time.monotonic() < deadline, "busy loops beside us never read as a busy host"
+        _core.set_tuning(host_ranks=1, busy_block=1)
+        _core.set_host_pids([os.getpid()])
+        loops = spin(n)
+        wait_for(True, "busy loops beside us never read as a busy host")
         _core.set_tuning(busy_block=0)
         assert not _core.host_busy()
+        _core.set_tuning(busy_block=1)
+        for p in loops:
+            p.kill()
+            p.wait()
+        loops = []
+        wait_for(False, "the host still reads busy after the loops ended")
+        # The same loops as this host's own ranks: their CPU time is the job's.
+        loops = spin(n)
+        _core.set_tuning(host_ranks=n + 1)
+        _core.set_host_pids([os.getpid()] + [p.pid for p in loops])
+        end = time.monotonic() + 1.0  # ten windows
+        while time.monotonic() < end:
+            assert not _core.host_busy(), "the job's own ranks read as another load"
     finally:
         _core.set_tuning(**saved)
+        _core.set_host_pids([])
         for p in loops:
             p.kill()
         for p in loops:

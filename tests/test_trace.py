@@ -208,7 +208,7 @@ def test_trace_1_dumps_at_exit(trace_dir, monkeypatch):
     ents = [(e["op"], e["dtype"], e["bytes"], e["peer"], e["algorithm"], e["state"])
             for e in coll["entries"]]
     # (two ranks of one host: the collectives run over shared memory)
-    assert ents == [("broadcast", "float64", 800, 1, "shm_copy", "completed"),
+    assert ents == [("broadcast", "float64", 800, 1, "shm_slot", "completed"),
                     ("all_reduce", "float32", 1 << 18, -1, "shm_chunked", "completed"),
                     ("barrier", None, 0, -1, "shm_flags", "completed")]
     assert [(e["recv"], e["peer"], e["tag"], e["bytes"], e["state"]) for e in p2p["entries"]] \
@@ -295,7 +295,7 @@ def test_debug_info_and_detail_logs(monkeypatch, capfd):
         assert "; world group: shm" in err
         assert f"ringlet[rank {r}] INFO: communicator 0: transport shm (2 ranks, segment " in err
         assert f"ringlet[rank {r}] DETAIL: comm 0: all_reduce seq=1 bytes=16 " \
-               f"algorithm=shm_flat" in err
+               f"algorithm=shm_slot" in err
         assert f"ringlet[rank {r}] DETAIL: comm 0: broadcast seq=2 bytes=131072 " \
                f"algorithm=shm_copy" in err
     assert "connected to peer" not in err

@@ -40,6 +40,7 @@ cdef extern from "ringlet.h" nogil:
     const char *rl_simd_info()
 
     int rl_host_busy()
+    void rl_set_host_pids(const int *pids, int n)
     void rl_tuning_defaults(rl_tuning *t)
     void rl_set_tuning(const rl_tuning *t)
     void rl_get_tuning(rl_tuning *t)

@@ -158,6 +158,16 @@ def host_busy():
     return bool(rl_host_busy())
 
 
+def set_host_pids(pids):
+    """The pids of this host's ranks, for the busy test (wait.c); [] forgets them."""
+    cdef int buf[256]
+    cdef int n = 0
+    for p in pids[:256]:
+        buf[n] = p
+        n += 1
+    rl_set_host_pids(buf, n if len(pids) <= 256 else 0)
+
+
 def build_info():
     """Facts about this build, for ``ringlet info`` and benchmark reports."""
     return {

@@ -744,12 +744,12 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     store, ctx, p = world.store, world.ctx, world.prefix
     store.set(f"{p}ep/{world.rank}",
               json.dumps({"ep": f"{world.host}:{ctx.port}", "size": world.size,
-                          "host_id": world.host_ids[0]}).encode())
+                          "host_id": world.host_ids[0], "pid": os.getpid()}).encode())
     join = _Joiner(world, timeout)
     if world.rank == 0:
         # In rank order: a rank with another world size is caught as soon as
         # the ranks below it have joined, never after the whole timeout.
-        table, hosts = [], []
+        table, hosts, pids = [], [], []
         for r in range(world.size):
             entry = json.loads(join.get(f"{p}ep/{r}").decode())
             if entry["size"] != world.size:
@@ -758,7 +758,9 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
                 raise RendezvousError(f"rank 0: {msg}", rank=0, peer=r)
             table.append(entry["ep"])
             hosts.append(str(entry.get("host_id", "")))
-        store.set(f"{p}ep/all", json.dumps({"eps": table, "hosts": hosts, "algo": world.algo,
+            pids.append(int(entry.get("pid", 0)))
+        store.set(f"{p}ep/all", json.dumps({"eps": table, "hosts": hosts, "pids": pids,
+                                            "algo": world.algo,
                                             "model": world.model.as_dict()}).encode())
     else:
         rec = json.loads(join.get(f"{p}ep/all").decode())
@@ -766,6 +768,7 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
             raise RendezvousError(f"rank {world.rank}: {rec['error']}", rank=world.rank, peer=0)
         table = rec["eps"]
         hosts = rec.get("hosts") or world.host_ids * len(table)
+        pids = rec.get("pids") or []
         world.algo = rec.get("algo", world.algo)
         if "model" in rec:
             from ._costmodel import ModelParams
@@ -781,6 +784,10 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
         h, _, port = ep.rpartition(":")
         ctx.set_peer(r, h.strip("[]"), int(port))
     world.host_ids = list(hosts)
+    # The busy test (wait.c) counts the CPU time of other processes as load,
+    # not that of this host's ranks (ranks may be threads of one process).
+    mine = sorted({pid for pid, h in zip(pids, hosts) if h == hosts[world.rank] and pid > 0})
+    _core.set_host_pids(mine or [os.getpid()])
 
 
 def shutdown() -> None:
