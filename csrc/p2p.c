@@ -9,7 +9,9 @@
  * them.  A matching frame whose size or dtype differs from the receive is a
  * desync error naming both.  Sends to one peer are serialised, as are
  * receives from one peer; a send and a receive may run at once on two
- * threads (the socket is full duplex).
+ * threads (the socket is full duplex).  Ranks of one host exchange the same
+ * frames through rings in shared memory instead (shm.c), when the comm has
+ * a segment.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +32,8 @@ int rl_send(rl_comm *c, const void *buf, size_t count, rl_dtype dt, int dst,
     op.seq = c->p2p_send_seq[dst]++;
     rl_hdr h;
     rl_fill_header(&h, c, &op, tag, len);
-    st = rl_send_frame(c, &op, dst, &h, buf, len);
+    st = c->shm ? rl_shm_send_frame(c, &op, dst, &h, buf, len)
+                : rl_send_frame(c, &op, dst, &h, buf, len);
     pthread_mutex_unlock(&c->send_locks[dst]);
     return rl_end_op(c, &op, st);
 }
@@ -66,10 +69,15 @@ static int recv_locked(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len
     for (;;) {
         rl_hdr h;
         int fd;
-        if ((st = rl_recv_bytes(c, op, src, &h, sizeof h)) != RL_OK) return st;
-        if ((st = rl_peer_fd(c, op, src, &fd)) != RL_OK) return st;
-        if (h.magic == RL_MAGIC && h.opcode == RL_OP_ABORT)
-            return rl_handle_abort(c, op, src, fd, &h, NULL, 0);
+        if (c->shm) {
+            /* an abort comes through the segment's record, not as a frame */
+            if ((st = rl_shm_recv_header(c, op, src, &h)) != RL_OK) return st;
+        } else {
+            if ((st = rl_recv_bytes(c, op, src, &h, sizeof h)) != RL_OK) return st;
+            if ((st = rl_peer_fd(c, op, src, &fd)) != RL_OK) return st;
+            if (h.magic == RL_MAGIC && h.opcode == RL_OP_ABORT)
+                return rl_handle_abort(c, op, src, fd, &h, NULL, 0);
+        }
         uint64_t want_seq = c->p2p_recv_seq[src]++;
         if (h.magic != RL_MAGIC || h.version != RL_PROTOCOL_VERSION || h.comm_id != c->id ||
             h.opcode != RL_OP_P2P || h.seq != want_seq)
@@ -86,7 +94,8 @@ static int recv_locked(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len
                                "desync: recv(tag=%u) expects %zu bytes of %s but the peer sent %llu bytes of %s",
                                tag, len, rl_dtype_name(dt), (unsigned long long)h.nbytes,
                                rl_dtype_name((rl_dtype)h.dtype));
-            return rl_recv_bytes(c, op, src, buf, len);
+            return c->shm ? rl_shm_recv_body(c, op, src, buf, len)
+                          : rl_recv_bytes(c, op, src, buf, len);
         }
         /* Another tag: keep it for a later receive, within the budget. */
         uint64_t now = __atomic_add_fetch(&c->unexpected_bytes, h.nbytes, __ATOMIC_RELAXED);
@@ -107,7 +116,11 @@ static int recv_locked(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len
         u->dtype = h.dtype;
         u->nbytes = h.nbytes;
         u->data = data;
-        if (h.nbytes && (st = rl_recv_bytes(c, op, src, data, h.nbytes)) != RL_OK) {
+        if (c->shm)
+            st = rl_shm_recv_body(c, op, src, data, h.nbytes);
+        else
+            st = h.nbytes ? rl_recv_bytes(c, op, src, data, h.nbytes) : RL_OK;
+        if (st != RL_OK) {
             free(data);
             free(u);
             return st;

@@ -157,7 +157,10 @@ int rl_random_bytes(void *buf, size_t n);
       "shared memory: small-message slots per rank (a power of two up to 128; below 2: none), so a "          \
       "broadcast root or reduce leaf runs that many ops ahead")                                     \
     X(shm_slot_bytes, 4096, "RINGLET_SHM_SLOT_BYTES",                                               \
-      "shared memory: payload of one small-message slot (at most 1 MiB)")
+      "shared memory: payload of one small-message slot (at most 1 MiB)")                           \
+    X(shm_p2p_cells, 32, "RINGLET_SHM_P2P_CELLS",                                                   \
+      "shared memory: 8 KiB cells per ordered pair of ranks for point-to-point messages (a power "  \
+      "of two; below 2: point-to-point stays on TCP)")
 
 typedef struct {
 #define RL_KNOB_FIELD(name, def, env, doc) int64_t name;
@@ -184,6 +187,9 @@ int rl_host_busy(void);
  * busy test does not count as load; n = 0 forgets them (the host then
  * counts as idle). */
 void rl_set_host_pids(const int *pids, int n);
+/* Cores that processes other than this host's ranks used in the busy test's
+ * last window (samples first, as rl_host_busy); -1 before a window ends. */
+double rl_host_others(void);
 
 void rl_tuning_defaults(rl_tuning *t);
 void rl_set_tuning(const rl_tuning *t);
@@ -240,15 +246,20 @@ int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms);
 /* ---- shared memory (shm.c) ------------------------------------------ */
 /* Ranks of one comm on one host can share a segment (a memfd that the
  * binding creates and hands over); collectives then run over it instead of
- * TCP: all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier.
- * Point-to-point, all_to_all, gather and scatter stay on TCP.
+ * TCP (all but all_to_all_v), and a point-to-point comm's messages over a
+ * segment of rings (rl_comm_attach_shm_p2p).
  * Bytes of the segment for a comm of nranks ranks (from the knobs now). */
 size_t rl_shm_segment_bytes(int nranks);
+/* The same for a point-to-point comm; 0 when it gets none (more than 8
+ * ranks: its rings grow with nranks^2, or the shm_p2p_cells knob is 0). */
+size_t rl_shm_p2p_segment_bytes(int nranks);
 /* Map fd (size bytes) as this comm's segment.  create: this rank lays the
  * segment out (rank 0, before handing fd to the others); else the layout is
  * checked against the comm.  Records this rank's pid and counts it attached;
  * the caller may close fd afterwards.  Does not block. */
 int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *err);
+/* The same for a comm that carries only point-to-point messages. */
+int rl_comm_attach_shm_p2p(rl_comm *c, int fd, size_t size, int create, rl_error *err);
 /* Wait (deadline-bounded) until every rank of the comm has attached, then
  * watch the peers' processes (pidfd) so a killed peer fails waiters fast. */
 int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms);

@@ -60,6 +60,10 @@
 #define SHM_YIELD_LOST_NS 50000
 #define SHM_SLOT_HDR ((size_t)64) /* a slot's descriptor, then its payload */
 #define SHM_LOG 256u /* op log entries per rank: more than a writer can run ahead */
+#define SHM_COLL 0u
+#define SHM_P2P 1u
+#define SHM_CELL ((size_t)8192)    /* payload of one point-to-point cell */
+#define SHM_P2P_MAX_RANKS 8        /* rings grow with P^2 */
 
 typedef struct {
     uint32_t magic, version;
@@ -75,6 +79,8 @@ typedef struct {
     uint64_t slot_bytes; /* payload of one slot; 0: no small lane         */
     uint32_t slots;      /* slots per rank, a power of two                */
     uint32_t attached;   /* ranks that mapped the segment                */
+    uint32_t kind;       /* SHM_COLL or SHM_P2P                            */
+    uint32_t cells;      /* SHM_P2P: cells per ring, a power of two        */
     /* The one futex word: every event a sleeper may wait for (a flag that a
      * publisher moved while someone slept, an abort, a close, an attach)
      * bumps it, so no wake-up is lost between a check and the sleep. */
@@ -136,6 +142,11 @@ struct rl_shm {
     size_t slot_bytes, slot_stride;
     uint32_t slots;
     uint32_t step[2]; /* per lane */
+    /* SHM_P2P: ring (s, d) carries messages from s to d */
+    uint32_t kind, cells;
+    char *rings;
+    size_t ring_stride;
+    uint32_t *tx_head, *rx_tail; /* per peer: cells this rank published / consumed */
     int *pidfds; /* comm rank -> pidfd, -1: none (self, same process) */
     int npidfds;
 };
@@ -167,6 +178,32 @@ static size_t knob_slots(void) {
     return n;
 }
 
+/* ---- point-to-point rings (SHM_P2P) ---------------------------------------
+ * A ring per ordered pair: `head` (cells published, written by the sender)
+ * and `tail` (cells consumed, written by the receiver) on lines of their
+ * own, then `cells` cells of a 64-byte header and SHM_CELL bytes.  A message
+ * takes ceil(max(len, 1) / SHM_CELL) cells in a row; its first cell's header
+ * holds the frame header (rl_hdr), as over TCP. */
+typedef struct {
+    uint32_t head;
+    uint32_t pad0[15];
+    uint32_t tail;
+    uint32_t pad1[15];
+} shm_ring;
+
+static size_t knob_cells(void) {
+    int64_t v = rl_tune.shm_p2p_cells;
+    if (v < 2) return 0;
+    if (v > 1024) v = 1024;
+    size_t n = 1;
+    while (n * 2 <= (size_t)v) n *= 2;
+    return n;
+}
+
+static size_t ring_stride(size_t cells) {
+    return sizeof(shm_ring) + cells * (SHM_SLOT_HDR + SHM_CELL);
+}
+
 static size_t knob_slot_bytes(void) {
     int64_t v = rl_tune.shm_slot_bytes;
     if (v > 1 << 20) v = 1 << 20;
@@ -178,6 +215,13 @@ static size_t knob_chunk(void) {
     if (v < 4096) v = 4096;
     if (v > ((int64_t)1 << 30)) v = (int64_t)1 << 30;
     return round_up((size_t)v, 64);
+}
+
+size_t rl_shm_p2p_segment_bytes(int nranks) {
+    size_t cells = knob_cells();
+    if (nranks < 2 || nranks > SHM_P2P_MAX_RANKS || cells == 0) return 0;
+    size_t data_off = SHM_PAGE + round_up(sizeof(shm_ctrl) * (size_t)nranks, SHM_PAGE);
+    return data_off + round_up(ring_stride(cells) * (size_t)nranks * (size_t)nranks, SHM_PAGE);
 }
 
 size_t rl_shm_segment_bytes(int nranks) {
@@ -266,11 +310,15 @@ static int rooted_check(rl_comm *c, const rl_opdesc *op, int q) {
  * time a peer is seen gone was published in time: re-read it before failing
  * (a peer may well finish its part of the last op and leave). */
 static int op_check(rl_comm *c, const rl_opdesc *op, int q);
-static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target) {
+static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
+                       int owner) {
     rl_shm *s = c->shm, *sh = s;
+    /* Point to point: only the peer of this message matters (others may
+     * well have finished and closed). */
+    int only = s->kind == SHM_P2P ? owner : -1;
 #define SHM_DONE_ANYWAY() \
     if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK
-    for (int q = 0; q < c->size; q++) {
+    for (int q = 0; q < c->size && s->kind == SHM_COLL; q++) {
         int st = q == c->rank ? RL_OK : rooted_check(c, op, q);
         if (st == RL_OK && q != c->rank) st = op_check(c, op, q);
         if (st != RL_OK) return st;
@@ -286,7 +334,7 @@ static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
                        "peer aborted the operation: [%s]", reason);
     }
     for (int q = 0; q < c->size; q++) {
-        if (q == c->rank) continue;
+        if (q == c->rank || (only >= 0 && q != only)) continue;
         if (__atomic_load_n(&s->ctrl[q].closed, __ATOMIC_ACQUIRE)) {
             SHM_DONE_ANYWAY();
             return rl_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
@@ -299,7 +347,7 @@ static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
         for (int q0 = 0; q0 < c->size; q0 += 64) {
             int n = 0;
             for (int q = q0; q < c->size && q < q0 + 64; q++) {
-                if (s->pidfds[q] < 0) continue;
+                if (s->pidfds[q] < 0 || (only >= 0 && q != only)) continue;
                 pf[n].fd = s->pidfds[q];
                 pf[n].events = POLLIN;
                 pf[n].revents = 0;
@@ -325,7 +373,7 @@ static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
 static int sleep_check(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
                        int owner, int64_t *last_hook) {
     if (reached(__atomic_load_n(flag, __ATOMIC_SEQ_CST), target)) return SHM_REACHED;
-    int st = check_peers(c, op, flag, target);
+    int st = check_peers(c, op, flag, target, owner);
     if (st != RL_OK) return st;
     if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return SHM_REACHED;
     if (c->poisoned) /* rl_comm_cancel from another thread */
@@ -397,13 +445,13 @@ static int attach_fail(rl_error *err, int status, const char *fmt, const char *a
     return status;
 }
 
-int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *err) {
+static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl_error *err) {
     memset(err, 0, sizeof *err);
     if (c->shm) return attach_fail(err, RL_ERR_INVALID, "%scommunicator already has a segment",
                                    "", 0, 0);
-    if (c->size > SHM_MAX_RANKS)
+    if (c->size > (kind == SHM_P2P ? SHM_P2P_MAX_RANKS : SHM_MAX_RANKS))
         return attach_fail(err, RL_ERR_INVALID, "%s%ld ranks exceed the shared-memory limit of %ld",
-                           "", c->size, SHM_MAX_RANKS);
+                           "", c->size, kind == SHM_P2P ? SHM_P2P_MAX_RANKS : SHM_MAX_RANKS);
     struct stat stt;
     if (fstat(fd, &stt) != 0 || (size_t)stt.st_size < size || size < SHM_PAGE)
         return attach_fail(err, RL_ERR_INVALID, "%ssegment fd is shorter than %ld bytes (%ld)", "",
@@ -417,42 +465,64 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
     shm_header *h = m;
     int P = c->size;
     shm_layout l;
+    size_t p2p_off = SHM_PAGE + round_up(sizeof(shm_ctrl) * (size_t)P, SHM_PAGE);
     if (create) {
         size_t chunk = knob_chunk(), slots = knob_slots(), slot_bytes = knob_slot_bytes();
-        layout(P, chunk, slots, slot_bytes, &l);
-        if (l.total > size) {
+        size_t cells = knob_cells();
+        size_t need;
+        if (kind == SHM_P2P) {
+            need = rl_shm_p2p_segment_bytes(P);
+        } else {
+            layout(P, chunk, slots, slot_bytes, &l);
+            need = l.total;
+        }
+        if (need == 0 || need > size) {
             munmap(m, size);
             return attach_fail(err, RL_ERR_INVALID, "%ssegment of %ld bytes, layout needs %ld", "",
-                               (long)size, (long)l.total);
+                               (long)size, (long)need);
         }
-        memset(m, 0, l.data_off);
-        memset((char *)m + l.log_off, 0, l.total - l.log_off);
+        memset(m, 0, kind == SHM_P2P ? need : l.data_off);
+        if (kind == SHM_COLL) memset((char *)m + l.log_off, 0, l.total - l.log_off);
         h->version = SHM_VERSION;
         h->nranks = (uint32_t)P;
         h->comm_id = c->id;
         h->size = size;
-        h->chunk = chunk;
-        h->result = l.result;
-        h->stride = l.stride;
-        h->slots = (uint32_t)slots;
-        h->slot_bytes = slot_bytes;
-        h->slot_off = l.slot_off;
-        h->log_off = l.log_off;
-        int64_t small = rl_tune.shm_small_bytes;
-        h->small = small < 0 ? 0 : ((size_t)small > chunk ? chunk : (size_t)small);
-        h->data_off = l.data_off;
+        h->kind = kind;
         h->abort_rank = -1;
+        if (kind == SHM_P2P) {
+            h->cells = (uint32_t)cells;
+            h->data_off = p2p_off;
+        } else {
+            h->chunk = chunk;
+            h->result = l.result;
+            h->stride = l.stride;
+            h->slots = (uint32_t)slots;
+            h->slot_bytes = slot_bytes;
+            h->slot_off = l.slot_off;
+            h->log_off = l.log_off;
+            int64_t small = rl_tune.shm_small_bytes;
+            h->small = small < 0 ? 0 : ((size_t)small > chunk ? chunk : (size_t)small);
+            h->data_off = l.data_off;
+        }
         __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
     } else {
         int ok = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC &&
                  h->version == SHM_VERSION && h->nranks == (uint32_t)P &&
-                 h->comm_id == c->id && h->size == size && h->chunk >= 4096 &&
-                 h->slots <= SHM_LOG / 2 && (h->slots & (h->slots - 1)) == 0 &&
-                 h->slot_bytes <= (1u << 20) && (h->slots == 0) == (h->slot_bytes == 0);
-        if (ok) {
-            layout(P, (size_t)h->chunk, h->slots, (size_t)h->slot_bytes, &l);
-            ok = l.result == h->result && l.stride == h->stride && l.data_off == h->data_off &&
-                 l.slot_off == h->slot_off && l.log_off == h->log_off && l.total <= size && h->small <= h->chunk;
+                 h->comm_id == c->id && h->size == size && h->kind == kind;
+        if (ok && kind == SHM_P2P) {
+            ok = h->cells >= 2 && h->cells <= 1024 && (h->cells & (h->cells - 1)) == 0 &&
+                 h->data_off == p2p_off &&
+                 p2p_off + ring_stride(h->cells) * (size_t)P * (size_t)P <= size;
+        } else if (ok) {
+            ok = h->chunk >= 4096 && h->slots <= SHM_LOG / 2 &&
+                 (h->slots & (h->slots - 1)) == 0 && h->slot_bytes <= (1u << 20) &&
+                 (h->slots == 0) == (h->slot_bytes == 0);
+            if (ok) {
+                layout(P, (size_t)h->chunk, h->slots, (size_t)h->slot_bytes, &l);
+                ok = l.result == h->result && l.stride == h->stride &&
+                     l.data_off == h->data_off && l.slot_off == h->slot_off &&
+                     l.log_off == h->log_off && l.total <= size && h->small <= h->chunk;
+            }
         }
         if (!ok) {
             long got_p = (long)h->nranks, got_id = (long)h->comm_id;
@@ -464,9 +534,11 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
     }
     rl_shm *s = calloc(1, sizeof *s);
     int *pidfds = malloc(sizeof(int) * (size_t)P);
-    if (!s || !pidfds) {
+    uint32_t *pos = calloc(2 * (size_t)P, sizeof *pos);
+    if (!s || !pidfds || !pos) {
         free(s);
         free(pidfds);
+        free(pos);
         munmap(m, size);
         return attach_fail(err, RL_ERR_NOMEM, "%sout of memory", "", 0, 0);
     }
@@ -475,22 +547,39 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
     s->size = size;
     s->hdr = h;
     s->ctrl = (shm_ctrl *)((char *)m + SHM_PAGE);
-    s->data = (char *)m + h->data_off;
-    s->chunk = h->chunk;
-    s->result = h->result;
-    s->stride = h->stride;
-    s->small = h->small;
-    s->slots = h->slots;
-    s->slot_bytes = h->slot_bytes;
-    s->slot_stride = SHM_SLOT_HDR + round_up(s->slot_bytes, 64);
-    s->slot_base = (char *)m + h->slot_off;
-    s->log = (shm_logent *)((char *)m + h->log_off);
+    s->kind = kind;
+    s->tx_head = pos;
+    s->rx_tail = pos + P;
+    if (kind == SHM_P2P) {
+        s->cells = h->cells;
+        s->rings = (char *)m + h->data_off;
+        s->ring_stride = ring_stride(h->cells);
+    } else {
+        s->data = (char *)m + h->data_off;
+        s->chunk = h->chunk;
+        s->result = h->result;
+        s->stride = h->stride;
+        s->small = h->small;
+        s->slots = h->slots;
+        s->slot_bytes = h->slot_bytes;
+        s->slot_stride = SHM_SLOT_HDR + round_up(s->slot_bytes, 64);
+        s->slot_base = (char *)m + h->slot_off;
+        s->log = (shm_logent *)((char *)m + h->log_off);
+    }
     s->pidfds = pidfds;
     s->ctrl[c->rank].pid = (int32_t)getpid();
     c->shm = s;
     __atomic_fetch_add(&h->attached, 1, __ATOMIC_SEQ_CST);
     ring_bell(h);
     return RL_OK;
+}
+
+int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *err) {
+    return attach(c, fd, size, create, SHM_COLL, err);
+}
+
+int rl_comm_attach_shm_p2p(rl_comm *c, int fd, size_t size, int create, rl_error *err) {
+    return attach(c, fd, size, create, SHM_P2P, err);
 }
 
 int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
@@ -555,6 +644,7 @@ void rl_shm_detach(rl_comm *c) {
     for (int q = 0; q < c->size; q++)
         if (s->pidfds[q] >= 0) close(s->pidfds[q]);
     free(s->pidfds);
+    free(s->tx_head);
     munmap(s->base, s->size);
     free(s);
     c->shm = NULL;
@@ -953,5 +1043,65 @@ int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
         step_ack(c, lane, step);
     }
     if (dst != (char *)out) memcpy(out, dst, span);
+    return RL_OK;
+}
+
+/* ---- point to point (SHM_P2P) ------------------------------------------------ */
+static inline shm_ring *ring_of(rl_shm *s, int from, int to, int P) {
+    return (shm_ring *)(s->rings + ((size_t)from * (size_t)P + (size_t)to) * s->ring_stride);
+}
+static inline char *cell_of(rl_shm *s, shm_ring *rg, uint32_t n) {
+    return (char *)(rg + 1) + (size_t)(n & (s->cells - 1)) * (SHM_SLOT_HDR + SHM_CELL);
+}
+static inline size_t cells_for(size_t len) { return len ? (len + SHM_CELL - 1) / SHM_CELL : 1; }
+
+/* Called with the comm's send lock for dst held. */
+int rl_shm_send_frame(rl_comm *c, const rl_opdesc *op, int dst, const rl_hdr *h,
+                      const void *buf, size_t len) {
+    rl_shm *s = c->shm;
+    shm_ring *rg = ring_of(s, c->rank, dst, c->size);
+    uint32_t head = s->tx_head[dst];
+    size_t n = cells_for(len);
+    for (size_t k = 0; k < n; k++) {
+        /* a free cell: the receiver consumed the one `cells` back */
+        int st = wait_flag(c, op, &rg->tail, head + 1 - s->cells, dst);
+        if (st != RL_OK) return st;
+        char *cell = cell_of(s, rg, head);
+        if (k == 0) memcpy(cell, h, sizeof *h);
+        size_t off = k * SHM_CELL, m = len - off < SHM_CELL ? len - off : SHM_CELL;
+        if (m) memcpy(cell + SHM_SLOT_HDR, (const char *)buf + off, m);
+        publish(s, &rg->head, ++head);
+        s->tx_head[dst] = head;
+    }
+    return RL_OK;
+}
+
+/* The frame header of the next message from src (not consumed).  Called
+ * with the comm's receive lock for src held. */
+int rl_shm_recv_header(rl_comm *c, const rl_opdesc *op, int src, rl_hdr *h) {
+    rl_shm *s = c->shm;
+    shm_ring *rg = ring_of(s, src, c->rank, c->size);
+    uint32_t tail = s->rx_tail[src];
+    int st = wait_flag(c, op, &rg->head, tail + 1, src);
+    if (st != RL_OK) return st;
+    memcpy(h, cell_of(s, rg, tail), sizeof *h);
+    return RL_OK;
+}
+
+/* The body (len bytes, the header's nbytes) of the message whose header
+ * rl_shm_recv_header returned, into buf; consumes its cells. */
+int rl_shm_recv_body(rl_comm *c, const rl_opdesc *op, int src, void *buf, size_t len) {
+    rl_shm *s = c->shm;
+    shm_ring *rg = ring_of(s, src, c->rank, c->size);
+    uint32_t tail = s->rx_tail[src];
+    size_t n = cells_for(len);
+    for (size_t k = 0; k < n; k++) {
+        int st = wait_flag(c, op, &rg->head, tail + 1, src);
+        if (st != RL_OK) return st;
+        size_t off = k * SHM_CELL, m = len - off < SHM_CELL ? len - off : SHM_CELL;
+        if (m) memcpy((char *)buf + off, cell_of(s, rg, tail) + SHM_SLOT_HDR, m);
+        publish(s, &rg->tail, ++tail);
+        s->rx_tail[src] = tail;
+    }
     return RL_OK;
 }

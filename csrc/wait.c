@@ -42,12 +42,14 @@ static int busy, calm;     /* written by the sampling thread only */
 static int host_pids[RL_HOST_PIDS_MAX], n_host_pids;
 static int64_t win_at;                   /* start of the current window; 0: none */
 static long long win_host, win_ours;     /* CPU ticks at its start */
+static double last_others = -1;          /* cores others used in the last window */
 
 void rl_set_host_pids(const int *pids, int n) {
     if (n < 0 || n > RL_HOST_PIDS_MAX) n = 0;
     for (int i = 0; i < n; i++) host_pids[i] = pids[i];
     __atomic_store_n(&n_host_pids, n, __ATOMIC_RELEASE);
     __atomic_store_n(&win_at, 0, __ATOMIC_RELAXED); /* a new set of ranks: a new window */
+    last_others = -1;
 }
 
 static ssize_t read_file(const char *path, char *buf, size_t n) {
@@ -119,6 +121,7 @@ int rl_host_contended(int64_t now_ns) {
         double others = ((double)(h - win_host) - (double)(o - win_ours)) / (secs * hz);
         double ranks = rl_tune.host_ranks > 0 ? (double)rl_tune.host_ranks : 1.0;
         int loaded = others >= RL_BUSY_OTHERS && ranks + others > (double)cpus;
+        last_others = others;
         if (loaded) {
             v = 1;
             calm = 0;
@@ -134,3 +137,8 @@ int rl_host_contended(int64_t now_ns) {
 }
 
 int rl_host_busy(void) { return rl_host_contended(rl_now_ns()); }
+
+double rl_host_others(void) {
+    rl_host_contended(rl_now_ns());
+    return last_others;
+}

@@ -4,21 +4,30 @@ from __future__ import annotations
 
 import time
 
-_POLL_SYSCALLS = {"7", "271"}  # x86-64 poll, ppoll: where a blocked ringlet call waits
+_POLL_SYSCALLS = {"7", "271"}  # x86-64 poll, ppoll: where a call over TCP waits
+_FUTEX = "202"  # x86-64 futex: where a call over shared memory waits...
+_FUTEX_WAIT_SHARED = 0  # ...with FUTEX_WAIT on the segment's bell; the GIL and other
+# process-private locks wait with the PRIVATE flag (128) set
 
 
 def blocked_in_poll(tid: int) -> bool:
-    """True while thread `tid` of this process sits in poll(2), as
-    /proc/self/task/TID/syscall reports it."""
+    """True while thread `tid` of this process sits in a ringlet wait: poll(2)
+    (TCP) or a shared FUTEX_WAIT (shared memory), as /proc/self/task/TID/syscall
+    reports it."""
     try:
         with open(f"/proc/self/task/{tid}/syscall") as f:
-            return f.read().split()[0] in _POLL_SYSCALLS
-    except (OSError, IndexError):
+            fields = f.read().split()
+    except OSError:
         return False
+    if not fields:
+        return False
+    if fields[0] in _POLL_SYSCALLS:
+        return True
+    return fields[0] == _FUTEX and len(fields) > 2 and int(fields[2], 16) == _FUTEX_WAIT_SHARED
 
 
 def wait_until_blocked(tid: int, timeout: float = 30.0) -> bool:
-    """Wait (bounded, generous) until thread `tid` blocks in poll; True if it did."""
+    """Wait (bounded, generous) until thread `tid` blocks in a ringlet wait; True if it did."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if blocked_in_poll(tid):

@@ -118,13 +118,17 @@ def test_host_busy_follows_other_processes_cpu_time():
             p.wait()
         loops = []
         wait_for(False, "the host still reads busy after the loops ended")
-        # The same loops as this host's own ranks: their CPU time is the job's.
+        # The same loops as this host's own ranks: their CPU time is the job's,
+        # so what others used is far below the loops' (the host's background
+        # load, if any, is all that is left).
         loops = spin(n)
         _core.set_tuning(host_ranks=n + 1)
         _core.set_host_pids([os.getpid()] + [p.pid for p in loops])
-        end = time.monotonic() + 1.0  # ten windows
-        while time.monotonic() < end:
-            assert not _core.host_busy(), "the job's own ranks read as another load"
+        deadline = time.monotonic() + 60
+        while _core.host_others() < 0:  # the first whole window
+            assert time.monotonic() < deadline
+        cores = min(n, os.cpu_count() or 1)  # what the loops use between them
+        assert _core.host_others() < cores / 2, (_core.host_others(), cores)
     finally:
         _core.set_tuning(**saved)
         _core.set_host_pids([])

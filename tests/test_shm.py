@@ -656,3 +656,118 @@ def test_outsider_with_wrong_secret_gets_no_segment(tmp_path):
     res = _results(tmp_path)
     assert [r["sum"] for r in res] == [2.0, 2.0] and res[0]["sub"] == "shm", res
     assert res[0]["rejected"] >= 2, res
+
+
+# ---- point to point over shared memory ------------------------------------------
+def _p2p_matrix(rank, P):
+    g = _world._current().group
+    assert g._p2pc.transport == "shm", g._p2pc.transport
+    bad = []
+    nxt, prv = (rank + 1) % P, (rank - 1) % P
+    # 0 bytes, one cell, a cell and a byte, more than the whole ring (32 cells of 8 KiB)
+    for dt in DTYPES:
+        dt = np.dtype(dt)
+        for n in (0, 1, 8192 // dt.itemsize, 8192 // dt.itemsize + 1, 300_001):
+            x = data(rank, n, dt, salt=n)
+            y = np.zeros(n, dt)
+            w = ringlet.isend(x, nxt, tag=n % 7)
+            ringlet.recv(y, prv, tag=n % 7)
+            w.wait(timeout=60)
+            if not same(y, data(prv, n, dt, salt=n)):
+                bad.append(f"rank {rank}: {dt} n={n}")
+    # tags out of order: the later tag is buffered until asked for
+    if rank == 0:
+        ringlet.send(np.full(3, 1.0), 1, tag=1)
+        ringlet.send(np.full(50_000, 2.0), 1, tag=2)
+    elif rank == 1:
+        a, b = np.zeros(50_000), np.zeros(3)
+        ringlet.recv(a, 0, tag=2)
+        ringlet.recv(b, 0, tag=1)
+        if not (np.all(a == 2.0) and np.all(b == 1.0)):
+            bad.append("out-of-order tags")
+    return bad
+
+
+def test_point_to_point_over_shm():
+    for bad in run_world(_p2p_matrix, 3, mode="thread", timeout=120):
+        assert not bad, bad
+
+
+def _p2p_after_a_peer_left(rank, P, left):
+    # Rank 2 leaves; 0 and 1 go on messaging: only the message's peer matters.
+    if rank == 2:
+        ringlet.shutdown()
+        left.set()
+        return "left"
+    assert left.wait(60)
+    x = np.arange(10.0) + rank
+    if rank == 0:
+        ringlet.send(x, 1, tag=4)
+        return "sent"
+    y = np.zeros(10)
+    ringlet.recv(y, 0, tag=4, timeout=30)
+    return y.tolist()
+
+
+def test_point_to_point_ignores_peers_that_left():
+    import threading
+
+    res = run_world(_p2p_after_a_peer_left, 3, mode="thread", timeout=60,
+                    args=(threading.Event(),))
+    assert res == ["sent", [float(i) for i in range(10)], "left"], res
+
+
+def _p2p_desync(rank, P):
+    try:
+        if rank == 0:
+            ringlet.send(np.ones(5, np.float32), 1, tag=9)
+            return "sent"
+        ringlet.recv(np.zeros(6, np.float32), 0, tag=9, timeout=30)
+    except DesyncError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_point_to_point_desync_over_shm_names_both_sides():
+    res = run_world(_p2p_desync, 2, mode="thread", timeout=60)
+    assert res[0] == "sent"
+    assert "recv(tag=9) expects 24 bytes of float32 but the peer sent 20 bytes of float32" \
+        in res[1], res
+
+
+def _kill_before_send(rank, P):
+    g = _world._current().group
+    assert g._p2pc.transport == "shm"
+    ringlet.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        ringlet.recv(np.zeros(4), 1, timeout=60)
+    except PeerClosedError as exc:
+        return ("closed", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_killed_sender_is_detected_fast_over_shm_rings():
+    with pytest.raises(WorldError) as ei:
+        run_world(_kill_before_send, 2, mode="process", timeout=60)
+    kind, took, msg = ei.value.results[0]
+    assert kind == "closed" and "exited or was killed (shared memory)" in msg, (kind, msg)
+    assert took < 3.0, f"rank 0 needed {took:.2f}s to notice a SIGKILL"
+
+
+def _p2p_transport(rank, P):
+    return _world._current().group._p2pc.transport
+
+
+def test_point_to_point_rings_follow_rank_0s_knob():
+    saved = _core.get_tuning()
+    try:
+        _core.set_tuning(shm_p2p_cells=0)
+        assert run_world(_p2p_transport, 2, mode="thread", timeout=60) == ["tcp", "tcp"]
+    finally:
+        _core.set_tuning(**saved)
+    assert _core.shm_p2p_segment_bytes(8) > 0 and _core.shm_p2p_segment_bytes(9) == 0

@@ -41,6 +41,7 @@ cdef extern from "ringlet.h" nogil:
 
     int rl_host_busy()
     void rl_set_host_pids(const int *pids, int n)
+    double rl_host_others()
     void rl_tuning_defaults(rl_tuning *t)
     void rl_set_tuning(const rl_tuning *t)
     void rl_get_tuning(rl_tuning *t)
@@ -87,6 +88,8 @@ cdef extern from "ringlet.h" nogil:
     int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms)
     size_t rl_shm_segment_bytes(int nranks)
     int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *err)
+    size_t rl_shm_p2p_segment_bytes(int nranks)
+    int rl_comm_attach_shm_p2p(rl_comm *c, int fd, size_t size, int create, rl_error *err)
     int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms)
     int rl_comm_uses_shm(const rl_comm *c)
     size_t rl_comm_trace(const rl_comm *c, rl_trace_entry *out, size_t max, uint64_t *total)

@@ -158,6 +158,11 @@ def host_busy():
     return bool(rl_host_busy())
 
 
+def host_others():
+    """Cores other processes used in the busy test's last window (-1: none yet)."""
+    return rl_host_others()
+
+
 def set_host_pids(pids):
     """The pids of this host's ranks, for the busy test (wait.c); [] forgets them."""
     cdef int buf[256]
@@ -218,6 +223,11 @@ def set_tuning(**kw):
 def shm_segment_bytes(int nranks):
     """Bytes of a shared-memory segment for a comm of ``nranks`` (0: too many ranks)."""
     return rl_shm_segment_bytes(nranks)
+
+
+def shm_p2p_segment_bytes(int nranks):
+    """Bytes of the point-to-point segment of a comm of ``nranks`` ranks; 0: none."""
+    return rl_shm_p2p_segment_bytes(nranks)
 
 
 def set_log_level(int level):
@@ -444,6 +454,16 @@ cdef class Comm:
         cdef int st
         with nogil:
             st = rl_comm_attach_shm(c, fd, size, create, &err)
+        if st != RL_OK:
+            raise exception_class(st)(f"rank {self.rank}: " + err.msg.decode(errors="replace"))
+
+    def attach_shm_p2p(self, int fd, size_t size, bint create):
+        """As ``attach_shm``, for a comm that carries point-to-point messages."""
+        cdef rl_comm *c = self._h()
+        cdef rl_error err
+        cdef int st
+        with nogil:
+            st = rl_comm_attach_shm_p2p(c, fd, size, create, &err)
         if st != RL_OK:
             raise exception_class(st)(f"rank {self.rank}: " + err.msg.decode(errors="replace"))
 

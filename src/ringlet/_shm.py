@@ -13,7 +13,8 @@ needs the secret) tells.  Each other rank connects, proves it holds the job
 secret with the handshake of ``_auth`` (purpose ``shm/<name>``, claim: its
 rank) and only then receives the descriptor over ``SCM_RIGHTS``.  Every rank
 closes its descriptor once mapped; the C core then waits until all ranks
-attached.
+attached.  The group's point-to-point comm gets a second segment (rings per
+pair of ranks) in the same hand-over, when its size allows one.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def transport_mode(env: Optional[dict] = None) -> str:
     return raw
 
 
-def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float) -> str:
+def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float,
+          p2p: Any = None) -> str:
     """Give ``comm`` (this rank's member comm of the group ``ranks``) a segment
-    when the policy says so; every member calls this in the same order.
+    when the policy says so, and ``p2p`` (the group's point-to-point comm) one
+    of its own; every member calls this in the same order.
 
     Returns:
         "shm" or "tcp": what the comm's collectives run over.
@@ -95,43 +98,56 @@ def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float) -> str:
         return "tcp"
     key = world.job_key("shm")
     rec_key = f"{world.prefix}shm/{comm.comm_id}"
+    p2p_size = _core.shm_p2p_segment_bytes(P) if p2p is not None else 0
+    comms = [(comm, size, comm.attach_shm)]
+    if p2p is not None:
+        comms.append((p2p, p2p_size, p2p.attach_shm_p2p))
     if comm.rank == 0:
-        _create(world, comm, key, rec_key, size, P, deadline)
+        del comms[1 if not p2p_size else 2:]  # rank 0's knobs decide; the others follow
+        _create(world, comm, comms, key, rec_key, P, deadline)
     else:
-        _join(world, comm, key, rec_key, deadline)
-    comm.shm_ready(max(1, int((deadline - time.monotonic()) * 1000)))
+        _join(world, comms, key, rec_key, deadline)
+    for c, _size, _attach in comms:
+        c.shm_ready(max(1, int((deadline - time.monotonic()) * 1000)))
     log(world.rank, 1, f"communicator {comm.comm_id}: transport shm ({P} ranks, segment "
-                       f"{size} bytes)")
+                       f"{size} bytes" + (f"; point to point: {comms[1][1]} bytes)"
+                                          if len(comms) > 1 else ")"))
     return "shm"
 
 
-def _create(world: Any, comm: Any, key: bytes, rec_key: str, size: int, P: int,
+def _create(world: Any, comm: Any, comms: list, key: bytes, rec_key: str, P: int,
             deadline: float) -> None:
-    # Named after the job and comm: /proc/<pid>/maps of a rank shows whose it is.
-    fd = os.memfd_create(f"ringlet-{world.job_id.hex()[:8]}-comm{comm.comm_id}",
-                         os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fds: list = []
     listener = None
     try:
-        os.ftruncate(fd, size)
-        # Fixed size: no holder of the descriptor can shrink it under the others.
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        comm.attach_shm(fd, size, True)
+        for c, size, attach in comms:
+            # Named after the job and comm: /proc/<pid>/maps of a rank shows whose it is.
+            fd = os.memfd_create(f"ringlet-{world.job_id.hex()[:8]}-comm{c.comm_id}",
+                                 os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fds.append(fd)
+            os.ftruncate(fd, size)
+            # Fixed size: no holder of the descriptor can shrink it under the others.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            attach(fd, size, True)
         name = "ringlet-shm-" + secrets.token_hex(16)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         listener.bind("\0" + name)
         listener.listen(64)
-        world.store.set(rec_key, json.dumps({"name": name, "size": size}).encode())
-        _serve(world, listener, fd, key, name, P, deadline)
+        world.store.set(rec_key, json.dumps({"name": name,
+                                             "sizes": [size for _c, size, _a in comms]})
+                        .encode())
+        _serve(world, listener, fds, key, name, P, deadline)
     finally:
         if listener is not None:
             listener.close()
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
-def _serve(world: Any, listener: socket.socket, fd: int, key: bytes, name: str, P: int,
+def _serve(world: Any, listener: socket.socket, fds: list, key: bytes, name: str, P: int,
            deadline: float) -> None:
-    """Hand fd to comm ranks 1..P-1, each once, after it proves the secret."""
+    """Hand fds to comm ranks 1..P-1, each once, after it proves the secret."""
     global rejected
     served: set = set()
     lock = threading.Lock()
@@ -158,7 +174,7 @@ def _serve(world: Any, listener: socket.socket, fd: int, key: bytes, name: str, 
                     if len(served) == P - 1:
                         done.set()
                 conn.settimeout(max(0.01, end - time.monotonic()))
-                socket.send_fds(conn, [b"\1"], [fd])
+                socket.send_fds(conn, [b"\1"], fds)
         except (OSError, AuthenticationError, ValueError):
             with _rejected_lock:
                 rejected += 1
@@ -183,23 +199,29 @@ def _serve(world: Any, listener: socket.socket, fd: int, key: bytes, name: str, 
                          daemon=True).start()
 
 
-def _join(world: Any, comm: Any, key: bytes, rec_key: str, deadline: float) -> None:
+def _join(world: Any, comms: list, key: bytes, rec_key: str, deadline: float) -> None:
+    comm = comms[0][0]
     rec = json.loads(world.store.get(rec_key, timeout=max(0.0, deadline - time.monotonic()))
                      .decode())
-    name, size = str(rec["name"]), int(rec["size"])
+    name, sizes = str(rec["name"]), [int(x) for x in rec["sizes"]]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
         s.settimeout(max(0.01, deadline - time.monotonic()))
         s.connect("\0" + name)
         _auth.client_handshake(s, key, "shm/" + name, deadline=deadline,
                                claim=str(comm.rank).encode())
         s.settimeout(max(0.01, deadline - time.monotonic()))
-        msg, fds, _flags, _addr = socket.recv_fds(s, 1, 1)
-    if msg != b"\1" or len(fds) != 1:
+        msg, fds, _flags, _addr = socket.recv_fds(s, 1, 2)
+    # Rank 0 sized the segments by its knobs: a point-to-point segment it made
+    # is used here too, one it did not make is not.
+    if msg != b"\1" or len(fds) != len(sizes) or not 1 <= len(sizes) <= len(comms):
         for f in fds:
             os.close(f)
         raise RendezvousError(f"rank {world.rank}: no shared-memory segment came with the "
                               f"hand-over of communicator {comm.comm_id}", rank=world.rank)
+    comms[:] = [(c, size, attach) for (c, _s, attach), size in zip(comms, sizes)]
     try:
-        comm.attach_shm(fds[0], size, False)
+        for (c, size, attach), fd in zip(comms, fds):
+            attach(fd, size, False)
     finally:
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)

@@ -109,7 +109,7 @@ class World:
             p2p = _core.Comm(self.ctx, comm_id + 1, rank, ranks)
             try:  # collectives over shared memory when the ranks share a host
                 _shm.setup(self, coll, ranks, setup_timeout or
-                           (self.timeout if timeout is None else timeout))
+                           (self.timeout if timeout is None else timeout), p2p)
             except BaseException:
                 coll.close()
                 p2p.close()
