@@ -12,8 +12,8 @@
  *                 chunk/P bytes
  *
  * Steps.  Every op is a fixed sequence of steps, the same on every rank, so
- * all ranks number steps alike (1, 2, ...: rl_shm.step).  Step s uses
- * buffer s & 1.  A rank that writes its buffer for step s first waits until
+ * all ranks number steps alike (1, 2, ...: rl_shm.step, one count per lane,
+ * "Steps and lanes" below).  Step s of the big lane uses buffer s & 1.  A rank that writes its buffer for step s first waits until
  * every rank's `ack` reached s - 2 (all finished reading the step that used
  * that buffer last), writes the data and the buffer's descriptor, then
  * release-stores s into its `in` flag.  Readers wait for `in` >= s, compare
@@ -28,8 +28,9 @@
  * the first few microseconds yielding the core every 64 polls, and sooner
  * when rl_tune.spin_yield says ranks outnumber cores), then sleeps on the
  * segment's bell with FUTEX_WAIT in slices of at most 50 ms.  It counts
- * itself in `sleepers` first; a publisher rings the bell (bump + FUTEX_WAKE)
- * only when that count is nonzero, so the fast path makes no system call.
+ * itself first in the `waiters` of the rank that writes the flag; that rank
+ * rings the bell (bump + FUTEX_WAKE) when it publishes only while its count
+ * is nonzero, so the fast path makes no system call.
  * Aborts, closes and attaches ring it too.  Before each sleep it checks the
  * abort record, peers that closed or died (pidfds), the op's deadline and
  * the interrupt hook.
@@ -107,8 +108,9 @@ typedef struct {
     uint32_t s_in;   /* small lane: last step published                     */
     uint32_t s_ack;  /* small lane: last step finished reading              */
     uint32_t pad1[6];
-    /* line 1: spare, keeps the descriptors off the flags' line */
-    uint32_t pad2[16];
+    /* line 1: written by other ranks, off the owner's flags' line */
+    uint32_t waiters; /* ranks asleep on the bell waiting for one of this rank's flags */
+    uint32_t pad2[15];
     /* lines 2-3 */
     rl_hdr desc[2];
     char pad3[32];
@@ -259,13 +261,14 @@ static void ring_bell(shm_header *h) {
 }
 
 /* Store v into one of this rank's flags, then ring the bell if anyone
- * sleeps.  Both sides are sequentially consistent (store flag / load
- * sleepers here; add sleepers, read bell, load flag in the waiter), so
- * either the waiter sees v or this rank sees the waiter and changes the
- * bell it is about to sleep on. */
-static void publish(rl_shm *s, uint32_t *flag, uint32_t v) {
+ * sleeps waiting for one of them (this rank's `waiters`: a rank asleep on
+ * another rank's flag needs no system call from this one).  Both sides are
+ * sequentially consistent (store flag / load waiters here; add waiters,
+ * read bell, load flag in the waiter), so either the waiter sees v or this
+ * rank sees the waiter and changes the bell it is about to sleep on. */
+static void publish(rl_shm *s, int me, uint32_t *flag, uint32_t v) {
     __atomic_store_n(flag, v, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&s->hdr->sleepers, __ATOMIC_SEQ_CST)) ring_bell(s->hdr);
+    if (__atomic_load_n(&s->ctrl[me].waiters, __ATOMIC_SEQ_CST)) ring_bell(s->hdr);
 }
 
 void rl_shm_wake_all(rl_comm *c) {
@@ -424,15 +427,19 @@ static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t t
     }
     int64_t last_hook = rl_now_ns();
     shm_header *h = c->shm->hdr;
+    /* Counted where the flag's writer looks when it publishes; a flag that
+     * every rank writes (the attach count) has no one writer: its events
+     * ring the bell unconditionally. */
+    uint32_t *count = owner >= 0 ? &c->shm->ctrl[owner].waiters : &h->sleepers;
     for (;;) {
-        __atomic_fetch_add(&h->sleepers, 1, __ATOMIC_SEQ_CST);
+        __atomic_fetch_add(count, 1, __ATOMIC_SEQ_CST);
         uint32_t bell = __atomic_load_n(&h->bell, __ATOMIC_SEQ_CST);
         int st = sleep_check(c, op, flag, target, owner, &last_hook);
         if (st == RL_OK) {
             int64_t left = op->deadline_ns - rl_now_ns();
             futex_wait(&h->bell, bell, left < SHM_SLICE_NS ? (left > 0 ? left : 0) : SHM_SLICE_NS);
         }
-        __atomic_fetch_sub(&h->sleepers, 1, __ATOMIC_SEQ_CST);
+        __atomic_fetch_sub(count, 1, __ATOMIC_SEQ_CST);
         if (st == SHM_REACHED) return RL_OK;
         if (st != RL_OK) return st;
     }
@@ -731,7 +738,7 @@ static void publish_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step,
                        uint64_t nbytes) {
     rl_shm *s = c->shm;
     rl_fill_header(in_desc(s, c->rank, lane, step), c, op, part, nbytes);
-    publish(s, lane_in(s, c->rank, lane), step);
+    publish(s, c->rank, lane_in(s, c->rank, lane), step);
 }
 
 /* Wait for q's input of this step and compare its descriptor with ours. */
@@ -759,7 +766,7 @@ static int wait_all_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step,
 }
 
 static void step_ack(rl_comm *c, int lane, uint32_t step) {
-    publish(c->shm, lane_ack(c->shm, c->rank, lane), step);
+    publish(c->shm, c->rank, lane_ack(c->shm, c->rank, lane), step);
 }
 
 /* dst = slot(0) op slot(1) op ... op slot(P-1), element range [off, off+n),
@@ -824,7 +831,7 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
         size_t bs = rl_block_start(n, P, r), bn = rl_block_count(n, P, r);
         reduce_slots(c, BIG, step, bs * esz, res_area(s, r, step), bn, dt, rop);
         shm_ctrl *me = &s->ctrl[r];
-        publish(s, &me->out, step);
+        publish(s, r, &me->out, step);
         if (want) {
             for (int i = 0; i < P; i++) {
                 int q = (r + i) % P; /* start at our own block: it is in cache */
@@ -1070,7 +1077,7 @@ int rl_shm_send_frame(rl_comm *c, const rl_opdesc *op, int dst, const rl_hdr *h,
         if (k == 0) memcpy(cell, h, sizeof *h);
         size_t off = k * SHM_CELL, m = len - off < SHM_CELL ? len - off : SHM_CELL;
         if (m) memcpy(cell + SHM_SLOT_HDR, (const char *)buf + off, m);
-        publish(s, &rg->head, ++head);
+        publish(s, c->rank, &rg->head, ++head);
         s->tx_head[dst] = head;
     }
     return RL_OK;
@@ -1100,7 +1107,7 @@ int rl_shm_recv_body(rl_comm *c, const rl_opdesc *op, int src, void *buf, size_t
         if (st != RL_OK) return st;
         size_t off = k * SHM_CELL, m = len - off < SHM_CELL ? len - off : SHM_CELL;
         if (m) memcpy((char *)buf + off, cell_of(s, rg, tail) + SHM_SLOT_HDR, m);
-        publish(s, &rg->tail, ++tail);
+        publish(s, c->rank, &rg->tail, ++tail);
         s->rx_tail[src] = tail;
     }
     return RL_OK;

@@ -609,7 +609,8 @@ cdef class Comm:
             st = rl_scatter(c, po, pi, n, <rl_dtype>dt, root, timeout_ms)
         self._check(st, "scatter")
 
-    def barrier(self, int64_t timeout_ms):
+    def barrier(self, int64_t timeout_ms, _b=None, _c=None, _d=None):
+        # _b.._d: unused, so the group's fixed-arity call path can call it directly
         cdef rl_comm *c = self._h()
         cdef int st
         with nogil:

@@ -461,8 +461,8 @@ class ProcessGroup:
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
         """Return once every rank of the group has entered the barrier."""
-        ms = self._ms(timeout)
-        return self._run("barrier", _C.barrier, (ms,), (), async_op)
+        ms = self._default_ms if timeout is None else _millis(timeout)
+        return self._call("barrier", async_op, _C.barrier, ms, None, None, None)
 
     # ---- point to point -----------------------------------------------------
     def _p2p(self, fn: Callable[..., Any], kind: str, array: Any, peer: Any, tag: Any,
