@@ -82,6 +82,8 @@ typedef struct {
     uint32_t attached;   /* ranks that mapped the segment                */
     uint32_t kind;       /* SHM_COLL or SHM_P2P                            */
     uint32_t cells;      /* SHM_P2P: cells per ring, a power of two        */
+    uint32_t watching;   /* ranks that opened a pidfd on every peer        */
+    uint32_t pad_;
     /* The one futex word: every event a sleeper may wait for (a flag that a
      * publisher moved while someone slept, an abort, a close, an attach)
      * bumps it, so no wake-up is lost between a check and the sleep. */
@@ -617,7 +619,13 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
             s->npidfds++;
         }
     }
-    return RL_OK;
+    /* No rank leaves before every rank watches every peer: a rank that went
+     * on at once could finish its part (a send) and exit before a slower
+     * one opened its pidfd, which would then never learn of the exit. */
+    __atomic_fetch_add(&s->hdr->watching, 1, __ATOMIC_SEQ_CST);
+    ring_bell(s->hdr);
+    st = wait_flag(c, &op, &s->hdr->watching, (uint32_t)c->size, -1);
+    return st;
 }
 
 void rl_shm_note_rooted(rl_comm *c) {
