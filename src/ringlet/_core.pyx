@@ -446,24 +446,18 @@ cdef class Comm:
             free(buf)
         return total, cap, out
 
-    def attach_shm(self, int fd, size_t size, bint create):
-        """Map segment ``fd`` (``size`` bytes) for this comm's collectives; the
-        caller keeps and closes ``fd``.  ``create``: lay it out (comm rank 0)."""
+    def attach_shm(self, int fd, size_t size, bint create, bint p2p=False):
+        """Map segment ``fd`` (``size`` bytes) for this comm's collectives, or with
+        ``p2p`` for its point-to-point messages; the caller keeps and closes
+        ``fd``.  ``create``: lay it out (comm rank 0)."""
         cdef rl_comm *c = self._h()
         cdef rl_error err
         cdef int st
         with nogil:
-            st = rl_comm_attach_shm(c, fd, size, create, &err)
-        if st != RL_OK:
-            raise exception_class(st)(f"rank {self.rank}: " + err.msg.decode(errors="replace"))
-
-    def attach_shm_p2p(self, int fd, size_t size, bint create):
-        """As ``attach_shm``, for a comm that carries point-to-point messages."""
-        cdef rl_comm *c = self._h()
-        cdef rl_error err
-        cdef int st
-        with nogil:
-            st = rl_comm_attach_shm_p2p(c, fd, size, create, &err)
+            if p2p:
+                st = rl_comm_attach_shm_p2p(c, fd, size, create, &err)
+            else:
+                st = rl_comm_attach_shm(c, fd, size, create, &err)
         if st != RL_OK:
             raise exception_class(st)(f"rank {self.rank}: " + err.msg.decode(errors="replace"))
 

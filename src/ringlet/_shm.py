@@ -101,7 +101,7 @@ def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float,
     p2p_size = _core.shm_p2p_segment_bytes(P) if p2p is not None else 0
     comms = [(comm, size, comm.attach_shm)]
     if p2p is not None:
-        comms.append((p2p, p2p_size, p2p.attach_shm_p2p))
+        comms.append((p2p, p2p_size, lambda fd, n, create: p2p.attach_shm(fd, n, create, True)))
     if comm.rank == 0:
         del comms[1 if not p2p_size else 2:]  # rank 0's knobs decide; the others follow
         _create(world, comm, comms, key, rec_key, P, deadline)
