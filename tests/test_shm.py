@@ -28,7 +28,7 @@ from ringlet.errors import CollectiveTimeout, DesyncError, PeerClosedError
 from ringlet.testing import WorldError, run_world
 
 from _launchers import clean_env
-from _oracle import BF16, DTYPES, close, data, is_float, ops_for, reduce_np, same
+from _oracle import DTYPES, close, data, is_float, ops_for, reduce_np, same
 
 # Both lanes at small sizes: slots up to 512 B, one-step big-lane buffers up
 # to 1 KiB, chunked steps of 4 KiB beyond.

@@ -148,7 +148,6 @@ def _create(world: Any, comm: Any, comms: list, key: bytes, rec_key: str, P: int
 def _serve(world: Any, listener: socket.socket, fds: list, key: bytes, name: str, P: int,
            deadline: float) -> None:
     """Hand fds to comm ranks 1..P-1, each once, after it proves the secret."""
-    global rejected
     served: set = set()
     lock = threading.Lock()
     done = threading.Event()
