@@ -137,8 +137,9 @@ class ProcessGroup:
     def transport(self) -> Optional[str]:
         """What this group's collectives run over: ``"shm"`` (a shared-memory
         segment; its ranks share a host), ``"tcp"``, or None on a non-member
-        or after shutdown.  Point-to-point, all_to_all, gather and scatter
-        always use TCP (docs/launching.md, ``RINGLET_TRANSPORT``)."""
+        or after shutdown.  Over shared memory, ``all_to_all_v`` still uses
+        TCP, and so do point-to-point messages in groups of more than 8 ranks
+        (docs/launching.md, ``RINGLET_TRANSPORT``)."""
         if self._coll is None or self._closed:
             return None
         return self._coll.transport
