@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup", type=int, default=2)
     p.add_argument("--budget", type=float, default=2.0,
                    help="seconds of timed iterations per size (at least 3 iterations)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="operations back to back per timed iteration, as `ringlet bench "
+                        "--batch` (default 1: one operation per barrier)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rate", default="1gbit", help="tbf rate of every link (default 1gbit)")
     p.add_argument("-c", "--check", action="store_true", help="verify values against numpy")
@@ -256,8 +259,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if bad:
         p.error(f"--ops: unknown op(s) {bad}; choose from {', '.join(OPS)} or 'hier'")
     a.ops = names
-    if a.rounds < 1 or a.iters < 1 or a.warmup < 0:
-        p.error("--rounds and --iters must be >= 1, --warmup >= 0")
+    if a.rounds < 1 or a.iters < 1 or a.warmup < 0 or a.batch < 1:
+        p.error("--rounds, --iters and --batch must be >= 1, --warmup >= 0")
     try:
         a.sizes = size_range(a.minbytes, a.maxbytes, a.stepfactor)
     except ValueError as exc:
@@ -446,15 +449,20 @@ def _job(bed, system: str, hosts: int, per_host: int, payload: str, port: int,
     return launch.run_commands(f"ringlet-{system}", cmds, timeout=timeout)
 
 
+def sweep_payload(a: argparse.Namespace, nranks: int) -> str:
+    """The driver's ``--config`` for every system: one sweep per op, checked for ``nranks``."""
+    return json.dumps({"sweeps": [
+        SweepConfig(op=op, sizes=list(a.sizes), iters=a.iters, warmup=a.warmup,
+                    check=a.check, budget_s=a.budget, batch=a.batch).validate(nranks).to_json()
+        for op in a.ops]})
+
+
 def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional[dict],
                say: Callable[[str], None]) -> Dict[str, Any]:
     from ringlet.testbed import HostBed
 
     P = hosts * per_host
-    payload = json.dumps({"sweeps": [
-        SweepConfig(op=op, sizes=list(a.sizes), iters=a.iters, warmup=a.warmup,
-                    check=a.check, budget_s=a.budget).validate(P).to_json()
-        for op in a.ops]})
+    payload = sweep_payload(a, P)
     with HostBed(hosts, rate=a.rate) as bed, tempfile.TemporaryDirectory() as tmp:
         link = measure_link(bed, a.rate)
         say(f"{hosts}x{per_host}: R = {link['tcp_one_way']:.4f} GB/s one way, "

@@ -53,11 +53,21 @@ def test_parse_args_defaults_ops_and_usage_errors(capsys):
     assert a.ops == list(cm.OPS) and a.sizes == [1024, 32768, 1 << 20]
     for argv, what in ((["--ops", "all_reduce,allreduce"], "allreduce"),
                        (["--layouts", "1x2"], "layout"), (["--rounds", "0"], "rounds"),
+                       (["--batch", "0"], "batch"),
                        (["-b", "1M", "-e", "1K"], "smaller")):
         with pytest.raises(SystemExit) as exc:
             bb.parse_args(argv)
         assert exc.value.code == 2
         assert what in capsys.readouterr().err
+
+
+def test_every_system_gets_the_same_sweeps_with_the_batch():
+    a = bb.parse_args(["--ops", "all_reduce,broadcast", "-b", "8", "-e", "64", "--batch", "20",
+                       "-i", "7"])
+    sweeps = json.loads(bb.sweep_payload(a, 4))["sweeps"]
+    assert [s["op"] for s in sweeps] == ["all_reduce", "broadcast"]
+    assert all(s["batch"] == 20 and s["iters"] == 7 and s["sizes"] == [8, 64] for s in sweeps)
+    assert json.loads(bb.sweep_payload(bb.parse_args([]), 4))["sweeps"][0]["batch"] == 1
 
 
 def test_hier_bound_is_the_issue_formula():
