@@ -47,13 +47,14 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
 
 #define SHM_MAGIC 0x4d48534cu /* "LSHM" */
-#define SHM_VERSION 2u
+#define SHM_VERSION 3u
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
@@ -83,7 +84,8 @@ typedef struct {
     uint32_t kind;       /* SHM_COLL or SHM_P2P                            */
     uint32_t cells;      /* SHM_P2P: cells per ring, a power of two        */
     uint32_t watching;   /* ranks that opened a pidfd on every peer        */
-    uint32_t pad_;
+    uint32_t cma_bytes;  /* all_to_all reads peers' blocks of at least this
+                            many bytes directly (process_vm_readv); 0: never */
     /* The one futex word: every event a sleeper may wait for (a flag that a
      * publisher moved while someone slept, an abort, a close, an attach)
      * bumps it, so no wake-up is lost between a check and the sleep. */
@@ -109,7 +111,12 @@ typedef struct {
     uint64_t rooted;
     uint32_t s_in;   /* small lane: last step published                     */
     uint32_t s_ack;  /* small lane: last step finished reading              */
-    uint32_t pad1[6];
+    uint32_t cma_ok; /* 1: this rank read every peer's probe; 2: it could not */
+    uint32_t pad1;
+    /* Single copy: the address, in the owner's memory, of the input that
+     * peers read directly for the big-lane step that uses buffer i (and of
+     * its probe word during set-up). */
+    uint64_t xaddr[2];
     /* line 1: written by other ranks, off the owner's flags' line */
     uint32_t waiters; /* ranks asleep on the bell waiting for one of this rank's flags */
     uint32_t pad2[15];
@@ -153,6 +160,8 @@ struct rl_shm {
     uint32_t *tx_head, *rx_tail; /* per peer: cells this rank published / consumed */
     int *pidfds; /* comm rank -> pidfd, -1: none (self, same process) */
     int npidfds;
+    uint64_t probe;  /* what a peer's process_vm_readv must find at xaddr[0] */
+    size_t cma_min;  /* single copy from this many bytes per block; 0: off  */
 };
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -315,6 +324,17 @@ static int rooted_check(rl_comm *c, const rl_opdesc *op, int q) {
  * time a peer is seen gone was published in time: re-read it before failing
  * (a peer may well finish its part of the last op and leave). */
 static int op_check(rl_comm *c, const rl_opdesc *op, int q);
+/* The failure a peer's abort record gives this op. */
+static int peer_aborted(rl_comm *c, const rl_opdesc *op) {
+    shm_header *h = c->shm->hdr;
+    char reason[RL_ABORT_REASON_MAX];
+    memcpy(reason, h->abort_reason, sizeof reason);
+    reason[sizeof reason - 1] = 0;
+    int who = h->abort_rank;
+    return rl_fail(c, op, abort_status_of(h->abort_status), who >= 0 && who < c->size ? who : -1,
+                   0, "peer aborted the operation: [%s]", reason);
+}
+
 static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
                        int owner) {
     rl_shm *s = c->shm, *sh = s;
@@ -330,13 +350,7 @@ static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
     }
     if (__atomic_load_n(&sh->hdr->abort_set, __ATOMIC_ACQUIRE)) {
         SHM_DONE_ANYWAY();
-        char reason[RL_ABORT_REASON_MAX];
-        memcpy(reason, sh->hdr->abort_reason, sizeof reason);
-        reason[sizeof reason - 1] = 0;
-        int who = sh->hdr->abort_rank;
-        return rl_fail(c, op, abort_status_of(sh->hdr->abort_status),
-                       who >= 0 && who < c->size ? who : -1, 0,
-                       "peer aborted the operation: [%s]", reason);
+        return peer_aborted(c, op);
     }
     for (int q = 0; q < c->size; q++) {
         if (q == c->rank || (only >= 0 && q != only)) continue;
@@ -512,6 +526,8 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
             int64_t small = rl_tune.shm_small_bytes;
             h->small = small < 0 ? 0 : ((size_t)small > chunk ? chunk : (size_t)small);
             h->data_off = l.data_off;
+            int64_t cma = rl_tune.shm_cma_bytes;
+            h->cma_bytes = cma <= 0 ? 0 : (cma > UINT32_MAX ? UINT32_MAX : (uint32_t)cma);
         }
         __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
     } else {
@@ -577,6 +593,8 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     }
     s->pidfds = pidfds;
     s->ctrl[c->rank].pid = (int32_t)getpid();
+    s->probe = (uint64_t)SHM_MAGIC << 32 | c->id;
+    s->ctrl[c->rank].xaddr[0] = (uint64_t)(uintptr_t)&s->probe;
     c->shm = s;
     __atomic_fetch_add(&h->attached, 1, __ATOMIC_SEQ_CST);
     ring_bell(h);
@@ -589,6 +607,55 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
 
 int rl_comm_attach_shm_p2p(rl_comm *c, int fd, size_t size, int create, rl_error *err) {
     return attach(c, fd, size, create, SHM_P2P, err);
+}
+
+/* ---- single copy (process_vm_readv) ------------------------------------
+ * A rank reads a peer's input straight into its own output: one copy where
+ * the staged path makes two.  The kernel allows it between processes that
+ * could ptrace each other (same user, no Yama restriction); each rank probes
+ * every peer in set-up and the comm uses it only if all could. */
+static int cma_read_raw(pid_t pid, void *dst, uint64_t src, size_t n) {
+    while (n) {
+        struct iovec l = {dst, n}, r = {(void *)(uintptr_t)src, n};
+        ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (got == 0) return EFAULT;
+        dst = (char *)dst + got;
+        src += (uint64_t)got;
+        n -= (size_t)got;
+    }
+    return 0;
+}
+
+static void cma_probe(rl_comm *c) {
+    rl_shm *s = c->shm;
+    uint32_t ok = 1;
+    for (int q = 0; q < c->size && ok == 1; q++) {
+        uint64_t got = 0;
+        pid_t pid = (pid_t)__atomic_load_n(&s->ctrl[q].pid, __ATOMIC_ACQUIRE);
+        uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[0], __ATOMIC_ACQUIRE);
+        if (pid <= 0 || cma_read_raw(pid, &got, at, sizeof got) != 0 || got != s->probe) ok = 2;
+    }
+    __atomic_store_n(&s->ctrl[c->rank].cma_ok, ok, __ATOMIC_RELEASE);
+}
+
+/* Read n bytes at the peer's address src into dst, or fail the op naming the peer. */
+static int cma_read(rl_comm *c, const rl_opdesc *op, int q, void *dst, uint64_t src, size_t n) {
+    rl_shm *s = c->shm;
+    int e = cma_read_raw((pid_t)s->ctrl[q].pid, dst, src, n);
+    if (e == 0) return RL_OK;
+    /* A peer that failed may have left the op and freed its input already. */
+    if (__atomic_load_n(&s->hdr->abort_set, __ATOMIC_ACQUIRE)) return peer_aborted(c, op);
+    if (e == ESRCH)
+        return rl_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
+                       "the peer's process (pid %d) exited or was killed (shared memory)",
+                       (int)s->ctrl[q].pid);
+    return rl_fail(c, op, e == EFAULT ? RL_ERR_PROTOCOL : RL_ERR_SYSTEM, q, e,
+                   "reading %zu bytes of the peer's input directly (process_vm_readv) failed: %s",
+                   n, strerror(e));
 }
 
 int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
@@ -619,13 +686,22 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
             s->npidfds++;
         }
     }
+    if (s->kind == SHM_COLL && s->hdr->cma_bytes) cma_probe(c);
     /* No rank leaves before every rank watches every peer: a rank that went
      * on at once could finish its part (a send) and exit before a slower
-     * one opened its pidfd, which would then never learn of the exit. */
+     * one opened its pidfd, which would then never learn of the exit.  (Nor
+     * before every rank probed every peer: the probe word's address is then
+     * overwritten by the first big-lane op.) */
     __atomic_fetch_add(&s->hdr->watching, 1, __ATOMIC_SEQ_CST);
     ring_bell(s->hdr);
     st = wait_flag(c, &op, &s->hdr->watching, (uint32_t)c->size, -1);
-    return st;
+    if (st != RL_OK) return st;
+    /* Single copy only when every rank can read every peer, so that all
+     * ranks take the same path (and number their steps alike). */
+    s->cma_min = s->kind == SHM_COLL ? s->hdr->cma_bytes : 0;
+    for (int q = 0; q < c->size && s->cma_min; q++)
+        if (__atomic_load_n(&s->ctrl[q].cma_ok, __ATOMIC_ACQUIRE) != 1) s->cma_min = 0;
+    return RL_OK;
 }
 
 void rl_shm_note_rooted(rl_comm *c) {
@@ -1028,6 +1104,39 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
  * reduce_scatter does) and publishes; rank r copies piece r of every rank's
  * area into block q of out.  An out that overlaps in is staged in scratch:
  * later pieces of in are read after earlier pieces of out were written. */
+static int cma_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t span = blk * (size_t)P;
+    const char *src = in;
+    uint32_t step;
+    int st;
+    op->algo = "shm_single_copy";
+    if (rl_overlap(out, span, in, span)) {
+        /* Peers read this rank's input while it writes its output. */
+        char *tmp;
+        if ((st = rl_scratch(c, op, span, in, &tmp)) != RL_OK) return st;
+        memcpy(tmp, in, span);
+        src = tmp;
+    }
+    if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
+    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)src;
+    publish_in(c, op, BIG, step, 0, blk);
+    memcpy((char *)out + (size_t)r * blk, src + (size_t)r * blk, blk);
+    for (int i = 1; i < P; i++) {
+        int q = (r + i) % P;
+        if ((st = wait_in(c, op, BIG, q, step, 0, blk)) != RL_OK) return st;
+        uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+        st = cma_read(c, op, q, (char *)out + (size_t)q * blk, at + (uint64_t)r * blk, blk);
+        if (st != RL_OK) return st;
+    }
+    step_ack(c, BIG, step);
+    /* The input stays in use until every peer has read its block. */
+    for (int q = 0; q < P; q++)
+        if (q != r && (st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
+    return RL_OK;
+}
+
 int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
@@ -1036,6 +1145,7 @@ int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     uint32_t step;
     int st;
     note_op(c, op);
+    if (lane == BIG && s->cma_min && blk >= s->cma_min) return cma_all_to_all(c, op, out, in, blk);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     char *dst = out;
     size_t span = blk * (size_t)P;

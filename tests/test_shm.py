@@ -31,8 +31,10 @@ from _launchers import clean_env
 from _oracle import DTYPES, close, data, is_float, ops_for, reduce_np, same
 
 # Both lanes at small sizes: slots up to 512 B, one-step big-lane buffers up
-# to 1 KiB, chunked steps of 4 KiB beyond.
-SHM_TUNING = dict(shm_chunk_bytes=4096, shm_small_bytes=1024, shm_slots=8, shm_slot_bytes=512)
+# to 1 KiB, chunked steps of 4 KiB beyond; all_to_all blocks from 4 KiB read
+# straight from the peers (single copy), smaller ones staged.
+SHM_TUNING = dict(shm_chunk_bytes=4096, shm_small_bytes=1024, shm_slots=8, shm_slot_bytes=512,
+                  shm_cma_bytes=4096)
 
 
 @pytest.fixture
@@ -135,6 +137,28 @@ def test_every_op_dtype_and_count_over_shm(P, small_chunks):
         assert not bad, "\n".join(bad[:20])
     digests = [d for _, d in res]
     assert digests[0] and all(d == digests[0] for d in digests), "ranks differ bitwise"
+
+
+def _a2a_algorithms(rank, P, blk):
+    g = _world._current().group
+    assert g.transport == "shm"
+    inp = np.arange(blk * P, dtype=np.float32) + 1e6 * rank
+    out = np.full(blk * P, -1, np.float32)
+    ringlet.all_to_all(out, inp)
+    want = np.concatenate([np.arange(rank * blk, (rank + 1) * blk, dtype=np.float32) + 1e6 * q
+                           for q in range(P)])
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "all_to_all"]
+    return bool(np.array_equal(out, want)), algo
+
+
+@pytest.mark.parametrize("cma", ["65536", "0"])
+def test_all_to_all_reads_peers_directly_across_processes(monkeypatch, cma):
+    # Separate processes: the single-copy path reads other address spaces.
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
+    res = run_world(_a2a_algorithms, 3, mode="process", timeout=60, args=(100_000,))
+    want = "shm_single_copy" if cma != "0" else "shm_copy"
+    assert res == [(True, [want])] * 3, res
 
 
 def _async_and_inplace(rank, P):
