@@ -1058,6 +1058,45 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
  * bytes) and publishes; each leaf copies its piece out.  The root's own
  * block moves by memmove: first for gather (`one` is then free), last for
  * scatter (after every piece of `many` was read). */
+/* Single copy (blocks >= cma_min): the ranks whose buffers are read (the
+ * scatter root, the gather leaves) publish their address in one big-lane
+ * step; the readers read their blocks straight from them, acknowledge, and
+ * the published ranks return once every reader has. */
+static int cma_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,
+                      int root) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    char *mine = (char *)many + (size_t)root * blk;
+    int published = gather ? r != root : r == root;
+    uint32_t step;
+    int st;
+    op->algo = "shm_single_copy";
+    if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
+    if ((st = step_begin(c, op, BIG, published, &step)) != RL_OK) return st;
+    if (published) {
+        s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)(gather ? one : many);
+        publish_in(c, op, BIG, step, 0, blk);
+        step_ack(c, BIG, step);
+        for (int q = 0; q < P; q++) {
+            if (q == r || (gather && q != root)) continue;
+            if ((st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
+        }
+        if (r == root && mine != (char *)one) memmove(one, mine, blk);
+        return RL_OK;
+    }
+    for (int i = 1; i < P; i++) {
+        int q = gather ? (r + i) % P : root;
+        if ((st = wait_in(c, op, BIG, q, step, 0, blk)) != RL_OK) return st;
+        uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+        st = gather ? cma_read(c, op, q, (char *)many + (size_t)q * blk, at, blk)
+                    : cma_read(c, op, q, one, at + (uint64_t)r * blk, blk);
+        if (st != RL_OK) return st;
+        if (!gather) break;
+    }
+    step_ack(c, BIG, step);
+    return RL_OK;
+}
+
 int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,
                   int root) {
     rl_shm *s = c->shm;
@@ -1069,6 +1108,8 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     uint32_t step;
     int st;
     note_op(c, op);
+    if (lane == BIG && s->cma_min && blk >= s->cma_min)
+        return cma_rooted(c, op, gather, many, one, blk, root);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
     int writes = gather ? r != root : r == root;

@@ -145,9 +145,11 @@ def _two_roots(rank, P, op, n):
     return "silent"
 
 
-@pytest.mark.parametrize("op,n", [("broadcast", 4), ("broadcast", 20_000), ("scatter", 4)])
+@pytest.mark.parametrize("op,n", [("broadcast", 4), ("broadcast", 20_000), ("scatter", 4),
+                                  ("scatter", 20_000)])
 def test_two_roots_are_named_by_the_next_collective(op, n):
-    # 20_000 floats: the chain broadcast (above the small-message tree's 64 KiB).
+    # 20_000 floats: the chain broadcast (above the small-message tree's 64 KiB);
+    # over shared memory the big lane, and the single-copy scatter.
     res = run_world(_two_roots, 2, mode="thread", timeout=60, args=(op, n))
     for rank, msg in enumerate(res):
         assert f"ranks passed different roots to {op} seq=1: root {rank} on this rank, " \

@@ -31,8 +31,8 @@ from _launchers import clean_env
 from _oracle import DTYPES, close, data, is_float, ops_for, reduce_np, same
 
 # Both lanes at small sizes: slots up to 512 B, one-step big-lane buffers up
-# to 1 KiB, chunked steps of 4 KiB beyond; all_to_all blocks from 4 KiB read
-# straight from the peers (single copy), smaller ones staged.
+# to 1 KiB, chunked steps of 4 KiB beyond; all_to_all, gather and scatter
+# blocks from 4 KiB read straight from the peers (single copy), smaller ones staged.
 SHM_TUNING = dict(shm_chunk_bytes=4096, shm_small_bytes=1024, shm_slots=8, shm_slot_bytes=512,
                   shm_cma_bytes=4096)
 
@@ -139,26 +139,37 @@ def test_every_op_dtype_and_count_over_shm(P, small_chunks):
     assert digests[0] and all(d == digests[0] for d in digests), "ranks differ bitwise"
 
 
-def _a2a_algorithms(rank, P, blk):
+def _single_copy_ops(rank, P, blk):
     g = _world._current().group
     assert g.transport == "shm"
-    inp = np.arange(blk * P, dtype=np.float32) + 1e6 * rank
+    rows = np.arange(blk * P, dtype=np.float32)
+    inp = rows + 1e6 * rank
     out = np.full(blk * P, -1, np.float32)
     ringlet.all_to_all(out, inp)
-    want = np.concatenate([np.arange(rank * blk, (rank + 1) * blk, dtype=np.float32) + 1e6 * q
-                           for q in range(P)])
-    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "all_to_all"]
-    return bool(np.array_equal(out, want)), algo
+    ok = {"all_to_all": np.array_equal(out, np.concatenate(
+        [rows[rank * blk:(rank + 1) * blk] + 1e6 * q for q in range(P)]))}
+    root = P - 1
+    out = np.full(blk * P, -1, np.float32) if rank == root else None
+    ringlet.gather(out, inp[:blk], dst=root)
+    ok["gather"] = rank != root or np.array_equal(
+        out, np.concatenate([rows[:blk] + 1e6 * q for q in range(P)]))
+    one = np.full(blk, -1, np.float32)
+    ringlet.scatter(one, inp if rank == root else None, src=root)
+    ok["scatter"] = np.array_equal(one, rows[rank * blk:(rank + 1) * blk] + 1e6 * root)
+    algo = {e["op"]: e["algorithm"] for e in g._coll.trace()[2]
+            if e["op"] in ("all_to_all", "gather", "scatter")}
+    return ok, algo
 
 
 @pytest.mark.parametrize("cma", ["65536", "0"])
-def test_all_to_all_reads_peers_directly_across_processes(monkeypatch, cma):
+def test_large_blocks_are_read_from_the_peer_across_processes(monkeypatch, cma):
     # Separate processes: the single-copy path reads other address spaces.
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
-    res = run_world(_a2a_algorithms, 3, mode="process", timeout=60, args=(100_000,))
+    res = run_world(_single_copy_ops, 3, mode="process", timeout=60, args=(100_000,))
     want = "shm_single_copy" if cma != "0" else "shm_copy"
-    assert res == [(True, [want])] * 3, res
+    ops = ("all_to_all", "gather", "scatter")
+    assert res == [({o: True for o in ops}, {o: want for o in ops})] * 3, res
 
 
 def _async_and_inplace(rank, P):
