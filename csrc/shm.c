@@ -976,6 +976,9 @@ int rl_shm_barrier(rl_comm *c, rl_opdesc *op) {
 /* ---- all_gather ------------------------------------------------------------
  * Per step every rank copies a piece of its block in and publishes; every
  * rank copies that piece of all P blocks out.  Writes N + P*N, reads P*N. */
+static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, size_t blk,
+                        size_t at_off);
+
 int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t count,
                       rl_dtype dt) {
     rl_shm *s = c->shm;
@@ -993,6 +996,10 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
         memmove(mine, in, blk);
         in = mine;
     }
+    /* Single copy reads every block once per peer from memory, where the
+     * staged copy-out reads the segment's cached piece: only 2 ranks gain. */
+    if (lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min)
+        return cma_exchange(c, op, (char *)out, (const char *)in, blk, 0);
     for (size_t k = 0, part = 0; k < count; k += ce, part++) {
         size_t n = count - k < ce ? count - k : ce;
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
@@ -1058,41 +1065,32 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
  * bytes) and publishes; each leaf copies its piece out.  The root's own
  * block moves by memmove: first for gather (`one` is then free), last for
  * scatter (after every piece of `many` was read). */
-/* Single copy (blocks >= cma_min): the ranks whose buffers are read (the
- * scatter root, the gather leaves) publish their address in one big-lane
- * step; the readers read their blocks straight from them, acknowledge, and
- * the published ranks return once every reader has. */
-static int cma_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,
-                      int root) {
+/* Single copy for scatter (blocks >= cma_min and above one chunk): the root
+ * publishes its buffer's address in one big-lane step and returns once every
+ * leaf has read its block straight from it.  (Below one chunk the staged
+ * scatter takes one step and its root runs ahead of the leaves; a gather's
+ * root would read every block alone, where staged leaves copy in parallel:
+ * both measured slower single-copy, docs/experiments.md.) */
+static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
     char *mine = (char *)many + (size_t)root * blk;
-    int published = gather ? r != root : r == root;
     uint32_t step;
     int st;
     op->algo = "shm_single_copy";
-    if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
-    if ((st = step_begin(c, op, BIG, published, &step)) != RL_OK) return st;
-    if (published) {
-        s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)(gather ? one : many);
+    if ((st = step_begin(c, op, BIG, r == root, &step)) != RL_OK) return st;
+    if (r == root) {
+        s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)many;
         publish_in(c, op, BIG, step, 0, blk);
         step_ack(c, BIG, step);
-        for (int q = 0; q < P; q++) {
-            if (q == r || (gather && q != root)) continue;
-            if ((st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
-        }
-        if (r == root && mine != (char *)one) memmove(one, mine, blk);
+        for (int q = 0; q < P; q++)
+            if (q != r && (st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
+        if (mine != (char *)one) memmove(one, mine, blk);
         return RL_OK;
     }
-    for (int i = 1; i < P; i++) {
-        int q = gather ? (r + i) % P : root;
-        if ((st = wait_in(c, op, BIG, q, step, 0, blk)) != RL_OK) return st;
-        uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
-        st = gather ? cma_read(c, op, q, (char *)many + (size_t)q * blk, at, blk)
-                    : cma_read(c, op, q, one, at + (uint64_t)r * blk, blk);
-        if (st != RL_OK) return st;
-        if (!gather) break;
-    }
+    if ((st = wait_in(c, op, BIG, root, step, 0, blk)) != RL_OK) return st;
+    uint64_t at = __atomic_load_n(&s->ctrl[root].xaddr[step & 1], __ATOMIC_RELAXED);
+    if ((st = cma_read(c, op, root, one, at + (uint64_t)r * blk, blk)) != RL_OK) return st;
     step_ack(c, BIG, step);
     return RL_OK;
 }
@@ -1108,8 +1106,8 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     uint32_t step;
     int st;
     note_op(c, op);
-    if (lane == BIG && s->cma_min && blk >= s->cma_min)
-        return cma_rooted(c, op, gather, many, one, blk, root);
+    if (!gather && lane == BIG && s->cma_min && blk >= s->cma_min && blk > s->chunk)
+        return cma_scatter(c, op, many, one, blk, root);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
     int writes = gather ? r != root : r == root;
@@ -1145,37 +1143,47 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
  * reduce_scatter does) and publishes; rank r copies piece r of every rank's
  * area into block q of out.  An out that overlaps in is staged in scratch:
  * later pieces of in are read after earlier pieces of out were written. */
-static int cma_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk) {
+/* Single copy between every pair: each rank publishes src; block q of out
+ * is read from rank q's src at offset `at_off` (this rank's block there),
+ * this rank's own from its src.  src must not overlap out except as out's
+ * block r: peers read it while this rank writes the others. */
+static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, size_t blk,
+                        size_t at_off) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
-    size_t span = blk * (size_t)P;
-    const char *src = in;
     uint32_t step;
     int st;
     op->algo = "shm_single_copy";
-    if (rl_overlap(out, span, in, span)) {
-        /* Peers read this rank's input while it writes its output. */
-        char *tmp;
-        if ((st = rl_scratch(c, op, span, in, &tmp)) != RL_OK) return st;
-        memcpy(tmp, in, span);
-        src = tmp;
-    }
     if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
     s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)src;
     publish_in(c, op, BIG, step, 0, blk);
-    memcpy((char *)out + (size_t)r * blk, src + (size_t)r * blk, blk);
+    if (out + (size_t)r * blk != src + at_off) memcpy(out + (size_t)r * blk, src + at_off, blk);
     for (int i = 1; i < P; i++) {
         int q = (r + i) % P;
         if ((st = wait_in(c, op, BIG, q, step, 0, blk)) != RL_OK) return st;
         uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
-        st = cma_read(c, op, q, (char *)out + (size_t)q * blk, at + (uint64_t)r * blk, blk);
+        st = cma_read(c, op, q, out + (size_t)q * blk, at + (uint64_t)at_off, blk);
         if (st != RL_OK) return st;
     }
     step_ack(c, BIG, step);
-    /* The input stays in use until every peer has read its block. */
+    /* The input stays in use until every peer has read it. */
     for (int q = 0; q < P; q++)
         if (q != r && (st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
     return RL_OK;
+}
+
+static int cma_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk) {
+    size_t span = blk * (size_t)c->size;
+    const char *src = in;
+    if (rl_overlap(out, span, in, span)) {
+        /* Peers read this rank's input while it writes its output. */
+        char *tmp;
+        int st = rl_scratch(c, op, span, in, &tmp);
+        if (st != RL_OK) return st;
+        memcpy(tmp, in, span);
+        src = tmp;
+    }
+    return cma_exchange(c, op, out, src, blk, (size_t)c->rank * blk);
 }
 
 int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk) {

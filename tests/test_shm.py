@@ -31,8 +31,9 @@ from _launchers import clean_env
 from _oracle import DTYPES, close, data, is_float, ops_for, reduce_np, same
 
 # Both lanes at small sizes: slots up to 512 B, one-step big-lane buffers up
-# to 1 KiB, chunked steps of 4 KiB beyond; all_to_all, gather and scatter
-# blocks from 4 KiB read straight from the peers (single copy), smaller ones staged.
+# to 1 KiB, chunked steps of 4 KiB beyond; all_to_all blocks from 4 KiB (all_gather
+# at 2 ranks; scatter above the 4 KiB chunk) read straight from the peers (single
+# copy), smaller ones staged.
 SHM_TUNING = dict(shm_chunk_bytes=4096, shm_small_bytes=1024, shm_slots=8, shm_slot_bytes=512,
                   shm_cma_bytes=4096)
 
@@ -148,6 +149,10 @@ def _single_copy_ops(rank, P, blk):
     ringlet.all_to_all(out, inp)
     ok = {"all_to_all": np.array_equal(out, np.concatenate(
         [rows[rank * blk:(rank + 1) * blk] + 1e6 * q for q in range(P)]))}
+    out = np.full(blk * P, -1, np.float32)
+    ringlet.all_gather(out, inp[:blk])
+    ok["all_gather"] = np.array_equal(out, np.concatenate([rows[:blk] + 1e6 * q
+                                                           for q in range(P)]))
     root = P - 1
     out = np.full(blk * P, -1, np.float32) if rank == root else None
     ringlet.gather(out, inp[:blk], dst=root)
@@ -157,7 +162,7 @@ def _single_copy_ops(rank, P, blk):
     ringlet.scatter(one, inp if rank == root else None, src=root)
     ok["scatter"] = np.array_equal(one, rows[rank * blk:(rank + 1) * blk] + 1e6 * root)
     algo = {e["op"]: e["algorithm"] for e in g._coll.trace()[2]
-            if e["op"] in ("all_to_all", "gather", "scatter")}
+            if e["op"] in ("all_to_all", "all_gather", "gather", "scatter")}
     return ok, algo
 
 
@@ -167,9 +172,14 @@ def test_large_blocks_are_read_from_the_peer_across_processes(monkeypatch, cma):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
     res = run_world(_single_copy_ops, 3, mode="process", timeout=60, args=(100_000,))
+    # 400 KB blocks: above the staging chunk, where scatter reads directly too;
+    # a gather's root always collects staged blocks (leaves copy in parallel).
+    # 2 ranks (all_gather's single copy): the matrix above.
     want = "shm_single_copy" if cma != "0" else "shm_copy"
-    ops = ("all_to_all", "gather", "scatter")
-    assert res == [({o: True for o in ops}, {o: want for o in ops})] * 3, res
+    ops = ("all_to_all", "all_gather", "gather", "scatter")
+    algos = {o: want for o in ops}
+    algos["gather"] = algos["all_gather"] = "shm_copy"  # all_gather: only at 2 ranks
+    assert res == [({o: True for o in ops}, algos)] * 3, res
 
 
 def _async_and_inplace(rank, P):
