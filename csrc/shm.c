@@ -84,8 +84,8 @@ typedef struct {
     uint32_t kind;       /* SHM_COLL or SHM_P2P                            */
     uint32_t cells;      /* SHM_P2P: cells per ring, a power of two        */
     uint32_t watching;   /* ranks that opened a pidfd on every peer        */
-    uint32_t cma_bytes;  /* all_to_all reads peers' blocks of at least this
-                            many bytes directly (process_vm_readv); 0: never */
+    uint32_t cma_bytes;  /* single copy (process_vm_readv) from blocks of this
+                            many bytes (shm_cma_bytes of rank 0); 0: never */
     /* The one futex word: every event a sleeper may wait for (a flag that a
      * publisher moved while someone slept, an abort, a close, an attach)
      * bumps it, so no wake-up is lost between a check and the sleep. */
@@ -646,9 +646,11 @@ static void cma_probe(rl_comm *c) {
 static int cma_read(rl_comm *c, const rl_opdesc *op, int q, void *dst, uint64_t src, size_t n) {
     rl_shm *s = c->shm;
     int e = cma_read_raw((pid_t)s->ctrl[q].pid, dst, src, n);
-    if (e == 0) return RL_OK;
-    /* A peer that failed may have left the op and freed its input already. */
+    /* A peer that failed may have left the op and freed or reused its input
+     * (a scatter root acknowledges before it waits): what was read is then
+     * not trusted, even when the read worked.  It aborted before it left. */
     if (__atomic_load_n(&s->hdr->abort_set, __ATOMIC_ACQUIRE)) return peer_aborted(c, op);
+    if (e == 0) return RL_OK;
     if (e == ESRCH)
         return rl_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
                        "the peer's process (pid %d) exited or was killed (shared memory)",
