@@ -152,10 +152,11 @@ def _two_roots(rank, P, op, n):
 
 
 @pytest.mark.parametrize("op,n", [("broadcast", 4), ("broadcast", 20_000), ("scatter", 4),
-                                  ("scatter", 20_000)])
+                                  ("scatter", 70_000)])
 def test_two_roots_are_named_by_the_next_collective(op, n):
     # 20_000 floats: the chain broadcast (above the small-message tree's 64 KiB);
-    # over shared memory the big lane, and the single-copy scatter.
+    # over shared memory the big lane; 70_000 floats: blocks above one staging
+    # chunk (256 KiB), the single-copy scatter.
     res = run_world(_two_roots, 2, mode="thread", timeout=60, args=(op, n))
     own = 0
     for rank, (where, msg) in enumerate(res):
@@ -170,7 +171,7 @@ def test_two_roots_are_named_by_the_next_collective(op, n):
         if where == "next":
             assert "all_reduce(seq=2" in msg, msg
         else:  # only a root that waits for its readers sees it in the op
-            assert where == "in the op" and (op, n) == ("scatter", 20_000), (where, msg)
+            assert where == "in the op" and (op, n) == ("scatter", 70_000), (where, msg)
     assert own >= 1, res
 
 
