@@ -69,12 +69,12 @@ def rpc_codec() -> dict:
 
 def store() -> dict:
     from ringlet import _auth
-    from ringlet import store as st
+    from ringlet.store import protocol as st
 
     def req(op, key=b"", value=b"", tmo=0):
         return struct.pack("!BIQQ", op, len(key), len(value), tmo) + key + value
 
-    keys = st._encode_keys([b"a", b"b"])
+    keys = st.encode_keys([b"a", b"b"])
     return {
         "hello_only": b"\x00" + _auth.encode_hello(b"", b"\x22" * 32),
         "garbage_preauth": b"\x00GET / HTTP/1.1\r\n\r\n",
@@ -84,6 +84,7 @@ def store() -> dict:
         "check_delete": b"\x01" + req(st.OP_CHECK, b"a") + req(st.OP_DELETE, b"a"),
         "wait": b"\x01" + req(st.OP_WAIT, value=keys, tmo=0),
         "info": b"\x01" + req(st.OP_INFO),
+        "will": b"\x01" + req(st.OP_WILL, b"gone", b"lost") + req(st.OP_WILL, b"", b"x"),
         "unknown_op": b"\x01" + req(99, b"a"),
         "parked_get": b"\x01" + req(st.OP_GET, b"never", tmo=60000),
     }

@@ -289,6 +289,56 @@ def test_killed_peer_detected_long_before_timeout(monkeypatch, transport):
         assert took < 3.0, f"rank {r} needed {took:.2f}s to notice a SIGKILL over {transport}"
 
 
+_DIES_UNDER_ENV_LAUNCH = """
+import os, signal, sys, time, numpy as np, ringlet
+ringlet.init(timeout=60)
+rank = ringlet.get_rank()
+x = np.ones(4, np.float32)
+ringlet.all_reduce(x)
+if rank == 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    ringlet.all_reduce(x, timeout=60)
+except ringlet.errors.RingletError as exc:
+    kind = type(exc).__name__
+t0 = time.monotonic()
+ringlet.shutdown()
+with open(os.path.join(sys.argv[1], f"{rank}.txt"), "w") as f:
+    f.write(f"{kind} {time.monotonic() - t0:.3f}")
+"""
+
+
+def test_rank_serving_the_store_exits_promptly_after_a_rank_died(tmp_path):
+    # No launcher: rank 0 serves the store and, at shutdown, waits for every
+    # rank's check-out (up to 30 s).  The dead rank's will ends that wait.
+    import subprocess
+    import sys
+
+    from _launchers import clean_env
+
+    script = tmp_path / "job.py"
+    script.write_text(_DIES_UNDER_ENV_LAUNCH)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)],
+                              env=clean_env(RANK=str(r), **env), stderr=subprocess.PIPE)
+             for r in range(3)]
+    try:
+        errs = [p.communicate(timeout=120)[1].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[2].returncode == -signal.SIGKILL, errs[2]
+    for r in (0, 1):
+        assert procs[r].returncode == 0, errs[r]
+        kind, took = (tmp_path / f"{r}.txt").read_text().split()
+        assert kind == "PeerClosedError", (r, kind)
+        # Without the will, rank 0 waits out the full 30 s for rank 2's check-out.
+        assert float(took) < 15.0, f"rank {r} took {took} s to shut down"
+
+
 # ---- rendezvous -----------------------------------------------------------------
 def test_rank_that_never_joins_fails_rendezvous():
     secret = secrets.token_bytes(32)

@@ -174,6 +174,47 @@ def test_wait_for_several_keys(server, client):
     client.wait([])  # nothing to wait for
 
 
+def test_will_is_set_when_its_connection_closes(server, client):
+    # A will is set only once its connection closes, and never over a set key.
+    a = Store("127.0.0.1", server.port, secret=SECRET)
+    a.will("gone/a", b"first")
+    a.will("gone/a", b"lost")  # a later will replaces the first
+    b = Store("127.0.0.1", server.port, secret=SECRET)
+    b.will("gone/b", b"lost")
+    b.set("gone/b", b"checked out")
+    assert not client.check("gone/a")
+    a.close()
+    b.close()
+    assert client.get("gone/a", timeout=10) == b"lost"
+    client.wait(["gone/a", "gone/b"], timeout=10)
+    assert client.get("gone/b", timeout=0) == b"checked out"
+    with pytest.raises(ValueError, match="empty"):
+        client.will("", b"x")
+    with pytest.raises(TypeError, match="bytes"):
+        client.will("k", "str")
+
+
+def test_will_of_a_killed_process_releases_a_waiter(server, client):
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys; from ringlet.store import Store; "
+            f"s = Store('127.0.0.1', {server.port}, secret={SECRET!r}); "
+            "s.will('exited/7', b'lost'); print('ready', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        assert not client.check("exited/7")
+        proc.send_signal(signal.SIGKILL)
+        client.wait(["exited/7"], timeout=30)
+        assert client.get("exited/7", timeout=0) == b"lost"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_many_clients_at_once(server):
     n = 32
     errors = []

@@ -644,6 +644,11 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
             # handshake with the new one instead of joining it.
             world.job_id = hashlib.sha256(world.store.job_id + b"/gen/%d" % world.gen
                                           ).digest()[:16]
+            if not _external_store:
+                # Rank 0 waits at exit for every rank's check-out; a rank that
+                # dies leaves it through its closed connection instead of
+                # holding that wait to its end.
+                world.store.will(f"{world.prefix}exited/{rank}", b"lost")
         else:
             world.job_id = os.urandom(16)
         world.ctx = _core.Context(rank, world_size, host, key, world.job_id)

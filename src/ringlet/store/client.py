@@ -13,7 +13,7 @@ from .._timeout import seconds
 from .._wire import stream
 from ..errors import AuthenticationError, RendezvousError
 from .protocol import (I64 as _I64, MAX_TIMEOUT_MS as _MAX_TIMEOUT_MS, MAX_VALUE_BYTES,
-                       OP_ADD, OP_CHECK, OP_DELETE, OP_GET, OP_INFO, OP_SET, OP_WAIT,
+                       OP_ADD, OP_CHECK, OP_DELETE, OP_GET, OP_INFO, OP_SET, OP_WAIT, OP_WILL,
                        PURPOSE as _PURPOSE, RECV_CHUNK as _RECV_CHUNK, REQ as _REQ,
                        RESP as _RESP, ST_ERROR, ST_OK, ST_TIMEOUT,
                        decode_keys as _decode_keys, encode_keys as _encode_keys,
@@ -32,6 +32,18 @@ def _describe_oserror(exc: BaseException) -> str:
     code = getattr(exc, "errno", None)
     name = errno.errorcode.get(code, "") if code is not None else ""
     return f"{type(exc).__name__}{' [' + name + ']' if name else ''}"
+
+
+def _value_bytes(key: str, value) -> Union[bytes, bytearray, memoryview]:
+    """``value`` checked as a store value (bytes-like, at most 64 MiB)."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"store values are bytes, got {type(value).__name__} "
+                        f"(encode str values first)")
+    value = memoryview(value).cast("B") if isinstance(value, memoryview) else value
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueError(f"store value for {key!r} is {len(value)} bytes; the limit is "
+                         f"{MAX_VALUE_BYTES}")
+    return value
 
 
 class Store:
@@ -206,15 +218,23 @@ class Store:
 
             store.set("ep/0", b"10.0.0.1:40000")
         """
-        kb = _key_bytes(key)
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise TypeError(f"store values are bytes, got {type(value).__name__} "
-                            f"(encode str values first)")
-        value = memoryview(value).cast("B") if isinstance(value, memoryview) else value
-        if len(value) > MAX_VALUE_BYTES:
-            raise ValueError(f"store value for {key!r} is {len(value)} bytes; the limit is "
-                             f"{MAX_VALUE_BYTES}")
+        kb, value = _key_bytes(key), _value_bytes(key, value)
         self._ok(self._request(OP_SET, kb, value, 0, f"set({key!r})"), f"set({key!r})")
+
+    def will(self, key: str, value: Union[bytes, bytearray, memoryview]) -> None:
+        """Leave ``value`` for ``key``: the server sets it when this connection
+        closes, however it ends (``close()``, the process killed, the network
+        lost), unless ``key`` is set by then.  One per connection: a later
+        ``will`` replaces it.
+
+        Raises: as ``set``.
+
+        Example::
+
+            store.will(f"exited/{rank}", b"lost")  # waiters on it learn of a crash
+        """
+        kb, value = _key_bytes(key), _value_bytes(key, value)
+        self._ok(self._request(OP_WILL, kb, value, 0, f"will({key!r})"), f"will({key!r})")
 
     def get(self, key: str, timeout: Optional[float] = None) -> bytes:
         """Return the value of ``key``, waiting until some client sets it.

@@ -13,6 +13,10 @@ Integers are big-endian::
         6 WAIT    value = keys, a list of bytes in the object codec; timeout_ms
                                                -> OK | TIMEOUT (payload: missing keys, same encoding)
         7 INFO    (no key)                     -> OK job_id
+        8 WILL    key, value                   -> OK; when this connection closes, for
+                                               any reason, the server sets key to value
+                                               unless it is set by then (one per
+                                               connection: a later WILL replaces it)
     status  0 OK, 1 TIMEOUT, 2 ERROR (payload: UTF-8 message)
 
 Keys are 1..4096 bytes of UTF-8, values at most 64 MiB.  Counters (``add``)
@@ -34,9 +38,9 @@ PURPOSE = b"store"
 REQ = struct.Struct("!BIQQ")  # op, key_len, val_len, timeout_ms
 RESP = struct.Struct("!BQ")  # status, len
 I64 = struct.Struct("!q")
-OP_SET, OP_GET, OP_ADD, OP_CHECK, OP_DELETE, OP_WAIT, OP_INFO = range(1, 8)
+OP_SET, OP_GET, OP_ADD, OP_CHECK, OP_DELETE, OP_WAIT, OP_INFO, OP_WILL = range(1, 9)
 OP_NAMES = {OP_SET: "set", OP_GET: "get", OP_ADD: "add", OP_CHECK: "check",
-            OP_DELETE: "delete", OP_WAIT: "wait", OP_INFO: "info"}
+            OP_DELETE: "delete", OP_WAIT: "wait", OP_INFO: "info", OP_WILL: "will"}
 ST_OK, ST_TIMEOUT, ST_ERROR = 0, 1, 2
 # A parked request may wait at most this long server-side (~31 years of ms
 # would overflow nothing, but a sane cap keeps the heap arithmetic in floats).

@@ -40,6 +40,7 @@ from ..errors import AuthenticationError
 from .protocol import (I64 as _I64, MAX_KEY_BYTES, MAX_REQUEST as _MAX_REQUEST,
                        MAX_TIMEOUT_MS as _MAX_TIMEOUT_MS, MAX_VALUE_BYTES, OP_ADD, OP_CHECK,
                        OP_DELETE, OP_GET, OP_INFO, OP_NAMES as _OP_NAMES, OP_SET, OP_WAIT,
+                       OP_WILL,
                        PURPOSE as _PURPOSE, RECV_CHUNK as _RECV_CHUNK, REQ as _REQ,
                        RESP as _RESP, ST_ERROR, ST_OK, ST_TIMEOUT,
                        decode_keys as _decode_keys, encode_keys as _encode_keys,
@@ -65,7 +66,7 @@ class _Conn:
     """One client connection as the selector loop sees it."""
 
     __slots__ = ("sock", "addr", "state", "inbuf", "out", "deadline", "claim", "nonce_c",
-                 "nonce_s", "parked", "closing", "open", "events")
+                 "nonce_s", "parked", "closing", "open", "events", "will")
 
     def __init__(self, sock: socket.socket, addr, deadline: float) -> None:
         self.sock = sock
@@ -81,6 +82,7 @@ class _Conn:
         self.closing = False  # close once `out` is flushed
         self.open = True
         self.events = selectors.EVENT_READ
+        self.will: Optional[Tuple[bytes, bytes]] = None  # (key, value) set when it closes
 
 
 class _Waiter:
@@ -164,6 +166,9 @@ class StoreServer:
         self._accept_paused_until: Optional[float] = None
         self._warn = _auth.LogBudget(_log)
         self._runnable: Deque[_Conn] = collections.deque()
+        # Wills of closed connections, set by the loop (not inside _close_conn,
+        # which runs in the middle of other requests' bookkeeping).
+        self._wills: Deque[Tuple[bytes, bytes]] = collections.deque()
         self._close_lock = threading.Lock()
         self._closed = False
         self._stop = False
@@ -264,10 +269,15 @@ class StoreServer:
                 self._expire(time.monotonic())
             except Exception:  # noqa: BLE001 - a bug here must not end the store
                 _log.exception("store: internal error while expiring deadlines")
-            while self._runnable:
-                conn = self._runnable.popleft()
-                if conn.open and conn.parked is None:
-                    self._guarded(conn, self._process)
+            while self._runnable or self._wills:
+                while self._wills:
+                    key, value = self._wills.popleft()
+                    if key not in self._data:
+                        self._set(key, value)
+                if self._runnable:
+                    conn = self._runnable.popleft()
+                    if conn.open and conn.parked is None:
+                        self._guarded(conn, self._process)
 
     def _on_event(self, conn: _Conn, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -460,6 +470,9 @@ class StoreServer:
                 self._reply(conn, ST_TIMEOUT, _encode_keys(sorted(missing)))
             else:
                 self._park(conn, op, keys, missing, tmo)
+        elif op == OP_WILL:
+            conn.will = (key, value)
+            self._reply(conn, ST_OK)
         else:  # OP_INFO
             self._reply(conn, ST_OK, self.job_id)
 
@@ -561,6 +574,9 @@ class StoreServer:
         if not conn.open:
             return
         conn.open = False
+        if conn.will is not None and not self._stop:
+            self._wills.append(conn.will)
+        conn.will = None
         self._pending.pop(conn, None)
         if conn.parked is not None:
             self._unpark(conn.parked)
