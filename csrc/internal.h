@@ -100,6 +100,9 @@ struct rl_comm {
     int rooted_op, rooted_root;
 
     pthread_mutex_t err_lock;
+    /* Held by a collective from rl_begin_op to rl_end_op: the sequence
+     * numbers, steps and scratch below are one op's at a time. */
+    pthread_mutex_t op_lock;
     volatile int poisoned;
     rl_error err;
 
@@ -136,6 +139,7 @@ typedef struct {
     uint64_t total;
     int64_t deadline_ns; /* CLOCK_MONOTONIC */
     int64_t start_ns;
+    int locked;              /* holds the comm's op_lock                    */
     const char *algo;        /* set by the algorithm chosen, for the record */
     rl_trace_entry *trace;   /* this op's flight-recorder entry, or NULL    */
     uint64_t trace_id;

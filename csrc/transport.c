@@ -229,6 +229,30 @@ int rl_fail(rl_comm *c, const rl_opdesc *op, int status, int peer,
 const rl_error *rl_comm_error(const rl_comm *c) { return &c->err; }
 uint64_t rl_comm_seq(const rl_comm *c) { return c->seq; }
 
+/* Collectives of one comm run one at a time, in the order threads reach
+ * this lock; one that waits past its own deadline for another thread's op
+ * fails as a timeout and aborts the comm (its peers would run the op it
+ * gave up).  Contention is rare (threads sharing a group), so a waiter
+ * polls instead of needing a clock-aware mutex. */
+static int op_lock(rl_comm *c, rl_opdesc *op) {
+    for (;;) {
+        if (pthread_mutex_trylock(&c->op_lock) == 0) {
+            op->locked = 1;
+            return RL_OK;
+        }
+        if (c->poisoned) return RL_ERR_POISONED;
+        if (rl_now_ns() >= op->deadline_ns) {
+            int st = rl_fail(c, op, RL_ERR_TIMEOUT, -1, 0,
+                             "timed out waiting for this communicator's previous operation, "
+                             "still running in another thread");
+            rl_comm_abort(c, st, NULL);
+            return st;
+        }
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
                 int root, uint64_t total, int64_t timeout_ms) {
     if (c->poisoned) return RL_ERR_POISONED;
@@ -242,13 +266,18 @@ int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
      * record's end time costs the one this saves (docs/debugging.md). */
     op->start_ns = rl_now_ns();
     op->deadline_ns = rl_deadline_from(op->start_ns, timeout_ms);
-    if (opcode != RL_OP_P2P) op->seq = ++c->seq;
+    if (opcode != RL_OP_P2P) {
+        int st = op_lock(c, op);
+        if (st != RL_OK) return st;
+        op->seq = ++c->seq;
+    }
     rl_trace_begin(c, op);
     return RL_OK;
 }
 
 int rl_end_op(rl_comm *c, const rl_opdesc *op, int status) {
     rl_trace_end(c, op, status);
+    if (op->locked) pthread_mutex_unlock(&c->op_lock);
     if (status != RL_OK && status != RL_ERR_POISONED && status != RL_ERR_INVALID)
         rl_comm_abort(c, status, NULL);
     return status;
@@ -679,6 +708,7 @@ int rl_comm_create(rl_comm **out, rl_ctx *ctx, uint32_t comm_id, int rank,
         pthread_mutex_init(&c->recv_locks[i], NULL);
     }
     pthread_mutex_init(&c->err_lock, NULL);
+    pthread_mutex_init(&c->op_lock, NULL);
     if (rl_trace_init(c) != RL_OK) {
         rl_comm_destroy(c);
         err->status = RL_ERR_NOMEM;
@@ -704,6 +734,7 @@ void rl_comm_destroy(rl_comm *c) {
         }
     }
     pthread_mutex_destroy(&c->err_lock);
+    pthread_mutex_destroy(&c->op_lock);
     free(c->world); free(c->fds); free(c->peer_locks); free(c->send_locks);
     free(c->recv_locks); free(c->p2p_send_seq); free(c->p2p_recv_seq);
     free(c->unexpected); free(c->scratch);

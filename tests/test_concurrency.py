@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
+import pytest
 
 import ringlet
 from ringlet import ReduceOp, _world
+from ringlet.errors import RingletError
 from ringlet.testing import run_world
 
-from _blocked import wait_until_blocked
+from _blocked import blocked_in_poll, wait_until_blocked
 from _oracle import data, reduce_np, same
 
 
@@ -101,6 +104,93 @@ def _gil_free(rank, P, go):
 def test_python_runs_while_a_blocking_call_waits():
     go = threading.Event()
     assert run_world(_gil_free, 2, mode="thread", timeout=90, args=(go,)) == [True, True]
+
+
+def _waiting(tid: int) -> bool:
+    # In a ringlet wait, or sleeping between tries of the communicator's lock
+    # (nanosleep / clock_nanosleep on x86-64).
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            nr = f.read().split()[0]
+    except (OSError, IndexError):
+        return False
+    return nr in ("35", "230") or blocked_in_poll(tid)
+
+
+def _two_threads_one_group(rank, P, go):
+    # Rank 0 issues two collectives on one group from two threads, the second
+    # while the first waits for rank 1; rank 1 issues them in that order from
+    # one thread.  The second must wait for the first (the C communicator runs
+    # its collectives one at a time), so both ranks pair them alike.
+    g = _world._require(None)
+    a = np.full(100_000, rank + 1, np.float32)
+    b = np.full(10, 10 * (rank + 1), np.float64)
+    if rank == 1:
+        assert go.wait(60), "rank 0 never released rank 1"
+        g.all_reduce(a)
+        g.all_reduce(b)
+    else:
+        first = threading.Thread(target=g.all_reduce, args=(a,), kwargs=dict(timeout=60))
+        first.start()
+        assert wait_until_blocked(first.native_id), "the first op never blocked"
+        second = threading.Thread(target=g.all_reduce, args=(b,), kwargs=dict(timeout=60))
+        second.start()
+        deadline = time.monotonic() + 30
+        while not _waiting(second.native_id) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        go.set()
+        first.join(60)
+        second.join(60)
+    return bool(np.all(a == 3)) and bool(np.all(b == 30))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_collectives_from_two_threads_on_one_group_run_one_at_a_time(monkeypatch, transport):
+    monkeypatch.setenv("RINGLET_TRANSPORT", transport)
+    go = threading.Event()
+    assert run_world(_two_threads_one_group, 2, mode="thread", timeout=120,
+                     args=(go,)) == [True, True]
+
+
+def _lock_deadline(rank, P, go):
+    g = _world._require(None)
+    a = np.ones(1000, np.float32)
+    if rank == 1:
+        assert go.wait(60), "rank 0 never released rank 1"
+        try:
+            # The all_reduce may still complete (rank 0's first op had
+            # published its input before the abort); the barrier cannot.
+            g.all_reduce(a, timeout=30)
+            g.barrier(timeout=30)
+        except RingletError as exc:
+            return type(exc).__name__
+        return "completed"
+    first = threading.Thread(target=lambda: pytest.raises(RingletError, g.all_reduce, a,
+                                                          timeout=60))
+    first.start()
+    assert wait_until_blocked(first.native_id), "the first op never blocked"
+    t0 = time.monotonic()
+    try:
+        g.barrier(timeout=0.5)
+        out = ("completed", 0.0, "")
+    except RingletError as exc:
+        out = (type(exc).__name__, time.monotonic() - t0, str(exc))
+    go.set()
+    first.join(60)
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_collective_waiting_for_another_threads_op_gets_its_deadline(monkeypatch, transport):
+    monkeypatch.setenv("RINGLET_TRANSPORT", transport)
+    go = threading.Event()
+    res = run_world(_lock_deadline, 2, mode="thread", timeout=120, args=(go,))
+    kind, took, msg = res[0]
+    assert kind == "CollectiveTimeout", res[0]
+    assert took >= 0.5 and "still running in another thread" in msg, res[0]
+    assert "barrier" in msg, msg
+    # The comm is aborted: the peer fails instead of running rank 0's barrier alone.
+    assert res[1] != "completed", res[1]
 
 
 def _pending_irecv_at_shutdown(rank, P):

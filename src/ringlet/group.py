@@ -192,26 +192,26 @@ class ProcessGroup:
             args = (a, b, c, d) if e is _NO else (a, b, c, d, e)
             keep = tuple(x for x in args if isinstance(x, np.ndarray))
             return self._run_queued(op, fn, args, keep, async_op)
-        lock = self._lock
-        lock.acquire()
+        # No Python lock here: the C communicator runs its collectives one at
+        # a time (and gives a waiting thread its deadline).
+        if self._failure is not None:
+            self._raise_poisoned()
         try:
-            if self._failure is not None:
-                self._raise_poisoned()
             if e is _NO:
                 return fn(self._coll, a, b, c, d)
             return fn(self._coll, a, b, c, d, e)
         except (RingletError, KeyboardInterrupt) as exc:
             self._record(exc)
             raise
-        finally:
-            lock.release()
 
     def _run(self, op: str, fn: Callable[..., Any], args: tuple, keep: tuple,
              async_op: bool) -> Any:
-        """``_call`` for bindings of other arities (the barrier, all_to_all_v)."""
+        """``_call`` for all_to_all_v's binding and for hierarchical ops, whose
+        phases (and first sub-group set-up) the group's lock keeps together."""
         if async_op or self._exec._busy or self._closed or self.rank < 0:
             return self._run_queued(op, fn, args, keep, async_op)
-        return self._call(op, False, _spread, fn, args, None, None)
+        with self._lock:
+            return self._call(op, False, _spread, fn, args, None, None)
 
     def _run_queued(self, op: str, fn: Callable[..., Any], args: tuple, keep: tuple,
                     async_op: bool) -> Any:
