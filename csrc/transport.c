@@ -245,7 +245,10 @@ static int op_lock(rl_comm *c, rl_opdesc *op) {
             int st = rl_fail(c, op, RL_ERR_TIMEOUT, -1, 0,
                              "timed out waiting for this communicator's previous operation, "
                              "still running in another thread");
-            rl_comm_abort(c, st, NULL);
+            /* The other thread's op may be writing to the sockets: shut them
+             * down (as a cancel does) rather than write abort frames. */
+            rl_comm_cancel(c, st, NULL);
+            rl_shm_abort(c);
             return st;
         }
         struct timespec ts = {0, 50000};
