@@ -237,6 +237,11 @@ uint64_t rl_comm_seq(const rl_comm *c) { return c->seq; }
 static int op_lock(rl_comm *c, rl_opdesc *op) {
     for (;;) {
         if (pthread_mutex_trylock(&c->op_lock) == 0) {
+            /* The op before may have failed: this one must not start. */
+            if (c->poisoned) {
+                pthread_mutex_unlock(&c->op_lock);
+                return RL_ERR_POISONED;
+            }
             op->locked = 1;
             return RL_OK;
         }
@@ -280,9 +285,11 @@ int rl_begin_op(rl_comm *c, rl_opdesc *op, int opcode, int dtype, int redop,
 
 int rl_end_op(rl_comm *c, const rl_opdesc *op, int status) {
     rl_trace_end(c, op, status);
-    if (op->locked) pthread_mutex_unlock(&c->op_lock);
+    /* Abort before unlocking: the next op's frames must not interleave
+     * with the abort frames. */
     if (status != RL_OK && status != RL_ERR_POISONED && status != RL_ERR_INVALID)
         rl_comm_abort(c, status, NULL);
+    if (op->locked) pthread_mutex_unlock(&c->op_lock);
     return status;
 }
 
