@@ -338,9 +338,11 @@ static int peer_aborted(rl_comm *c, const rl_opdesc *op) {
 static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
                        int owner) {
     rl_shm *s = c->shm, *sh = s;
-    /* Point to point: only the peer of this message matters (others may
-     * well have finished and closed). */
-    int only = s->kind == SHM_P2P ? owner : -1;
+    /* Only the flag's writer matters: others may well have finished their
+     * part and closed or exited (a scatter leaf, while the root waits for a
+     * slower leaf's ack); a peer that failed is reported by its abort record,
+     * or by the writer, which then fails on it in turn. */
+    int only = owner;
 #define SHM_DONE_ANYWAY() \
     if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK
     for (int q = 0; q < c->size && s->kind == SHM_COLL; q++) {

@@ -758,3 +758,27 @@ def test_point_to_point_rings_follow_rank_0s_knob():
     finally:
         _core.set_tuning(**saved)
     assert _core.shm_p2p_segment_bytes(8) > 0 and _core.shm_p2p_segment_bytes(9) == 0
+
+
+def _leaf_leaves_early(rank, P, gone):
+    # Single-copy scatter: leaf 1 reads its block and shuts down while the
+    # root still waits for leaf 2's acknowledgement; that wait must go on.
+    n = 100_000  # 400 KB blocks: above one staging chunk, read straight from the root
+    out = np.zeros(n, np.float32)
+    full = np.arange(P * n, dtype=np.float32) if rank == 0 else None
+    if rank == 2:
+        assert gone.wait(60), "rank 1 never shut down"
+    ringlet.scatter(out, full, src=0, timeout=60)
+    ok = bool(np.array_equal(out, np.arange(rank * n, (rank + 1) * n, dtype=np.float32)))
+    if rank == 1:
+        ringlet.shutdown()
+        gone.set()
+    return ok
+
+
+def test_a_leaf_that_finished_and_closed_does_not_fail_the_root():
+    import threading
+
+    gone = threading.Event()
+    assert run_world(_leaf_leaves_early, 3, mode="thread", timeout=120,
+                     args=(gone,)) == [True, True, True]
