@@ -8,8 +8,10 @@ of H network namespaces with ``tbf``-shaped links (1 Gbit/s by default), then:
   round trip.  Those figures are ``--inter-limits`` for the cost model (the
   JSON shape of ``ringlet bench limits``), so the model's parameters come from
   the bed; the intra-host figures come from ``ringlet bench limits`` run on h1
-  (once per run, or ``--intra-limits FILE``); ``auto`` decides with the parameters
-  fitted from them (RINGLET_MODEL), and ``--save-model`` writes them;
+  (once per run, or ``--intra-limits FILE``); the cost of a phase (``phase``)
+  comes from one job timing the flat all_reduce of 8 bytes on the bed (or
+  ``--phase-us``); ``auto`` decides with the parameters fitted from them
+  (RINGLET_MODEL), and ``--save-model`` writes them;
 * runs the sweeps on every system, interleaved: rounds of one job per system
   whose order rotates, each job fresh: ringlet with RINGLET_ALGO=flat, hier and
   auto (ranks started on their hosts with the env contract, the store on h1),
@@ -242,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--check", action="store_true", help="verify values against numpy")
     p.add_argument("--intra-limits", metavar="FILE",
                    help="`ringlet bench limits --json` from one host (default: measured on h1)")
+    p.add_argument("--phase-us", type=float, default=None, metavar="US",
+                   help="the cost model's phase cost; default: fitted on the bed from the "
+                        "flat all_reduce of 8 bytes")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--json", metavar="FILE", help="write everything measured here")
     p.add_argument("--save-model", metavar="FILE",
@@ -474,10 +479,31 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
         # `ringlet bench model --save` would write for RINGLET_MODEL).
         params = cm.fit(intra, link)
         model_file = os.path.join(tmp, "model.json")
-        with open(model_file, "w", encoding="utf-8") as f:
-            json.dump({"params": params.as_dict()}, f)
+
+        def save(m: cm.ModelParams) -> None:
+            with open(model_file, "w", encoding="utf-8") as f:
+                json.dump({"params": m.as_dict()}, f)
+
+        save(params)
+        port = PORT
+        layout = [per_host] * hosts
+        if a.phase_us is not None:
+            params = cm.ModelParams(**dict(params.as_dict(), phase=a.phase_us * 1e-6))
+        else:
+            # The phase cost is fitted where it is paid: one job timing the flat
+            # all_reduce of 8 bytes, whose messages the model already prices.
+            port += 1
+            cal = json.dumps({"sweeps": [SweepConfig(
+                op="all_reduce", sizes=[8], iters=a.iters, warmup=a.warmup,
+                budget_s=a.budget).validate(P).to_json()]})
+            res = _job(bed, "flat", hosts, per_host, cal, port, a.timeout, tmp, model_file)
+            t8 = res.rows[0]["time_us"] * 1e-6
+            params = cm.fit_phase(t8, layout, params)
+            say(f"{hosts}x{per_host}: flat all_reduce of 8 B {t8 * 1e6:.1f} us: phase cost "
+                f"{params.phase * 1e6:.1f} us")
+        save(params)
         per_round: Dict[str, List[list]] = {s: [] for s in a.systems}
-        loads, port = [], PORT
+        loads = []
         for k in range(a.rounds):
             order = a.systems[k % len(a.systems):] + a.systems[:k % len(a.systems)]
             for s in order:

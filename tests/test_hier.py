@@ -326,20 +326,65 @@ def test_flat_and_hier_all_reduce_on_two_hosts_of_two():
 
 
 def test_pipelined_hier_all_reduce_overlaps_the_host_with_the_link():
-    # 64 MiB on 2x2 runs as 8 slices of m = 8 MiB: per slice RS m/2, inter m (m/2 at
-    # 2*beta), AG m/2; pipelined: RS + 7 * max(inter, RS + AG) + inter + AG = 9m,
-    # against 2n = 16m for the phases one after the other.
+    # Slices of N/64 within [SLICE_MIN_BYTES, SLICE_BYTES]; one below two slices.
+    lo, hi = cm.SLICE_MIN_BYTES, cm.SLICE_BYTES
+    assert cm.slice_bytes(64 * hi) == hi and cm.slice_bytes(1 << 40) == hi
+    assert cm.slice_bytes(64 * lo) == lo and cm.slice_bytes(2 * lo) == lo
+    assert cm.slices(2 * lo - 1) == 1 and cm.slices(2 * lo) == 2 and cm.slices(2 * lo + 1) == 3
+    assert cm.slices(128 * hi) == 128
+    # k = 64 slices of m on 2x2: per slice RS m/2, inter m (m/2 at 2*beta), AG m/2;
+    # pipelined: RS + (k-1) * max(inter, RS + AG) + inter + AG = (k+1)m, against
+    # 2n = 2km for the phases one after the other.
     unit = cm.ModelParams(alpha_intra=0, beta_intra=1, alpha_inter=0, beta_inter=1, gamma=0)
-    n, m = 64 << 20, 8 << 20
-    assert cm.slices(n) == 8 and cm.slices(2 * m - 1) == 1 and cm.slices(2 * m + 1) == 3
-    assert cm.hier_time("all_reduce", n, [2, 2], unit) == pytest.approx(9 * m)
-    assert cm.hier_time("all_reduce", m, [2, 2], unit) == pytest.approx(2 * m)
-    # reduce_scatter / all_gather: intra m/2 and inter m/2 a slice: m/2 + 7 * m/2 + m/2,
-    # against n/2 + n/2 = 8m unpipelined.
+    m, k = hi, 64
+    n = k * m
+    assert cm.slices(n) == k
+    assert cm.hier_time("all_reduce", n, [2, 2], unit) == pytest.approx((k + 1) * m)
+    assert cm.hier_time("all_reduce", lo, [2, 2], unit) == pytest.approx(2 * lo)
+    # reduce_scatter / all_gather: intra m/2 and inter m/2 a slice: m/2 + (k-1) * m/2 +
+    # m/2, against n/2 + n/2 = km unpipelined.
     for op in ("reduce_scatter", "all_gather"):
-        assert cm.hier_time(op, n, [2, 2], unit) == pytest.approx(4.5 * m)
-        assert cm.hier_time(op, m, [2, 2], unit) == pytest.approx(m)
-    assert _hier.SLICE_BYTES == cm.SLICE_BYTES
+        assert cm.hier_time(op, n, [2, 2], unit) == pytest.approx((k + 1) * m / 2)
+        assert cm.hier_time(op, lo, [2, 2], unit) == pytest.approx(lo)
+    assert _hier.SLICE_BYTES == cm.SLICE_BYTES and _hier.SLICE_MIN_BYTES == cm.SLICE_MIN_BYTES
+
+
+def test_the_phase_cost_counts_each_flat_collective_an_algorithm_runs():
+    # Wire and reduction free: only the phases are left.  Flat is one collective,
+    # the hierarchical all_reduce three (RS, AR, AG), pipelined 3 + 2(k-1) on the
+    # critical path; reduce_scatter / all_gather two, pipelined k + 1.
+    ph = cm.ModelParams(alpha_intra=0, beta_intra=0, alpha_inter=0, beta_inter=0, gamma=0,
+                        phase=1.0)
+    k = 64
+    n = k * cm.SLICE_BYTES
+    assert cm.flat_time("all_reduce", 8, [2, 2], ph) == 1.0
+    assert cm.flat_time("all_reduce", 8, [4], ph) == 1.0
+    assert cm.flat_time("all_reduce", 8, [1], ph) == 0.0
+    assert cm.hier_time("all_reduce", 8, [2, 2], ph) == 3.0
+    assert cm.hier_time("all_reduce", n, [2, 2], ph) == 3.0 + 2 * (k - 1)
+    assert cm.hier_time("all_reduce", 8, [2, 1], ph) == 3.0  # leader form
+    for op in ("reduce_scatter", "all_gather"):
+        assert cm.hier_time(op, 8, [2, 2], ph) == 2.0
+        assert cm.hier_time(op, n, [2, 2], ph) == k + 1.0
+    for op in ("broadcast", "reduce"):
+        assert cm.hier_time(op, 8, [2, 2], ph) == 2.0
+    # One rank per host: the intra phases are empty and cost nothing.
+    assert cm.hier_time("all_reduce", 8, [1, 1], ph) == 1.0
+    # Fitted from one measured flat all_reduce: it adds what the messages leave over.
+    m = cm.ModelParams()
+    wire = cm.flat_time("all_reduce", 8, [2, 2], m)
+    fitted = cm.fit_phase(wire + 40e-6, [2, 2], m)
+    assert fitted.phase == pytest.approx(40e-6)
+    assert cm.flat_time("all_reduce", 8, [2, 2], fitted) == pytest.approx(wire + 40e-6)
+    assert cm.fit_phase(wire / 2, [2, 2], m).phase == 0.0
+    # With a large phase cost the small all_reduce stays flat: 3 phases against 1.
+    assert (cm.hier_time("all_reduce", 4096, [2, 2], fitted)
+            > cm.flat_time("all_reduce", 4096, [2, 2], fitted))
+    assert (cm.hier_time("all_reduce", 4096, [2, 2], m)
+            < cm.flat_time("all_reduce", 4096, [2, 2], m))
+    assert cm.ModelParams.from_dict({"phase": 5e-5}).phase == 5e-5
+    with pytest.raises(ValueError, match="phase"):
+        cm.ModelParams(phase=-1.0)
 
 
 def test_other_ops_and_where_hier_does_not_apply():

@@ -1,7 +1,9 @@
 """The alpha-beta cost model that chooses between flat and hierarchical collectives.
 
 A message of N bytes over one link costs ``alpha + N * beta``; reducing N
-bytes costs ``N * gamma``.  Links inside a host (``*_intra``) and between
+bytes costs ``N * gamma``; every collective phase (each flat collective an
+algorithm runs, on two ranks or more) costs ``phase`` on top: the time its
+ranks take to be running at once, which grows when ranks outnumber cores.  Links inside a host (``*_intra``) and between
 hosts (``*_inter``) have their own alpha and beta; ``beta_inter`` is per
 *host* link, so L ranks of one host sending between hosts at once share it.
 Every formula is written out in docs/algorithms.md ("The cost model"); the
@@ -15,17 +17,20 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 __all__ = ["ModelParams", "ALGO_ENV", "MODEL_ENV", "ALGOS", "OPS", "algo_from_env",
-           "params_from_env", "fit", "predict", "flat_time", "hier_time", "hier_applies",
-           "slices", "SLICE_BYTES"]
+           "params_from_env", "fit", "fit_phase", "predict", "flat_time", "hier_time", "hier_applies",
+           "slices", "slice_bytes", "SLICE_BYTES", "SLICE_MIN_BYTES"]
 
 ALGO_ENV = "RINGLET_ALGO"
 # Bytes per slice of the pipelined hierarchical all_reduce, reduce_scatter and
-# all_gather (``_hier``).
-SLICE_BYTES = 8 << 20
+# all_gather (``_hier``): N/64, kept within [SLICE_MIN_BYTES, SLICE_BYTES].  Small
+# enough that the first slice's intra-host phase and the last one's (which the
+# link does not hide) stay short, large enough that a slice's own costs do not add up.
+SLICE_BYTES = 1 << 20
+SLICE_MIN_BYTES = 256 << 10
 MODEL_ENV = "RINGLET_MODEL"
 ALGOS = ("auto", "flat", "hier")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -44,6 +49,7 @@ class ModelParams:
     alpha_inter: float = 30e-6
     beta_inter: float = 1 / 0.117e9
     gamma: float = 1 / 4e9
+    phase: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -116,6 +122,7 @@ def fit(intra: Optional[Mapping[str, Any]] = None,
     pattern of a ring step); gamma the inverse of the in-cache float32 add
     rate of the C kernel.  ``intra`` is measured inside a host, ``inter``
     between two hosts; a part not given keeps ``base``'s (default) values.
+    ``phase`` is not in those figures: it keeps ``base``'s (see ``fit_phase``).
     """
     p = (base or ModelParams()).as_dict()
 
@@ -135,6 +142,21 @@ def fit(intra: Optional[Mapping[str, Any]] = None,
     if inter:
         take(inter, "inter")
     return ModelParams(**p)
+
+
+def fit_phase(measured_s: float, sizes: Sequence[int], m: ModelParams,
+              nbytes: float = 8, crossing: int = 1) -> ModelParams:
+    """``m`` with ``phase`` set so that the flat all_reduce of ``nbytes`` (one phase) on
+    hosts of ``sizes`` ranks takes ``measured_s`` seconds, as measured there: the cost
+    of a phase beyond its messages, fitted where it is paid (0 when the messages
+    already explain the time)."""
+    base = flat_time("all_reduce", nbytes, sizes, replace(m, phase=0.0), crossing)
+    return replace(m, phase=max(0.0, float(measured_s) - base))
+
+
+def _ph(p: int, m: ModelParams) -> float:
+    """The phase cost of one flat collective over p ranks (none on one rank)."""
+    return m.phase if p > 1 else 0.0
 
 
 # ---- single-level building blocks (P ranks over links of cost a + n*b) -----------
@@ -196,11 +218,18 @@ def _layout(sizes: Sequence[int]) -> tuple:
     return h, lmax, sum(sizes), all(s == lmax for s in sizes)
 
 
+def slice_bytes(nbytes: float, largest: int = SLICE_BYTES,
+                smallest: int = SLICE_MIN_BYTES) -> int:
+    """The slice of a pipelined op of ``nbytes``: nbytes/64 within [smallest, largest]."""
+    return int(min(largest, max(min(smallest, largest), nbytes // 64)))
+
+
 def slices(nbytes: float) -> int:
     """Slices of a pipelined hierarchical all_reduce, reduce_scatter (``nbytes`` of input)
-    or all_gather (of output), as ``_hier`` cuts them: ``SLICE_BYTES`` each, one slice
-    below two of them."""
-    return max(1, math.ceil(nbytes / SLICE_BYTES)) if nbytes >= 2 * SLICE_BYTES else 1
+    or all_gather (of output), as ``_hier`` cuts them: ``slice_bytes(nbytes)`` each, one
+    slice below two of them."""
+    s = slice_bytes(nbytes)
+    return max(1, math.ceil(nbytes / s)) if nbytes >= 2 * s else 1
 
 
 def hier_applies(op: str, sizes: Sequence[int], root_local: int = 0) -> bool:
@@ -235,7 +264,13 @@ def flat_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
     n = float(nbytes)
     if h <= 1:
         a, b = m.alpha_intra, m.beta_intra
-        return _single(op, p, n, a, b, m.gamma)
+        return _single(op, p, n, a, b, m.gamma) + _ph(p, m)
+    return _flat_wire(op, n, h, lmax, p, m, crossing) + _ph(p, m)
+
+
+def _flat_wire(op: str, n: float, h: int, lmax: int, p: int, m: ModelParams,
+               crossing: int) -> float:
+    """The flat algorithm's messages and reductions over H >= 2 hosts (no phase cost)."""
     ae, be = m.alpha_inter, m.beta_inter * max(1, crossing)
     g = m.gamma
     li, hi = _log2(lmax), _log2(h)
@@ -288,14 +323,15 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
     h, lmax, p, even = _layout(sizes)
     n = float(nbytes)
     ai, bi, ae, be, g = m.alpha_intra, m.beta_intra, m.alpha_inter, m.beta_inter, m.gamma
+    fi, fe = _ph(lmax, m), _ph(h, m)  # each phase inside a host / between hosts
     if op == "all_reduce":
         if not even:  # leader form: reduce to local 0, all_reduce among leaders, broadcast
             return (reduce_1(lmax, n, ai, bi, g) + all_reduce_1(h, n, ae, be, g)
-                    + broadcast_1(lmax, n, ai, bi))
+                    + broadcast_1(lmax, n, ai, bi) + 2 * fi + fe)
         k, m_ = slices(n), n / slices(n)
-        rs = reduce_scatter_1(lmax, m_, ai, bi, g)
-        ar = all_reduce_1(h, m_ / lmax, ae, lmax * be, g)
-        ag = all_gather_1(lmax, m_, ai, bi)
+        rs = reduce_scatter_1(lmax, m_, ai, bi, g) + fi
+        ar = all_reduce_1(h, m_ / lmax, ae, lmax * be, g) + fe
+        ag = all_gather_1(lmax, m_, ai, bi) + fi
         # Pipelined slices: after the first reduce_scatter, each step lasts as long
         # as the slower of the link (slice s) and the host (RS of s+1, AG of s-1).
         t = rs + (k - 1) * max(ar, rs + ag) + ar + ag
@@ -307,17 +343,17 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
     # Pipelined like all_reduce: the link works on one slice while the host works on
     # the next (reduce_scatter) or the previous (all_gather).
     if op == "reduce_scatter":
-        inner = reduce_scatter_1(lmax, m_, ai, bi, g)
-        outer = reduce_scatter_1(h, m_ / lmax, ae, lmax * be, g)
+        inner = reduce_scatter_1(lmax, m_, ai, bi, g) + fi
+        outer = reduce_scatter_1(h, m_ / lmax, ae, lmax * be, g) + fe
         return inner + (k - 1) * max(inner, outer) + outer
     if op == "all_gather":
-        outer = all_gather_1(h, m_ / lmax, ae, lmax * be)
-        inner = all_gather_1(lmax, m_, ai, bi)
+        outer = all_gather_1(h, m_ / lmax, ae, lmax * be) + fe
+        inner = all_gather_1(lmax, m_, ai, bi) + fi
         return outer + (k - 1) * max(inner, outer) + inner
     if op == "broadcast":
-        return broadcast_1(h, n, ae, be) + broadcast_1(lmax, n, ai, bi)
+        return broadcast_1(h, n, ae, be) + broadcast_1(lmax, n, ai, bi) + fe + fi
     if op == "reduce":
-        return reduce_1(lmax, n, ai, bi, g) + reduce_1(h, n, ae, be, g)
+        return reduce_1(lmax, n, ai, bi, g) + reduce_1(h, n, ae, be, g) + fi + fe
     raise ValueError(f"unknown op {op!r}; the model knows {', '.join(OPS)}")
 
 

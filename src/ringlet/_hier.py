@@ -28,12 +28,12 @@ from .errors import GroupPoisonedError, RingletError
 
 __all__ = ["Topology"]
 
-# Bytes per slice of a pipelined hierarchical all_reduce (of the buffer), reduce_scatter
-# (of the input) or all_gather (of the output): large enough
-# that each phase runs at its link's rate, small enough that the first slice's
-# intra-host reduce_scatter and the last one's all_gather (not overlapped) stay short.
-# The cost model's copy (cm.SLICE_BYTES) is the one it predicts with.
+# The largest and smallest slice of a pipelined hierarchical all_reduce (of the
+# buffer), reduce_scatter (of the input) or all_gather (of the output); an op of N
+# bytes takes slices of N/64 within them (cm.slice_bytes, which the cost model
+# predicts with).
 SLICE_BYTES = cm.SLICE_BYTES
+SLICE_MIN_BYTES = cm.SLICE_MIN_BYTES
 _AVG = 4  # RL_AVG; AVG runs as SUM and is scaled once at the end, as the C core does
 _SUM = 0
 
@@ -83,6 +83,10 @@ class Topology:
     def __repr__(self) -> str:
         return (f"Topology(num_hosts={self.num_hosts}, ranks_per_host={list(self.ranks_per_host)}, "
                 f"host={self.host}, local_rank={self.local_rank})")
+
+
+def _slice(nbytes: int) -> int:
+    return cm.slice_bytes(nbytes, SLICE_BYTES, SLICE_MIN_BYTES)
 
 
 def _deadline(ms: int) -> float:
@@ -200,8 +204,8 @@ class _Hier:
         b = flat.size // L
         main = flat[: b * L]
         # Slices of whole blocks (c elements per local rank, c*L of the buffer); one
-        # slice unless the buffer spans two SLICE_BYTES or more.
-        c = max(1, SLICE_BYTES // (flat.itemsize * L))
+        # slice unless the buffer spans two slices or more.
+        c = max(1, _slice(flat.nbytes) // (flat.itemsize * L))
         slices = [(lo, min(b, lo + c)) for lo in range(0, b, c)] if b >= 2 * c else [(0, b)]
         if len(slices) == 1:
             part = np.empty(b, dtype=flat.dtype)
@@ -234,29 +238,45 @@ class _Hier:
                    op: int, sop: int, P: int, dl: float) -> None:
         """The slices' phases overlapped: slice s's inter all_reduce runs on the inter
         group's executor while this thread runs slice s+1's reduce_scatter and slice
-        s-1's all_gather inside the host, so the host link never waits for them.
+        s's all_gather waits for it; s+1's inter op is queued before s is waited for,
+        so the host link goes from one slice to the next without a gap.
         Every element still takes the same three phases: the same sums on every rank."""
         parts = [np.empty(hi - lo, dtype=main.dtype) for lo, hi in slices]
         segs = [main[lo * L: hi * L] for lo, hi in slices]
-        self._slice_rs(segs[0], parts[0], code, sop, dl)
-        for s in range(len(slices)):
-            w = self._named(self.inter, "all_reduce", lambda: self.inter._call(
-                "all_reduce", True, _C.all_reduce, parts[s], code, sop, _left(dl)))
-            try:
-                if s + 1 < len(slices):
-                    self._slice_rs(segs[s + 1], parts[s + 1], code, sop, dl)
-                if s > 0:
-                    self._slice_ag(segs[s - 1], parts[s - 1], code, op, P, dl)
-            except BaseException:
-                # The inter op still uses parts[s]: let it end (by its deadline at the
-                # latest) before the first error propagates.
+
+        def submit(s: int) -> Any:
+            return self._async_inter("all_reduce", _C.all_reduce, parts[s], code, sop,
+                                     _left(dl))
+
+        self._pipeline("all_reduce", len(slices),
+                       lambda s: self._slice_rs(segs[s], parts[s], code, sop, dl), submit,
+                       lambda s: self._slice_ag(segs[s], parts[s], code, op, P, dl))
+
+    def _pipeline(self, op: str, k: int, pre: Any, submit: Any, post: Any) -> None:
+        """k slices through three stages: ``pre(s)`` in this thread, ``submit(s)`` an
+        inter-host op on the inter group's executor (its work returned), ``post(s)`` in
+        this thread once that op is done.  Slice s+1's inter op is queued before slice
+        s's is waited for, so the link never waits for this thread's intra-host work.
+        On an error the queued inter ops still end (their deadline bounds it) before
+        the first error propagates: they use the slices' buffers."""
+        pending: List[Any] = []
+        try:
+            pre(0)
+            pending.append(submit(0))
+            for s in range(k):
+                if s + 1 < k:
+                    pre(s + 1)
+                    pending.append(submit(s + 1))
+                w = pending.pop(0)
+                self._named(self.inter, op, w.wait)
+                post(s)
+        except BaseException:
+            for w in pending:
                 try:
                     w.wait()
                 except Exception:  # noqa: BLE001 - the first error is the one raised
                     pass
-                raise
-            self._named(self.inter, "all_reduce", w.wait)
-        self._slice_ag(segs[-1], parts[-1], code, op, P, dl)
+            raise
 
     def _leader_all_reduce(self, flat: np.ndarray, code: int, op: int, sop: int, P: int,
                            dl: float) -> None:
@@ -296,24 +316,9 @@ class _Hier:
 
     def _cuts(self, b: int, row_bytes: int) -> List[Tuple[int, int]]:
         """Column ranges of ``b``-element blocks whose P rows (``row_bytes`` per column)
-        make a slice of about SLICE_BYTES; one range below two slices."""
-        c = max(1, SLICE_BYTES // row_bytes)
+        make a slice of about ``_slice`` bytes; one range below two slices."""
+        c = max(1, _slice(b * row_bytes) // row_bytes)
         return [(lo, min(b, lo + c)) for lo in range(0, b, c)] if b >= 2 * c else [(0, b)]
-
-    def _overlap(self, works: List[Any], op: str, run: Any) -> None:
-        """``run()`` while the inter-host ``works`` are in flight, then wait for them; on an
-        error they still end (their deadline bounds it) before it propagates."""
-        try:
-            run()
-        except BaseException:
-            for w in works:
-                try:
-                    w.wait()
-                except Exception:  # noqa: BLE001 - the first error is the one raised
-                    pass
-            raise
-        for w in works:
-            self._named(self.inter, op, w.wait)
 
     def _async_inter(self, op: str, fn: Any, *args: Any) -> Any:
         return self._named(self.inter, op, lambda: self.inter._call(op, True, fn, *args))
@@ -333,13 +338,20 @@ class _Hier:
                         src.reshape(-1), code, sop, _left(dl))
             return mid
 
-        mids = [intra(*cuts[0])]
-        for s, (lo, hi) in enumerate(cuts):
-            w = self._async_inter("reduce_scatter", _C.reduce_scatter, o[lo:hi], mids[s], code,
-                                  sop, _left(dl))
-            nxt = cuts[s + 1] if s + 1 < len(cuts) else None
-            self._overlap([w], "reduce_scatter",
-                          lambda: mids.append(intra(*nxt)) if nxt else None)
+        mids: List[Optional[np.ndarray]] = [None] * len(cuts)
+
+        def pre(s: int) -> None:
+            mids[s] = intra(*cuts[s])
+
+        def submit(s: int) -> Any:
+            lo, hi = cuts[s]
+            return self._async_inter("reduce_scatter", _C.reduce_scatter, o[lo:hi], mids[s],
+                                     code, sop, _left(dl))
+
+        def post(s: int) -> None:
+            mids[s] = None  # done with: keep two slices of scratch, not all of them
+
+        self._pipeline("reduce_scatter", len(cuts), pre, submit, post)
         if op == _AVG:
             _core.scale_kernel(o, code, 1.0 / self.group.size)
 
@@ -353,24 +365,22 @@ class _Hier:
         rows = out.reshape(P, -1)
         dest = slice(None) if self.perm_is_identity else self.perm
 
-        def inter(lo: int, hi: int) -> Tuple[np.ndarray, Any]:
-            mid = np.empty(H * (hi - lo), dtype=out.dtype)
-            return mid, self._async_inter("all_gather", _C.all_gather, mid, inp[lo:hi], code,
-                                          _left(dl))
+        mids: List[Optional[np.ndarray]] = [None] * len(cuts)
 
-        def intra(lo: int, hi: int, mid: np.ndarray) -> None:
+        def submit(s: int) -> Any:
+            lo, hi = cuts[s]
+            mids[s] = np.empty(H * (hi - lo), dtype=out.dtype)
+            return self._async_inter("all_gather", _C.all_gather, mids[s], inp[lo:hi], code,
+                                     _left(dl))
+
+        def post(s: int) -> None:
+            lo, hi = cuts[s]
             big = np.empty(P * (hi - lo), dtype=out.dtype)
-            self._phase(self.intra, "all_gather", _C.all_gather, big, mid, code, _left(dl))
+            self._phase(self.intra, "all_gather", _C.all_gather, big, mids[s], code, _left(dl))
             rows[dest, lo:hi] = big.reshape(P, hi - lo)
+            mids[s] = None
 
-        mid, w = inter(*cuts[0])
-        self._overlap([w], "all_gather", lambda: None)
-        for s, (lo, hi) in enumerate(cuts):
-            nxt = inter(*cuts[s + 1]) if s + 1 < len(cuts) else None
-            self._overlap([nxt[1]] if nxt else [], "all_gather",
-                          lambda: intra(lo, hi, mid))
-            if nxt:
-                mid = nxt[0]
+        self._pipeline("all_gather", len(cuts), lambda s: None, submit, post)
 
     def all_gather(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int,
                    ms: int) -> None:
