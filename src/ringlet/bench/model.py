@@ -123,9 +123,9 @@ def format_model(table: Dict[str, Any], source: str) -> str:
 
     lines = [f"# ringlet bench model: parameters {source}",
              "# alpha_intra {:.3g} us, {:.3g} GB/s inside a host; alpha_inter {:.3g} us, "
-             "{:.3g} GB/s per host link; reduction {:.3g} GB/s".format(
+             "{:.3g} GB/s per host link; reduction {:.3g} GB/s; phase {:.3g} us".format(
                  pm["alpha_intra"] * 1e6, rate(pm["beta_intra"]), pm["alpha_inter"] * 1e6,
-                 rate(pm["beta_inter"]), rate(pm["gamma"])),
+                 rate(pm["beta_inter"]), rate(pm["gamma"]), pm.get("phase", 0.0) * 1e6),
              f"# cell: message sizes (bytes, K/M/G = 2^10/20/30) from which the hierarchical "
              f"form is predicted faster ('~': not at every size in that range), and "
              f"flat/hier time at {_fmt_bytes(hi)}; '-': one rank per host"]
