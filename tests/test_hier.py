@@ -40,10 +40,10 @@ def small_segments():
     saved = _core.get_tuning()
     _core.set_tuning(segment_bytes=4096, allreduce_small_bytes=256, bcast_small_bytes=256,
                      reduce_small_bytes=256)
-    slice_bytes = _hier.SLICE_BYTES
-    _hier.SLICE_BYTES = 4096
+    slice_bytes, share = _hier.SLICE_BYTES, _hier.SLICE_LATENCY_SHARE
+    _hier.SLICE_BYTES, _hier.SLICE_LATENCY_SHARE = 4096, 0.0
     yield
-    _hier.SLICE_BYTES = slice_bytes
+    _hier.SLICE_BYTES, _hier.SLICE_LATENCY_SHARE = slice_bytes, share
     _core.set_tuning(**saved)
 
 
@@ -332,6 +332,16 @@ def test_pipelined_hier_all_reduce_overlaps_the_host_with_the_link():
     assert cm.slice_bytes(64 * lo) == lo and cm.slice_bytes(2 * lo) == lo
     assert cm.slices(2 * lo - 1) == 1 and cm.slices(2 * lo) == 2 and cm.slices(2 * lo + 1) == 3
     assert cm.slices(128 * hi) == 128
+    # With a layout and parameters, a slice is never so small that its ring latencies
+    # outweigh a twentieth of its time on the link: 2x2 keeps N/64; 128 hosts of 8
+    # (254 inter-host steps a slice) take slices of ~9 MB, above the 1 MiB cap.
+    d = cm.ModelParams()
+    assert cm.slice_bytes(64 * hi, [2, 2], d) == hi
+    lat = 2 * 127 * d.alpha_inter + 2 * 7 * d.alpha_intra
+    floor = int(lat / 0.05 / (2 * 127 / 128 * d.beta_inter))
+    assert cm.slice_bytes(1 << 30, [8] * 128, d) == floor > 8 * hi
+    assert cm.slices(1 << 30, [8] * 128, d) == math.ceil((1 << 30) / floor)
+    assert cm.slice_bytes(64 * hi, [8] * 128, d, latency_share=0) == hi
     # k = 64 slices of m on 2x2: per slice RS m/2, inter m (m/2 at 2*beta), AG m/2;
     # pipelined: RS + (k-1) * max(inter, RS + AG) + inter + AG = (k+1)m, against
     # 2n = 2km for the phases one after the other.

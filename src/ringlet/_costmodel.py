@@ -218,17 +218,30 @@ def _layout(sizes: Sequence[int]) -> tuple:
     return h, lmax, sum(sizes), all(s == lmax for s in sizes)
 
 
-def slice_bytes(nbytes: float, largest: int = SLICE_BYTES,
-                smallest: int = SLICE_MIN_BYTES) -> int:
-    """The slice of a pipelined op of ``nbytes``: nbytes/64 within [smallest, largest]."""
-    return int(min(largest, max(min(smallest, largest), nbytes // 64)))
+def slice_bytes(nbytes: float, sizes: Optional[Sequence[int]] = None,
+                m: Optional[ModelParams] = None, largest: int = SLICE_BYTES,
+                smallest: int = SLICE_MIN_BYTES, latency_share: float = 0.05) -> int:
+    """The slice of a pipelined op of ``nbytes`` on hosts of ``sizes`` ranks: nbytes/64
+    within [smallest, largest], and never so small that a slice's ring latencies
+    (2(H-1) alpha_inter + 2(L-1) alpha_intra) exceed ``latency_share`` of the time
+    its bytes take on the host link (many hosts or many ranks per host need larger
+    slices; 0 turns that floor off)."""
+    lo = min(smallest, largest)
+    if sizes and m is not None and latency_share > 0 and len(sizes) > 1:
+        h, lmax = len(sizes), max(sizes)
+        lat = 2 * (h - 1) * m.alpha_inter + 2 * (lmax - 1) * m.alpha_intra
+        per_byte = 2 * (h - 1) / h * m.beta_inter
+        if per_byte > 0:
+            lo = max(lo, int(lat / latency_share / per_byte))
+    return int(min(max(largest, lo), max(lo, nbytes // 64)))
 
 
-def slices(nbytes: float) -> int:
+def slices(nbytes: float, sizes: Optional[Sequence[int]] = None,
+           m: Optional[ModelParams] = None) -> int:
     """Slices of a pipelined hierarchical all_reduce, reduce_scatter (``nbytes`` of input)
-    or all_gather (of output), as ``_hier`` cuts them: ``slice_bytes(nbytes)`` each, one
+    or all_gather (of output), as ``_hier`` cuts them: ``slice_bytes`` each, one
     slice below two of them."""
-    s = slice_bytes(nbytes)
+    s = slice_bytes(nbytes, sizes, m)
     return max(1, math.ceil(nbytes / s)) if nbytes >= 2 * s else 1
 
 
@@ -328,7 +341,8 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
         if not even:  # leader form: reduce to local 0, all_reduce among leaders, broadcast
             return (reduce_1(lmax, n, ai, bi, g) + all_reduce_1(h, n, ae, be, g)
                     + broadcast_1(lmax, n, ai, bi) + 2 * fi + fe)
-        k, m_ = slices(n), n / slices(n)
+        k = slices(n, sizes, m)
+        m_ = n / k
         rs = reduce_scatter_1(lmax, m_, ai, bi, g) + fi
         ar = all_reduce_1(h, m_ / lmax, ae, lmax * be, g) + fe
         ag = all_gather_1(lmax, m_, ai, bi) + fi
@@ -338,7 +352,7 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
         if tail:
             t += flat_time("all_reduce", 0, sizes, m)
         return t
-    k = slices(n)
+    k = slices(n, sizes, m)
     m_ = n / k
     # Pipelined like all_reduce: the link works on one slice while the host works on
     # the next (reduce_scatter) or the previous (all_gather).

@@ -85,8 +85,9 @@ class Topology:
                 f"host={self.host}, local_rank={self.local_rank})")
 
 
-def _slice(nbytes: int) -> int:
-    return cm.slice_bytes(nbytes, SLICE_BYTES, SLICE_MIN_BYTES)
+# A slice's ring latencies stay below this share of its time on the host link
+# (cm.slice_bytes); 0: no such floor (the tests' small slices).
+SLICE_LATENCY_SHARE = 0.05
 
 
 def _deadline(ms: int) -> float:
@@ -144,6 +145,10 @@ class _Hier:
         if len(self._cache) < 4096:
             self._cache[key] = ok
         return ok
+
+    def _slice(self, nbytes: int) -> int:
+        return cm.slice_bytes(nbytes, self.sizes, self.params, SLICE_BYTES, SLICE_MIN_BYTES,
+                              SLICE_LATENCY_SHARE)
 
     # ---- sub-communicators ---------------------------------------------------
     def _subs(self, ms: int) -> None:
@@ -205,7 +210,7 @@ class _Hier:
         main = flat[: b * L]
         # Slices of whole blocks (c elements per local rank, c*L of the buffer); one
         # slice unless the buffer spans two slices or more.
-        c = max(1, _slice(flat.nbytes) // (flat.itemsize * L))
+        c = max(1, self._slice(flat.nbytes) // (flat.itemsize * L))
         slices = [(lo, min(b, lo + c)) for lo in range(0, b, c)] if b >= 2 * c else [(0, b)]
         if len(slices) == 1:
             part = np.empty(b, dtype=flat.dtype)
@@ -317,7 +322,7 @@ class _Hier:
     def _cuts(self, b: int, row_bytes: int) -> List[Tuple[int, int]]:
         """Column ranges of ``b``-element blocks whose P rows (``row_bytes`` per column)
         make a slice of about ``_slice`` bytes; one range below two slices."""
-        c = max(1, _slice(b * row_bytes) // row_bytes)
+        c = max(1, self._slice(b * row_bytes) // row_bytes)
         return [(lo, min(b, lo + c)) for lo in range(0, b, c)] if b >= 2 * c else [(0, b)]
 
     def _async_inter(self, op: str, fn: Any, *args: Any) -> Any:
