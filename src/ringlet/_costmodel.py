@@ -3,8 +3,9 @@
 A message of N bytes over one link costs ``alpha + N * beta``; reducing N
 bytes costs ``N * gamma``; every collective phase (each flat collective an
 algorithm runs, on two ranks or more) costs ``phase`` on top: the time its
-ranks take to be running at once, which grows when ranks outnumber cores.  Links inside a host (``*_intra``) and between
-hosts (``*_inter``) have their own alpha and beta; ``beta_inter`` is per
+ranks take to be running at once, which grows when ranks outnumber cores.
+Links inside a host (``*_intra``) and between hosts (``*_inter``) have their
+own alpha and beta; ``beta_inter`` is per
 *host* link, so L ranks of one host sending between hosts at once share it.
 Every formula is written out in docs/algorithms.md ("The cost model"); the
 functions here are that table, in seconds, and nothing else: no measuring,
@@ -21,14 +22,15 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 __all__ = ["ModelParams", "ALGO_ENV", "MODEL_ENV", "ALGOS", "OPS", "algo_from_env",
-           "params_from_env", "fit", "fit_phase", "predict", "flat_time", "hier_time", "hier_applies",
-           "slices", "slice_bytes", "SLICE_BYTES", "SLICE_MIN_BYTES"]
+           "params_from_env", "fit", "fit_phase", "predict", "flat_time", "hier_time",
+           "hier_applies", "slices", "slice_bytes", "SLICE_BYTES", "SLICE_MIN_BYTES"]
 
 ALGO_ENV = "RINGLET_ALGO"
 # Bytes per slice of the pipelined hierarchical all_reduce, reduce_scatter and
-# all_gather (``_hier``): N/64, kept within [SLICE_MIN_BYTES, SLICE_BYTES].  Small
-# enough that the first slice's intra-host phase and the last one's (which the
-# link does not hide) stay short, large enough that a slice's own costs do not add up.
+# all_gather (``_hier``): N/64, kept within [SLICE_MIN_BYTES, SLICE_BYTES] unless the
+# layout's latencies need more (``slice_bytes``).  Small enough that the first slice's
+# intra-host phase and the last one's (which the link does not hide) stay short, large
+# enough that a slice's own costs do not add up.
 SLICE_BYTES = 1 << 20
 SLICE_MIN_BYTES = 256 << 10
 MODEL_ENV = "RINGLET_MODEL"

@@ -30,8 +30,8 @@ __all__ = ["Topology"]
 
 # The largest and smallest slice of a pipelined hierarchical all_reduce (of the
 # buffer), reduce_scatter (of the input) or all_gather (of the output); an op of N
-# bytes takes slices of N/64 within them (cm.slice_bytes, which the cost model
-# predicts with).
+# bytes takes slices of N/64 within them, or larger where the layout's latencies
+# need it (cm.slice_bytes, which the cost model predicts with).
 SLICE_BYTES = cm.SLICE_BYTES
 SLICE_MIN_BYTES = cm.SLICE_MIN_BYTES
 _AVG = 4  # RL_AVG; AVG runs as SUM and is scaled once at the end, as the C core does
