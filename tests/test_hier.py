@@ -500,7 +500,10 @@ def _one_rank_missing(rank, P):
     return "not poisoned"
 
 
-def test_a_failed_phase_names_the_parent_group_and_poisons_it(monkeypatch):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_failed_phase_names_the_parent_group_and_poisons_it(monkeypatch, request, pipelined):
+    if pipelined:  # 4 KiB slices: 4 slices, inter-host ops queued while one phase fails
+        request.getfixturevalue("small_segments")
     monkeypatch.setenv("RINGLET_ALGO", "hier")
     res = run_world(_one_rank_missing, 4, timeout=60, host_ids=LAYOUTS["2x2"])
     assert res[3] == "skipped"

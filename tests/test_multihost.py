@@ -289,8 +289,8 @@ def test_link_cut_mid_collective_errors_at_the_deadline(make_bed, tmp_path):
 def test_host_killed_survivors_error_within_a_second(make_bed, tmp_path, pipelined):
     bed = make_bed(2)
     out = str(tmp_path)
-    # pipelined: a 32 MiB hierarchical all_reduce, 4 slices whose inter-host phase runs
-    # on the inter group's executor while the host works on the next slice.
+    # pipelined: a 32 MiB hierarchical all_reduce, 64 slices whose inter-host phases run
+    # on the inter group's executor, one queued behind another, while the host works.
     extra = dict(RINGLET_ALGO="hier", MULTIHOST_COUNT=str(8 << 20)) if pipelined else {}
     procs = start_loop(bed, out, **extra)
     killed = time.monotonic()
