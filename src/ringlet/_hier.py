@@ -208,10 +208,8 @@ class _Hier:
         L = self.sizes[0]
         b = flat.size // L
         main = flat[: b * L]
-        # Slices of whole blocks (c elements per local rank, c*L of the buffer); one
-        # slice unless the buffer spans two slices or more.
-        c = max(1, self._slice(flat.nbytes) // (flat.itemsize * L))
-        slices = [(lo, min(b, lo + c)) for lo in range(0, b, c)] if b >= 2 * c else [(0, b)]
+        # Slices of whole blocks (c elements per local rank, c*L of the buffer).
+        slices = self._cuts(b, flat.itemsize * L)
         if len(slices) == 1:
             part = np.empty(b, dtype=flat.dtype)
             self._slice_rs(main, part, code, sop, dl)
