@@ -163,8 +163,9 @@ int rl_random_bytes(void *buf, size_t n);
       "of two; below 2: point-to-point stays on TCP)")                                              \
     X(shm_cma_bytes, 64 << 10, "RINGLET_SHM_CMA_BYTES",                                             \
       "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "      \
-      "groups; scatter: also larger than shm_chunk_bytes) are read straight from the peer's "      \
-      "buffer (process_vm_readv, one copy instead of two); 0: never")
+      "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "     \
+      "from twice this up to two chunks) are read straight from the peer's buffer "                \
+      "(process_vm_readv, one copy instead of two); 0: never")
 
 typedef struct {
 #define RL_KNOB_FIELD(name, def, env, doc) int64_t name;

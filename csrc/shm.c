@@ -886,6 +886,41 @@ static void reduce_slots(rl_comm *c, int lane, uint32_t step, size_t off_bytes, 
  * blocks from the result areas.  Per rank: writes N (in) + N/P (result) +
  * N (out), reads N (reduce) + N (copy out).  Two buffers let a rank start
  * the next chunk while slower ranks finish this one. */
+/* Two ranks, chunked: every rank that contributes stages its chunk, and every
+ * rank that wants the result reduces its own buffer with the peer's staged
+ * chunk, in rank order (both ranks of an all_reduce compute the same bits).
+ * A reduce's leaf only stages and runs ahead.  Per rank: writes N (in) + N,
+ * reads 2N (N of it staged by the peer): no result area and no copy out,
+ * which the split reduce below needs (docs/algorithms.md). */
+static int reduce_pair(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dtype dt,
+                       rl_redop rop, int root) {
+    rl_shm *s = c->shm;
+    int r = c->rank, peer = 1 - r;
+    size_t esz = rl_dtype_size(dt), ce = s->chunk / esz;
+    uint32_t step;
+    int st;
+    op->algo = "shm_pair";
+    for (size_t k = 0, part = 0; k < count; k += ce, part++) {
+        size_t n = count - k < ce ? count - k : ce;
+        char *base = (char *)buf + k * esz;
+        if ((st = step_begin(c, op, BIG, r != root, &step)) != RL_OK) return st;
+        if (r != root) { /* an all_reduce (root < 0) stages on both ranks */
+            memcpy(in_area(s, r, BIG, step), base, n * esz);
+            publish_in(c, op, BIG, step, (uint32_t)part, n * esz);
+        }
+        if (root < 0 || r == root) {
+            if ((st = wait_in(c, op, BIG, peer, step, (uint32_t)part, n * esz)) != RL_OK)
+                return st;
+            const char *theirs = in_area(s, peer, BIG, step);
+            if (r == 0) rl_reduce_kernel(base, base, theirs, n, dt, rop);
+            else rl_reduce_kernel(base, theirs, base, n, dt, rop);
+            if (rop == RL_AVG) rl_scale_kernel(base, n, dt, 0.5);
+        }
+        step_ack(c, BIG, step);
+    }
+    return RL_OK;
+}
+
 int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dtype dt,
                       rl_redop rop, int root) {
     rl_shm *s = c->shm;
@@ -907,6 +942,7 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
         step_ack(c, lane, step);
         return RL_OK;
     }
+    if (P == 2) return reduce_pair(c, op, buf, count, dt, rop, root);
     op->algo = "shm_chunked";
     size_t ce = s->chunk / esz;
     for (size_t k = 0, part = 0; k < count; k += ce, part++) {
@@ -939,6 +975,34 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
  * other rank checks the root's descriptor and copies the chunk out, all at
  * once.  The root writes N, each other rank reads N.  A message that fits a
  * slot goes in the small lane: the root runs ahead of its readers. */
+/* Single copy for a 2-rank broadcast of 2*cma_min up to two chunks: the
+ * reader copies the root's buffer straight into its own, and the root returns
+ * once it has.  Either way the reader's copy of N bytes from the other core
+ * is the op's time; this one reads lines the root has not just written (the
+ * staged copy did), and from two chunks the staged path overlaps the root's
+ * copy in with it and is faster (docs/experiments.md). */
+static int cma_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    uint32_t step;
+    int st;
+    op->algo = "shm_single_copy";
+    if ((st = step_begin(c, op, BIG, r == root, &step)) != RL_OK) return st;
+    if (r == root) {
+        s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)buf;
+        publish_in(c, op, BIG, step, 0, len);
+        step_ack(c, BIG, step);
+        for (int q = 0; q < P; q++)
+            if (q != r && (st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
+        return RL_OK;
+    }
+    if ((st = wait_in(c, op, BIG, root, step, 0, len)) != RL_OK) return st;
+    uint64_t at = __atomic_load_n(&s->ctrl[root].xaddr[step & 1], __ATOMIC_RELAXED);
+    if ((st = cma_read(c, op, root, buf, at, len)) != RL_OK) return st;
+    step_ack(c, BIG, step);
+    return RL_OK;
+}
+
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
     rl_shm *s = c->shm;
     int r = c->rank, lane = lane_for(s, len);
@@ -946,6 +1010,8 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
     uint32_t step;
     int st;
     note_op(c, op);
+    if (lane == BIG && c->size == 2 && s->cma_min && len >= 2 * s->cma_min && len <= 2 * s->chunk)
+        return cma_broadcast(c, op, buf, len, root);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     for (size_t k = 0, part = 0; k < len; k += piece, part++) {
         size_t n = len - k < piece ? len - k : piece;
@@ -1069,12 +1135,13 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
  * bytes) and publishes; each leaf copies its piece out.  The root's own
  * block moves by memmove: first for gather (`one` is then free), last for
  * scatter (after every piece of `many` was read). */
-/* Single copy for scatter (blocks >= cma_min and above one chunk): the root
- * publishes its buffer's address in one big-lane step and returns once every
- * leaf has read its block straight from it.  (Below one chunk the staged
- * scatter takes one step and its root runs ahead of the leaves; a gather's
- * root would read every block alone, where staged leaves copy in parallel:
- * both measured slower single-copy, docs/experiments.md.) */
+/* Single copy for scatter (blocks >= cma_min, and above one chunk beyond 2
+ * ranks): the root publishes its buffer's address in one big-lane step, moves
+ * its own block while the leaves read theirs straight from it, and returns
+ * once every leaf has.  (Below one chunk the staged scatter takes one step
+ * and its root runs ahead of its 3 or more leaves; a gather's root would read
+ * every block alone, where staged leaves copy in parallel: both measured
+ * slower single-copy, docs/experiments.md.) */
 static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
@@ -1087,9 +1154,13 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
         s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)many;
         publish_in(c, op, BIG, step, 0, blk);
         step_ack(c, BIG, step);
+        /* The root's own block moves while the leaves read theirs, unless its
+         * output lies in the buffer they read. */
+        int early = mine != (char *)one && !rl_overlap(one, blk, many, blk * (size_t)P);
+        if (early) memcpy(one, mine, blk);
         for (int q = 0; q < P; q++)
             if (q != r && (st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
-        if (mine != (char *)one) memmove(one, mine, blk);
+        if (mine != (char *)one && !early) memmove(one, mine, blk);
         return RL_OK;
     }
     if ((st = wait_in(c, op, BIG, root, step, 0, blk)) != RL_OK) return st;
@@ -1110,7 +1181,7 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     uint32_t step;
     int st;
     note_op(c, op);
-    if (!gather && lane == BIG && s->cma_min && blk >= s->cma_min && blk > s->chunk)
+    if (!gather && lane == BIG && s->cma_min && blk >= s->cma_min && (blk > s->chunk || P == 2))
         return cma_scatter(c, op, many, one, blk, root);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);

@@ -182,6 +182,32 @@ def test_large_blocks_are_read_from_the_peer_across_processes(monkeypatch, cma):
     assert res == [({o: True for o in ops}, algos)] * 3, res
 
 
+def _two_rank_broadcasts(rank, P, sizes):
+    g = _world._current().group
+    out = []
+    for root in (0, 1):
+        for n in sizes:
+            want = (np.arange(n, dtype=np.uint64) * 2654435761 + 7 * root).astype(np.uint8)
+            buf = want.copy() if rank == root else np.zeros(n, np.uint8)
+            ringlet.broadcast(buf, src=root)
+            out.append(bool(np.array_equal(buf, want)))
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "broadcast"]
+    return out, algo
+
+
+@pytest.mark.parametrize("cma", ["65536", "0"])
+def test_two_rank_broadcast_reads_the_root_directly_within_its_window(monkeypatch, cma):
+    # From 2 * shm_cma_bytes to two chunks (256 KiB): one copy by the reader,
+    # straight from the root's buffer; around the window the staged copy.
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
+    sizes = [(128 << 10) - 1, 128 << 10, 300_001, 512 << 10, (512 << 10) + 1]
+    res = run_world(_two_rank_broadcasts, 2, mode="process", timeout=60, args=(sizes,))
+    direct = ["shm_copy", "shm_single_copy", "shm_single_copy", "shm_single_copy", "shm_copy"]
+    want = direct if cma != "0" else ["shm_copy"] * len(sizes)
+    assert res == [([True] * 2 * len(sizes), want * 2)] * 2, res
+
+
 def _async_and_inplace(rank, P):
     assert _world._current().group.transport == "shm"
     works, bufs = [], []

@@ -209,7 +209,7 @@ def test_trace_1_dumps_at_exit(trace_dir, monkeypatch):
             for e in coll["entries"]]
     # (two ranks of one host: the collectives run over shared memory)
     assert ents == [("broadcast", "float64", 800, 1, "shm_slot", "completed"),
-                    ("all_reduce", "float32", 1 << 18, -1, "shm_chunked", "completed"),
+                    ("all_reduce", "float32", 1 << 18, -1, "shm_pair", "completed"),
                     ("barrier", None, 0, -1, "shm_flags", "completed")]
     assert [(e["recv"], e["peer"], e["tag"], e["bytes"], e["state"]) for e in p2p["entries"]] \
         == [(True, 0, 7, 12, "completed")]
@@ -297,7 +297,7 @@ def test_debug_info_and_detail_logs(monkeypatch, capfd):
         assert f"ringlet[rank {r}] DETAIL: comm 0: all_reduce seq=1 bytes=16 " \
                f"algorithm=shm_slot" in err
         assert f"ringlet[rank {r}] DETAIL: comm 0: broadcast seq=2 bytes=131072 " \
-               f"algorithm=shm_copy" in err
+               f"algorithm=shm_single_copy" in err
     assert "connected to peer" not in err
 
     monkeypatch.delenv("RINGLET_DEBUG")

@@ -543,7 +543,9 @@ def shm_bytes(op: str, nranks: int, nbytes: int, *,
     message of 16 MiB or more streams them from and to memory, while the
     slots are a ring of segments reused as the pipeline advances, so what is
     written there is read back from the caches.  ``slots=True`` counts every
-    copy (the traffic when the slots hold whole messages).
+    copy (the traffic when the slots hold whole messages).  The 2-rank pair
+    form of all_reduce and reduce moves the same user bytes (its reduction
+    reads the buffer the copy-in just read, from the caches).
     docs/algorithms.md derives each line.
 
     Raises:
