@@ -879,13 +879,14 @@ static void reduce_slots(rl_comm *c, int lane, uint32_t step, size_t off_bytes, 
  * areas in rank order into buf.  Reads P*N bytes, writes 2N.  A reduce's
  * leaves leave at once; in the small lane they run ahead of the root.
  *
- * Chunked: per step, a chunk of up to `chunk` bytes.  Every rank copies its
- * chunk in and publishes; rank r reduces block r of the chunk (P near-equal
- * blocks) from all P input areas, in rank order, into its result area and
- * publishes `out`; then every rank that wants the result copies the P
- * blocks from the result areas.  Per rank: writes N (in) + N/P (result) +
- * N (out), reads N (reduce) + N (copy out).  Two buffers let a rank start
- * the next chunk while slower ranks finish this one. */
+ * Chunked, 3 or more ranks (2: reduce_pair): per step, a chunk of up to
+ * `chunk` bytes.  Every rank copies its chunk in and publishes; rank r
+ * reduces block r of the chunk (P near-equal blocks) from all P input areas,
+ * in rank order, into its result area and publishes `out`; then every rank
+ * that wants the result copies the P blocks from the result areas.  Per
+ * rank: writes N (in) + N/P (result) + N (out), reads N (reduce) + N (copy
+ * out).  Two buffers let a rank start the next chunk while slower ranks
+ * finish this one. */
 /* Two ranks, chunked: every rank that contributes stages its chunk, and every
  * rank that wants the result reduces its own buffer with the peer's staged
  * chunk, in rank order (both ranks of an all_reduce compute the same bits).
@@ -974,7 +975,8 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
  * Per step the root copies a chunk into its input area and publishes; every
  * other rank checks the root's descriptor and copies the chunk out, all at
  * once.  The root writes N, each other rank reads N.  A message that fits a
- * slot goes in the small lane: the root runs ahead of its readers. */
+ * slot goes in the small lane: the root runs ahead of its readers.  Two ranks,
+ * 2*cma_min up to two chunks: cma_broadcast. */
 /* Single copy for a 2-rank broadcast of 2*cma_min up to two chunks: the
  * reader copies the root's buffer straight into its own, and the root returns
  * once it has.  Either way the reader's copy of N bytes from the other core
