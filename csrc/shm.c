@@ -976,34 +976,9 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
  * other rank checks the root's descriptor and copies the chunk out, all at
  * once.  The root writes N, each other rank reads N.  A message that fits a
  * slot goes in the small lane: the root runs ahead of its readers.  Two ranks,
- * 2*cma_min up to two chunks: cma_broadcast. */
-/* Single copy for a 2-rank broadcast of 2*cma_min up to two chunks: the
- * reader copies the root's buffer straight into its own, and the root returns
- * once it has.  Either way the reader's copy of N bytes from the other core
- * is the op's time; this one reads lines the root has not just written (the
- * staged copy did), and from two chunks the staged path overlaps the root's
- * copy in with it and is faster (docs/experiments.md). */
-static int cma_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
-    rl_shm *s = c->shm;
-    int P = c->size, r = c->rank;
-    uint32_t step;
-    int st;
-    op->algo = "shm_single_copy";
-    if ((st = step_begin(c, op, BIG, r == root, &step)) != RL_OK) return st;
-    if (r == root) {
-        s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)buf;
-        publish_in(c, op, BIG, step, 0, len);
-        step_ack(c, BIG, step);
-        for (int q = 0; q < P; q++)
-            if (q != r && (st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
-        return RL_OK;
-    }
-    if ((st = wait_in(c, op, BIG, root, step, 0, len)) != RL_OK) return st;
-    uint64_t at = __atomic_load_n(&s->ctrl[root].xaddr[step & 1], __ATOMIC_RELAXED);
-    if ((st = cma_read(c, op, root, buf, at, len)) != RL_OK) return st;
-    step_ack(c, BIG, step);
-    return RL_OK;
-}
+ * 2*cma_min up to two chunks: single copy (cma_scatter with stride 0). */
+static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root,
+                       size_t stride);
 
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
     rl_shm *s = c->shm;
@@ -1012,8 +987,12 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
     uint32_t step;
     int st;
     note_op(c, op);
+    /* Either way a 2-rank broadcast costs the reader's copy of N bytes from
+     * the other core: read directly, its lines are not ones the root has just
+     * written; from two chunks the staged root's copy-in overlaps it and wins
+     * (docs/experiments.md). */
     if (lane == BIG && c->size == 2 && s->cma_min && len >= 2 * s->cma_min && len <= 2 * s->chunk)
-        return cma_broadcast(c, op, buf, len, root);
+        return cma_scatter(c, op, buf, buf, len, root, 0);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     for (size_t k = 0, part = 0; k < len; k += piece, part++) {
         size_t n = len - k < piece ? len - k : piece;
@@ -1140,14 +1119,16 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
 /* Single copy for scatter (blocks >= cma_min, and above one chunk beyond 2
  * ranks): the root publishes its buffer's address in one big-lane step, moves
  * its own block while the leaves read theirs straight from it, and returns
- * once every leaf has.  (Below one chunk the staged scatter takes one step
+ * once every leaf has.  Leaf r's block starts at r * stride: blk for a
+ * scatter, 0 for a broadcast (every leaf reads the whole buffer).  (Below one chunk the staged scatter takes one step
  * and its root runs ahead of its 3 or more leaves; a gather's root would read
  * every block alone, where staged leaves copy in parallel: both measured
  * slower single-copy, docs/experiments.md.) */
-static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root) {
+static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root,
+                       size_t stride) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
-    char *mine = (char *)many + (size_t)root * blk;
+    char *mine = (char *)many + (size_t)root * stride;
     uint32_t step;
     int st;
     op->algo = "shm_single_copy";
@@ -1167,7 +1148,7 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
     }
     if ((st = wait_in(c, op, BIG, root, step, 0, blk)) != RL_OK) return st;
     uint64_t at = __atomic_load_n(&s->ctrl[root].xaddr[step & 1], __ATOMIC_RELAXED);
-    if ((st = cma_read(c, op, root, one, at + (uint64_t)r * blk, blk)) != RL_OK) return st;
+    if ((st = cma_read(c, op, root, one, at + (uint64_t)r * stride, blk)) != RL_OK) return st;
     step_ack(c, BIG, step);
     return RL_OK;
 }
@@ -1184,7 +1165,7 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     int st;
     note_op(c, op);
     if (!gather && lane == BIG && s->cma_min && blk >= s->cma_min && (blk > s->chunk || P == 2))
-        return cma_scatter(c, op, many, one, blk, root);
+        return cma_scatter(c, op, many, one, blk, root, blk);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
     int writes = gather ? r != root : r == root;
