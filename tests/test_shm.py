@@ -197,7 +197,7 @@ def _two_rank_broadcasts(rank, P, sizes):
 
 @pytest.mark.parametrize("cma", ["65536", "0"])
 def test_two_rank_broadcast_reads_the_root_directly_within_its_window(monkeypatch, cma):
-    # From 2 * shm_cma_bytes to two chunks (256 KiB): one copy by the reader,
+    # From 2 * shm_cma_bytes to two chunks (256 KiB each): one copy by the reader,
     # straight from the root's buffer; around the window the staged copy.
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
