@@ -84,6 +84,7 @@ typedef struct rl_unexpected {
     uint8_t dtype;
     uint64_t nbytes;
     char *data;
+    const char *algo; /* how the message came (the receive that takes it reports it) */
     struct rl_unexpected *next;
 } rl_unexpected;
 
@@ -290,10 +291,10 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
                   int root);
 int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk);
 /* Point to point over a SHM_P2P segment (p2p.c holds the comm's locks). */
-int rl_shm_send_frame(rl_comm *c, const rl_opdesc *op, int dst, const rl_hdr *h,
+int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                       const void *buf, size_t len);
 int rl_shm_recv_header(rl_comm *c, const rl_opdesc *op, int src, rl_hdr *h);
-int rl_shm_recv_body(rl_comm *c, const rl_opdesc *op, int src, void *buf, size_t len);
+int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len);
 /* Publish c's error in the segment and wake every waiter (rl_comm_abort);
  * wake this rank's waiters only (rl_comm_cancel); unmap (rl_comm_destroy). */
 void rl_shm_abort(rl_comm *c);

@@ -11,7 +11,8 @@
  * receives from one peer; a send and a receive may run at once on two
  * threads (the socket is full duplex).  Ranks of one host exchange the same
  * frames through rings in shared memory instead (shm.c), when the comm has
- * a segment.
+ * a segment; a message larger than the ring is read there straight from
+ * the sender's buffer.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +39,7 @@ int rl_send(rl_comm *c, const void *buf, size_t count, rl_dtype dt, int dst,
     return rl_end_op(c, &op, st);
 }
 
-static int take_unexpected(rl_comm *c, const rl_opdesc *op, int src, uint32_t tag,
+static int take_unexpected(rl_comm *c, rl_opdesc *op, int src, uint32_t tag,
                            void *buf, size_t len, rl_dtype dt, int *found) {
     *found = 0;
     for (rl_unexpected **pp = &c->unexpected[src]; *pp; pp = &(*pp)->next) {
@@ -46,6 +47,7 @@ static int take_unexpected(rl_comm *c, const rl_opdesc *op, int src, uint32_t ta
         if (u->tag != tag) continue;
         *found = 1;
         *pp = u->next;
+        op->algo = u->algo;
         int st = RL_OK;
         if (u->nbytes != len || u->dtype != dt)
             st = rl_fail(c, op, RL_ERR_DESYNC, src, 0,
@@ -116,9 +118,14 @@ static int recv_locked(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len
         u->dtype = h.dtype;
         u->nbytes = h.nbytes;
         u->data = data;
-        if (c->shm)
+        if (c->shm) {
+            /* the op's algorithm names how its own message came, not this one */
+            const char *algo = op->algo;
+            op->algo = NULL;
             st = rl_shm_recv_body(c, op, src, data, h.nbytes);
-        else
+            u->algo = op->algo;
+            op->algo = algo;
+        } else
             st = h.nbytes ? rl_recv_bytes(c, op, src, data, h.nbytes) : RL_OK;
         if (st != RL_OK) {
             free(data);

@@ -41,6 +41,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,7 +55,7 @@
 #include "internal.h"
 
 #define SHM_MAGIC 0x4d48534cu /* "LSHM" */
-#define SHM_VERSION 3u
+#define SHM_VERSION 4u
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
@@ -66,6 +67,7 @@
 #define SHM_P2P 1u
 #define SHM_CELL ((size_t)8192)    /* payload of one point-to-point cell */
 #define SHM_P2P_MAX_RANKS 8        /* rings grow with P^2 */
+#define SHM_FRAME_DIRECT 1u        /* rl_hdr.flags of a point-to-point frame: read the sender's buffer */
 
 typedef struct {
     uint32_t magic, version;
@@ -528,9 +530,9 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
             int64_t small = rl_tune.shm_small_bytes;
             h->small = small < 0 ? 0 : ((size_t)small > chunk ? chunk : (size_t)small);
             h->data_off = l.data_off;
-            int64_t cma = rl_tune.shm_cma_bytes;
-            h->cma_bytes = cma <= 0 ? 0 : (cma > UINT32_MAX ? UINT32_MAX : (uint32_t)cma);
         }
+        int64_t cma = rl_tune.shm_cma_bytes;
+        h->cma_bytes = cma <= 0 ? 0 : (cma > UINT32_MAX ? UINT32_MAX : (uint32_t)cma);
         __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
     } else {
         int ok = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC &&
@@ -690,7 +692,7 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
             s->npidfds++;
         }
     }
-    if (s->kind == SHM_COLL && s->hdr->cma_bytes) cma_probe(c);
+    if (s->hdr->cma_bytes) cma_probe(c);
     /* No rank leaves before every rank watches every peer: a rank that went
      * on at once could finish its part (a send) and exit before a slower
      * one opened its pidfd, which would then never learn of the exit.  (Nor
@@ -702,7 +704,7 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
     if (st != RL_OK) return st;
     /* Single copy only when every rank can read every peer, so that all
      * ranks take the same path (and number their steps alike). */
-    s->cma_min = s->kind == SHM_COLL ? s->hdr->cma_bytes : 0;
+    s->cma_min = s->hdr->cma_bytes;
     for (int q = 0; q < c->size && s->cma_min; q++)
         if (__atomic_load_n(&s->ctrl[q].cma_ok, __ATOMIC_ACQUIRE) != 1) s->cma_min = 0;
     return RL_OK;
@@ -1288,9 +1290,42 @@ static inline char *cell_of(rl_shm *s, shm_ring *rg, uint32_t n) {
 static inline size_t cells_for(size_t len) { return len ? (len + SHM_CELL - 1) / SHM_CELL : 1; }
 
 /* Called with the comm's send lock for dst held. */
-int rl_shm_send_frame(rl_comm *c, const rl_opdesc *op, int dst, const rl_hdr *h,
+/* A message larger than the ring (and than shm_cma_bytes) goes as one cell
+ * that holds its header and the address of the sender's buffer: the
+ * receiver reads the buffer straight into its own (process_vm_readv) and
+ * then consumes the cell, which tells the sender it may return.  A send
+ * that large already waited for the receiver to drain the ring, so no
+ * program that worked before blocks now; the bytes move once instead of
+ * twice, and only the receiver needs a core to move them. */
+static int send_direct(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
+                       const void *buf) {
+    rl_shm *s = c->shm;
+    op->algo = "shm_single_copy";
+    shm_ring *rg = ring_of(s, c->rank, dst, c->size);
+    uint32_t head = s->tx_head[dst];
+    int st = wait_flag(c, op, &rg->tail, head + 1 - s->cells, dst);
+    if (st != RL_OK) return st;
+    char *cell = cell_of(s, rg, head);
+    rl_hdr d = *h;
+    d.flags |= SHM_FRAME_DIRECT;
+    memcpy(cell, &d, sizeof d);
+    uint64_t at = (uint64_t)(uintptr_t)buf;
+    memcpy(cell + SHM_SLOT_HDR, &at, sizeof at);
+    publish(s, c->rank, &rg->head, ++head);
+    s->tx_head[dst] = head;
+    /* Return only once the receiver has read the buffer (or the job failed). */
+    return wait_flag(c, op, &rg->tail, head, dst);
+}
+
+static inline int goes_direct(const rl_shm *s, size_t len) {
+    return s->cma_min && len >= s->cma_min && len > (size_t)s->cells * SHM_CELL;
+}
+
+int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                       const void *buf, size_t len) {
     rl_shm *s = c->shm;
+    if (goes_direct(s, len)) return send_direct(c, op, dst, h, buf);
+    op->algo = "shm_ring";
     shm_ring *rg = ring_of(s, c->rank, dst, c->size);
     uint32_t head = s->tx_head[dst];
     size_t n = cells_for(len);
@@ -1322,10 +1357,29 @@ int rl_shm_recv_header(rl_comm *c, const rl_opdesc *op, int src, rl_hdr *h) {
 
 /* The body (len bytes, the header's nbytes) of the message whose header
  * rl_shm_recv_header returned, into buf; consumes its cells. */
-int rl_shm_recv_body(rl_comm *c, const rl_opdesc *op, int src, void *buf, size_t len) {
+int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len) {
     rl_shm *s = c->shm;
     shm_ring *rg = ring_of(s, src, c->rank, c->size);
     uint32_t tail = s->rx_tail[src];
+    const char *first = cell_of(s, rg, tail);
+    uint32_t flags;
+    memcpy(&flags, first + offsetof(rl_hdr, flags), sizeof flags);
+    if (flags & SHM_FRAME_DIRECT) {
+        /* One cell: the header and the sender's buffer address (send_direct). */
+        if (!goes_direct(s, len))
+            return rl_fail(c, op, RL_ERR_PROTOCOL, src, 0,
+                           "a %zu-byte message came as a direct read, which this rank does "
+                           "not use for that size (shared memory)", len);
+        uint64_t at;
+        memcpy(&at, first + SHM_SLOT_HDR, sizeof at);
+        op->algo = "shm_single_copy";
+        int st = cma_read(c, op, src, buf, at, len);
+        if (st != RL_OK) return st;
+        publish(s, c->rank, &rg->tail, ++tail);
+        s->rx_tail[src] = tail;
+        return RL_OK;
+    }
+    if (!op->algo) op->algo = "shm_ring";
     size_t n = cells_for(len);
     for (size_t k = 0; k < n; k++) {
         int st = wait_flag(c, op, &rg->head, tail + 1, src);

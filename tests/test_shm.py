@@ -24,7 +24,7 @@ import pytest
 
 import ringlet
 from ringlet import ReduceOp, _auth, _core, _shm, _world
-from ringlet.errors import DesyncError, PeerClosedError
+from ringlet.errors import CollectiveTimeout, DesyncError, PeerClosedError, RingletError
 from ringlet.testing import WorldError, run_world
 
 from _launchers import clean_env
@@ -706,6 +706,47 @@ def test_point_to_point_over_shm():
         assert not bad, bad
 
 
+def _big_p2p(rank, P, n):
+    # Messages larger than the 256 KiB ring: read straight from the sender
+    # (single copy) unless the knob is off.  Both directions at once, then a
+    # large message the receiver must buffer while it waits for a later tag.
+    g = _world._current().group
+    peer = 1 - rank
+    x = (np.arange(n, dtype=np.float64) * 3.5 + rank).astype(np.float64)
+    y = np.zeros(n)
+    w = ringlet.isend(x, peer, tag=5)
+    ringlet.recv(y, peer, tag=5, timeout=60)
+    w.wait(timeout=60)
+    ok = [bool(np.array_equal(y, np.arange(n) * 3.5 + peer))]
+    if rank == 0:
+        ringlet.send(x, 1, tag=2)        # arrives first, asked for second
+        ringlet.send(x[:4] * 2, 1, tag=1)
+    else:
+        a, b = np.zeros(4), np.zeros(n)
+        ringlet.recv(a, 0, tag=1, timeout=60)
+        ringlet.recv(b, 0, tag=2, timeout=60)
+        ok += [bool(np.array_equal(a, np.arange(4) * 7.0)),
+               bool(np.array_equal(b, np.arange(n) * 3.5))]
+    algo = [(e["recv"], e["tag"], e["algorithm"]) for e in g._p2pc.trace()[2]]
+    return ok, algo
+
+
+@pytest.mark.parametrize("cma", ["65536", "0"])
+def test_large_messages_are_read_from_the_sender_across_processes(monkeypatch, cma):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
+    n = 40_000  # 320 KB: one cell's worth more than the ring holds
+    r0, r1 = run_world(_big_p2p, 2, mode="process", timeout=60, args=(n,))
+    big = "shm_single_copy" if cma != "0" else "shm_ring"
+    assert r0[0] == [True] and r1[0] == [True, True, True], (r0, r1)
+    assert sorted(r0[1]) == sorted([(False, 5, big), (True, 5, big), (False, 2, big),
+                                    (False, 1, "shm_ring")]), r0
+    # rank 1's tag-1 receive buffered the big tag-2 message on its way; the
+    # tag-2 receive that takes it names how it came
+    assert sorted(r1[1]) == sorted([(False, 5, big), (True, 5, big), (True, 1, "shm_ring"),
+                                    (True, 2, big)]), r1
+
+
 def _p2p_after_a_peer_left(rank, P, left):
     # Rank 2 leaves; 0 and 1 go on messaging: only the message's peer matters.
     if rank == 2:
@@ -770,6 +811,61 @@ def test_killed_sender_is_detected_fast_over_shm_rings():
     kind, took, msg = ei.value.results[0]
     assert kind == "closed" and "exited or was killed (shared memory)" in msg, (kind, msg)
     assert took < 3.0, f"rank 0 needed {took:.2f}s to notice a SIGKILL"
+
+
+def _kill_receiver_of_a_big_send(rank, P):
+    ringlet.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:  # 1 MiB: a direct send, which waits for the receiver to read it
+        ringlet.send(np.ones(1 << 17), 1, timeout=60)
+    except PeerClosedError as exc:
+        return ("closed", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+def test_killed_receiver_of_a_direct_send_is_detected_fast():
+    with pytest.raises(WorldError) as ei:
+        run_world(_kill_receiver_of_a_big_send, 2, mode="process", timeout=60)
+    kind, took, msg = ei.value.results[0]
+    assert kind == "closed" and "exited or was killed (shared memory)" in msg, (kind, msg)
+    assert took < 3.0, f"rank 0 needed {took:.2f}s to notice a SIGKILL"
+
+
+def _direct_send_times_out(rank, P, failed):
+    n = 1 << 17  # 1 MiB
+    if rank == 0:
+        x = np.ones(n)
+        try:
+            ringlet.send(x, 1, timeout=1.0)
+        except CollectiveTimeout as exc:
+            x[:] = -1.0  # the buffer a late reader must not be handed
+            failed.set()
+            return ("timeout", str(exc))
+        finally:
+            failed.set()
+        return ("sent", "")
+    assert failed.wait(60)
+    y = np.zeros(n)
+    try:
+        ringlet.recv(y, 0, timeout=30)
+    except RingletError as exc:
+        return (type(exc).__name__, str(exc))
+    return ("received", float(y.min()))
+
+
+def test_direct_send_nobody_receives_times_out_and_the_receiver_gets_no_stale_data():
+    import threading
+
+    (k0, m0), (k1, m1) = run_world(_direct_send_times_out, 2, mode="thread", timeout=60,
+                                   args=(threading.Event(),))
+    assert k0 == "timeout" and "send" in m0, (k0, m0)
+    # the sender's failure aborted the communicator: the late receive fails too
+    assert k1 == "CollectiveTimeout" and "rank 0: send/recv" in m1 and "timed out" in m1, \
+        (k1, m1)
 
 
 def _p2p_transport(rank, P):
