@@ -107,11 +107,8 @@ typedef struct {
     uint32_t closed; /* 1: the owner destroyed its comm                     */
     int32_t pid;
     uint32_t pad0;
-    /* The owner's last rooted op: seq << 24 | opcode << 16 | root.  Ranks
-     * that disagree on a root may all return from that op (the roots only
-     * write); the next op's reader compares records and names both roots. */
-    uint64_t rooted;
-    uint32_t s_in;   /* small lane: last step published                     */
+    uint64_t pad_r;
+    uint32_t pad_s;  /* (the small lane publishes in its slots' stamps)     */
     uint32_t s_ack;  /* small lane: last step finished reading              */
     uint32_t cma_ok; /* 1: this rank read every peer's probe; 2: it could not */
     uint32_t pad1;
@@ -122,9 +119,15 @@ typedef struct {
     /* line 1: written by other ranks, off the owner's flags' line */
     uint32_t waiters; /* ranks asleep on the bell waiting for one of this rank's flags */
     uint32_t pad2[15];
-    /* lines 2-3 */
+    /* lines 2-3: written by the owner in big-lane steps and rooted ops */
     rl_hdr desc[2];
-    char pad3[32];
+    /* The owner's last rooted op: seq << 24 | opcode << 16 | root.  Ranks
+     * that disagree on a root may all return from that op (the roots only
+     * write); the next op's reader compares records and names both roots.
+     * Off line 0, which the owner writes every step: readers of the record
+     * then take no line that changes between ops that are not rooted. */
+    uint64_t rooted;
+    char pad3[24];
 } shm_ctrl;
 
 /* One entry of a rank's op log: the ops it entered lately, at seq % SHM_LOG
@@ -159,7 +162,9 @@ struct rl_shm {
     uint32_t kind, cells;
     char *rings;
     size_t ring_stride;
-    uint32_t *tx_head, *rx_tail; /* per peer: cells this rank published / consumed */
+    /* per peer: cells this rank published / consumed; the peer's tail as last read */
+    uint32_t *tx_head, *rx_tail, *tx_seen;
+    uint32_t *ack_seen; /* per lane and peer: the peer's ack as last read (step_begin) */
     int *pidfds; /* comm rank -> pidfd, -1: none (self, same process) */
     int npidfds;
     uint64_t probe;  /* what a peer's process_vm_readv must find at xaddr[0] */
@@ -172,11 +177,18 @@ static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 typedef struct {
     size_t result, stride, data_off, slot_stride, slot_off, log_off, total;
 } shm_layout;
+/* A slot's descriptor line starts a 128-byte pair, its payload right after.
+ * Its stamp (the step whose input it holds) relies on a new segment reading
+ * zero, as memfd_create's does. */
+#define SLOT_STAMP 48
+_Static_assert(sizeof(rl_hdr) <= SLOT_STAMP, "a slot's descriptor must end before its stamp");
+static size_t slot_stride_of(size_t slot_bytes) { return round_up(SHM_SLOT_HDR + slot_bytes, 128); }
+
 static void layout(int P, size_t chunk, size_t slots, size_t slot_bytes, shm_layout *l) {
     l->result = round_up(chunk / (size_t)P + 64, 64);
     l->stride = round_up(chunk + l->result, SHM_PAGE);
     l->data_off = SHM_PAGE + round_up(sizeof(shm_ctrl) * (size_t)P, SHM_PAGE);
-    l->slot_stride = SHM_SLOT_HDR + round_up(slot_bytes, 64);
+    l->slot_stride = slot_stride_of(slot_bytes);
     l->slot_off = l->data_off + l->stride * 2 * (size_t)P;
     l->log_off = l->slot_off + round_up(l->slot_stride * slots * (size_t)P, SHM_PAGE);
     l->total = l->log_off + round_up(sizeof(shm_logent) * SHM_LOG * (size_t)P, SHM_PAGE);
@@ -194,17 +206,24 @@ static size_t knob_slots(void) {
 }
 
 /* ---- point-to-point rings (SHM_P2P) ---------------------------------------
- * A ring per ordered pair: `head` (cells published, written by the sender)
- * and `tail` (cells consumed, written by the receiver) on lines of their
- * own, then `cells` cells of a 64-byte header and SHM_CELL bytes.  A message
- * takes ceil(max(len, 1) / SHM_CELL) cells in a row; its first cell's header
- * holds the frame header (rl_hdr), as over TCP. */
+ * A ring per ordered pair: `tail` (cells consumed, written by the receiver)
+ * on a line of its own, then `cells` cells of a 64-byte header and SHM_CELL
+ * bytes.  A message takes ceil(max(len, 1) / SHM_CELL) cells in a row; its
+ * first cell's header holds the frame header (rl_hdr), as over TCP.  Each
+ * cell's header line also holds its stamp (the sender's count of cells
+ * published, once the cell is full) and up to 8 bytes of payload, so a
+ * small message crosses between cores as one cache line: the receiver polls
+ * the line it will read, and the sender reads `tail` only when the ring
+ * looks full by the last value it saw. */
 typedef struct {
-    uint32_t head;
-    uint32_t pad0[15];
     uint32_t tail;
-    uint32_t pad1[15];
+    uint32_t pad[31]; /* two lines: the adjacent-line prefetcher fetches pairs */
 } shm_ring;
+
+#define CELL_STAMP 48  /* offsets in a cell's 64-byte header line, after the rl_hdr */
+#define CELL_INLINE 56
+#define CELL_INLINE_MAX ((size_t)8)
+_Static_assert(sizeof(rl_hdr) <= CELL_STAMP, "a cell's frame header must end before its stamp");
 
 static size_t knob_cells(void) {
     int64_t v = rl_tune.shm_p2p_cells;
@@ -563,7 +582,7 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     }
     rl_shm *s = calloc(1, sizeof *s);
     int *pidfds = malloc(sizeof(int) * (size_t)P);
-    uint32_t *pos = calloc(2 * (size_t)P, sizeof *pos);
+    uint32_t *pos = calloc(5 * (size_t)P, sizeof *pos);
     if (!s || !pidfds || !pos) {
         free(s);
         free(pidfds);
@@ -579,6 +598,8 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     s->kind = kind;
     s->tx_head = pos;
     s->rx_tail = pos + P;
+    s->tx_seen = pos + 2 * (size_t)P;
+    s->ack_seen = pos + 3 * (size_t)P;
     if (kind == SHM_P2P) {
         s->cells = h->cells;
         s->rings = (char *)m + h->data_off;
@@ -591,7 +612,7 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
         s->small = h->small;
         s->slots = h->slots;
         s->slot_bytes = h->slot_bytes;
-        s->slot_stride = SHM_SLOT_HDR + round_up(s->slot_bytes, 64);
+        s->slot_stride = slot_stride_of(s->slot_bytes);
         s->slot_base = (char *)m + h->slot_off;
         s->log = (shm_logent *)((char *)m + h->log_off);
     }
@@ -755,8 +776,13 @@ void rl_shm_detach(rl_comm *c) {
  * reduce leaf) runs up to `slots` ops ahead of its readers. */
 enum { BIG = 0, SMALL = 1 };
 
-static inline uint32_t *lane_in(rl_shm *s, int q, int lane) {
-    return lane == SMALL ? &s->ctrl[q].s_in : &s->ctrl[q].in;
+static inline char *slot_at(rl_shm *s, int q, uint32_t step);
+/* The flag q publishes a step's input with: in the big lane `in`; in the
+ * small lane the stamp in the slot's descriptor line (SLOT_STAMP), so a
+ * reader polls the line it reads next, and the slot's first payload line is
+ * that line's pair for the adjacent-line prefetcher. */
+static inline uint32_t *lane_in(rl_shm *s, int q, int lane, uint32_t step) {
+    return lane == SMALL ? (uint32_t *)(slot_at(s, q, step) + SLOT_STAMP) : &s->ctrl[q].in;
 }
 static inline uint32_t *lane_ack(rl_shm *s, int q, int lane) {
     return lane == SMALL ? &s->ctrl[q].s_ack : &s->ctrl[q].ack;
@@ -817,9 +843,14 @@ static int step_begin(rl_comm *c, const rl_opdesc *op, int lane, int writes, uin
     uint32_t step = ++s->step[lane], depth = lane == SMALL ? s->slots : 2;
     *out = step;
     if (!writes) return RL_OK;
+    /* A peer's ack is read again only when the value last read is too old:
+     * the read takes the line from the peer, which writes it every step. */
+    uint32_t *seen = s->ack_seen + (size_t)lane * (size_t)c->size;
     for (int q = 0; q < c->size; q++) {
+        if (reached(seen[q], step - depth)) continue;
         int st = wait_flag(c, op, lane_ack(s, q, lane), step - depth, q);
         if (st != RL_OK) return st;
+        seen[q] = __atomic_load_n(lane_ack(s, q, lane), __ATOMIC_ACQUIRE);
     }
     return RL_OK;
 }
@@ -828,7 +859,7 @@ static void publish_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step,
                        uint64_t nbytes) {
     rl_shm *s = c->shm;
     rl_fill_header(in_desc(s, c->rank, lane, step), c, op, part, nbytes);
-    publish(s, c->rank, lane_in(s, c->rank, lane), step);
+    publish(s, c->rank, lane_in(s, c->rank, lane, step), step);
 }
 
 /* Wait for q's input of this step and compare its descriptor with ours. */
@@ -836,7 +867,7 @@ static int wait_in(rl_comm *c, const rl_opdesc *op, int lane, int q, uint32_t st
                    uint32_t part, uint64_t nbytes) {
     rl_shm *s = c->shm;
     int st = rooted_check(c, op, q);
-    if (st == RL_OK) st = wait_flag(c, op, lane_in(s, q, lane), step, q);
+    if (st == RL_OK) st = wait_flag(c, op, lane_in(s, q, lane, step), step, q);
     if (st != RL_OK) return st;
     rl_hdr got, want;
     memcpy(&got, in_desc(s, q, lane, step), sizeof got);
@@ -1297,24 +1328,40 @@ static inline size_t cells_for(size_t len) { return len ? (len + SHM_CELL - 1) /
  * that large already waited for the receiver to drain the ring, so no
  * program that worked before blocks now; the bytes move once instead of
  * twice, and only the receiver needs a core to move them. */
+static inline uint32_t *stamp_of(char *cell) { return (uint32_t *)(cell + CELL_STAMP); }
+
+/* Wait until the cell at `head` is free: the receiver consumed the one
+ * `cells` back.  The tail is read again only when the last value seen says
+ * the ring is full (reading it takes the line from the receiver's core). */
+static int ring_room(rl_comm *c, const rl_opdesc *op, shm_ring *rg, int dst, uint32_t head) {
+    rl_shm *s = c->shm;
+    uint32_t want = head + 1 - s->cells;
+    if (reached(s->tx_seen[dst], want)) return RL_OK;
+    int st = wait_flag(c, op, &rg->tail, want, dst);
+    if (st == RL_OK) s->tx_seen[dst] = __atomic_load_n(&rg->tail, __ATOMIC_ACQUIRE);
+    return st;
+}
+
 static int send_direct(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                        const void *buf) {
     rl_shm *s = c->shm;
     op->algo = "shm_single_copy";
     shm_ring *rg = ring_of(s, c->rank, dst, c->size);
     uint32_t head = s->tx_head[dst];
-    int st = wait_flag(c, op, &rg->tail, head + 1 - s->cells, dst);
+    int st = ring_room(c, op, rg, dst, head);
     if (st != RL_OK) return st;
     char *cell = cell_of(s, rg, head);
     rl_hdr d = *h;
     d.flags |= SHM_FRAME_DIRECT;
     memcpy(cell, &d, sizeof d);
     uint64_t at = (uint64_t)(uintptr_t)buf;
-    memcpy(cell + SHM_SLOT_HDR, &at, sizeof at);
-    publish(s, c->rank, &rg->head, ++head);
+    memcpy(cell + CELL_INLINE, &at, sizeof at);
+    publish(s, c->rank, stamp_of(cell), ++head);
     s->tx_head[dst] = head;
     /* Return only once the receiver has read the buffer (or the job failed). */
-    return wait_flag(c, op, &rg->tail, head, dst);
+    st = wait_flag(c, op, &rg->tail, head, dst);
+    if (st == RL_OK) s->tx_seen[dst] = head;
+    return st;
 }
 
 static inline int goes_direct(const rl_shm *s, size_t len) {
@@ -1330,14 +1377,17 @@ int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
     uint32_t head = s->tx_head[dst];
     size_t n = cells_for(len);
     for (size_t k = 0; k < n; k++) {
-        /* a free cell: the receiver consumed the one `cells` back */
-        int st = wait_flag(c, op, &rg->tail, head + 1 - s->cells, dst);
+        int st = ring_room(c, op, rg, dst, head);
         if (st != RL_OK) return st;
         char *cell = cell_of(s, rg, head);
         if (k == 0) memcpy(cell, h, sizeof *h);
         size_t off = k * SHM_CELL, m = len - off < SHM_CELL ? len - off : SHM_CELL;
-        if (m) memcpy(cell + SHM_SLOT_HDR, (const char *)buf + off, m);
-        publish(s, c->rank, &rg->head, ++head);
+        if (len <= CELL_INLINE_MAX) {
+            if (len) memcpy(cell + CELL_INLINE, buf, len);
+        } else {
+            memcpy(cell + SHM_SLOT_HDR, (const char *)buf + off, m);
+        }
+        publish(s, c->rank, stamp_of(cell), ++head);
         s->tx_head[dst] = head;
     }
     return RL_OK;
@@ -1349,9 +1399,10 @@ int rl_shm_recv_header(rl_comm *c, const rl_opdesc *op, int src, rl_hdr *h) {
     rl_shm *s = c->shm;
     shm_ring *rg = ring_of(s, src, c->rank, c->size);
     uint32_t tail = s->rx_tail[src];
-    int st = wait_flag(c, op, &rg->head, tail + 1, src);
+    char *cell = cell_of(s, rg, tail);
+    int st = wait_flag(c, op, stamp_of(cell), tail + 1, src);
     if (st != RL_OK) return st;
-    memcpy(h, cell_of(s, rg, tail), sizeof *h);
+    memcpy(h, cell, sizeof *h);
     return RL_OK;
 }
 
@@ -1361,7 +1412,7 @@ int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len) 
     rl_shm *s = c->shm;
     shm_ring *rg = ring_of(s, src, c->rank, c->size);
     uint32_t tail = s->rx_tail[src];
-    const char *first = cell_of(s, rg, tail);
+    char *first = cell_of(s, rg, tail);
     uint32_t flags;
     memcpy(&flags, first + offsetof(rl_hdr, flags), sizeof flags);
     if (flags & SHM_FRAME_DIRECT) {
@@ -1371,7 +1422,7 @@ int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len) 
                            "a %zu-byte message came as a direct read, which this rank does "
                            "not use for that size (shared memory)", len);
         uint64_t at;
-        memcpy(&at, first + SHM_SLOT_HDR, sizeof at);
+        memcpy(&at, first + CELL_INLINE, sizeof at);
         op->algo = "shm_single_copy";
         int st = cma_read(c, op, src, buf, at, len);
         if (st != RL_OK) return st;
@@ -1382,10 +1433,15 @@ int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len) 
     if (!op->algo) op->algo = "shm_ring";
     size_t n = cells_for(len);
     for (size_t k = 0; k < n; k++) {
-        int st = wait_flag(c, op, &rg->head, tail + 1, src);
+        char *cell = cell_of(s, rg, tail);
+        int st = wait_flag(c, op, stamp_of(cell), tail + 1, src);
         if (st != RL_OK) return st;
         size_t off = k * SHM_CELL, m = len - off < SHM_CELL ? len - off : SHM_CELL;
-        if (m) memcpy((char *)buf + off, cell_of(s, rg, tail) + SHM_SLOT_HDR, m);
+        if (len <= CELL_INLINE_MAX) {
+            if (len) memcpy(buf, cell + CELL_INLINE, len);
+        } else {
+            memcpy((char *)buf + off, cell + SHM_SLOT_HDR, m);
+        }
         publish(s, c->rank, &rg->tail, ++tail);
         s->rx_tail[src] = tail;
     }
