@@ -30,6 +30,7 @@ from ._world import _require
 from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, GroupPoisonedError,
                      PeerClosedError, ProtocolError, RendezvousError, RingletError)
 from .group import ProcessGroup
+from .group import _C as _Comm
 from ._hier import Topology
 from .work import Work
 # After the core: the mesh builds on new_group.
@@ -38,6 +39,8 @@ from .parallel.dtensor import (DTensor, Partial, Placement, Replicate, Shard,  #
 from .parallel.mesh import DeviceMesh  # noqa: E402
 
 from ._version import __version__  # noqa: E402
+
+_SEND, _RECV = _Comm.send, _Comm.recv
 
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_rank", "get_world_size",
@@ -112,13 +115,15 @@ def scatter(output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *, gr
 def send(array: np.ndarray, dst: int, tag: int = 0, *, group=None,
          timeout: Optional[float] = None) -> None:
     """Blocking tagged send; see ``ProcessGroup.send``."""
-    _require(group).send(array, dst, tag, timeout=timeout)
+    # ProcessGroup.send's body, one call shallower: a small message's latency
+    # is mostly its Python frames (docs/experiments.md).
+    _require(group)._p2p(_SEND, "send", array, dst, tag, timeout, False, "dst")
 
 
 def recv(array: np.ndarray, src: int, tag: int = 0, *, group=None,
          timeout: Optional[float] = None) -> None:
     """Blocking tagged receive; see ``ProcessGroup.recv``."""
-    _require(group).recv(array, src, tag, timeout=timeout)
+    _require(group)._p2p(_RECV, "recv", array, src, tag, timeout, False, "src")
 
 
 def isend(array: np.ndarray, dst: int, tag: int = 0, *, group=None,

@@ -484,19 +484,19 @@ class ProcessGroup:
         ms = self._default_ms if timeout is None else self._ms(timeout)
         if self._closed or self.rank < 0:
             self._usable()
-        args = (a, code, peer, tag, ms)
         # A synchronous call needs the executor only when async work for this
         # (kind, peer) is still queued, to keep issue order; it never creates one.
         ex = self._p2p_exec.get((kind, peer)) if self._p2p_exec else None
         if async_op or (ex is not None and ex._busy):
             if ex is None:
                 ex = self._p2p_executor(kind, peer)
+            args = (a, code, peer, tag, ms)
             w = ex.submit(lambda: self._guard(lambda: fn(self._p2pc, *args)), Work(kind, (a,)))
             return w if async_op else w.result()
         if self._failure is not None:
             self._raise_poisoned()
         try:
-            return fn(self._p2pc, *args)
+            return fn(self._p2pc, a, code, peer, tag, ms)
         except (RingletError, KeyboardInterrupt) as exc:
             self._record(exc)
             raise
