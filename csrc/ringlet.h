@@ -166,7 +166,11 @@ int rl_random_bytes(void *buf, size_t n);
       "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "     \
       "from twice this up to two chunks; a point-to-point message: also larger than its ring) "    \
       "are read straight from the peer's buffer "                                                   \
-      "(process_vm_readv, one copy instead of two); 0: never")
+      "(process_vm_readv, one copy instead of two); 0: never")                                     \
+    X(shm_p2p_direct, 1, "RINGLET_SHM_P2P_DIRECT",                                                  \
+      "shared memory: when a point-to-point message larger than its ring is read straight from "   \
+      "the sender (single copy): 0 never, 1 while other processes want this host's CPUs (the "     \
+      "busy_block test; an idle host copies through the ring on both cores), 2 always")
 
 typedef struct {
 #define RL_KNOB_FIELD(name, def, env, doc) int64_t name;

@@ -1368,10 +1368,19 @@ static inline int goes_direct(const rl_shm *s, size_t len) {
     return s->cma_min && len >= s->cma_min && len > (size_t)s->cells * SHM_CELL;
 }
 
+/* The sender's choice (the receiver follows the frame's flag): on an idle
+ * host the ring's copy in and copy out run on two cores at once and beat
+ * one core's single copy; beside other processes the single copy needs
+ * only the receiver to run (docs/experiments.md). */
+static inline int send_goes_direct(const rl_shm *s, size_t len) {
+    int64_t mode = rl_tune.shm_p2p_direct;
+    return mode > 0 && goes_direct(s, len) && (mode >= 2 || rl_host_contended(rl_now_ns()));
+}
+
 int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                       const void *buf, size_t len) {
     rl_shm *s = c->shm;
-    if (goes_direct(s, len)) return send_direct(c, op, dst, h, buf);
+    if (send_goes_direct(s, len)) return send_direct(c, op, dst, h, buf);
     op->algo = "shm_ring";
     shm_ring *rg = ring_of(s, c->rank, dst, c->size);
     uint32_t head = s->tx_head[dst];

@@ -731,13 +731,14 @@ def _big_p2p(rank, P, n):
     return ok, algo
 
 
-@pytest.mark.parametrize("cma", ["65536", "0"])
-def test_large_messages_are_read_from_the_sender_across_processes(monkeypatch, cma):
+@pytest.mark.parametrize("cma,direct", [("65536", "2"), ("0", "2"), ("65536", "0")])
+def test_large_messages_are_read_from_the_sender_across_processes(monkeypatch, cma, direct):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
+    monkeypatch.setenv("RINGLET_SHM_P2P_DIRECT", direct)  # 2: always, not only on a busy host
     n = 40_000  # 320 KB: one cell's worth more than the ring holds
     r0, r1 = run_world(_big_p2p, 2, mode="process", timeout=60, args=(n,))
-    big = "shm_single_copy" if cma != "0" else "shm_ring"
+    big = "shm_single_copy" if cma != "0" and direct != "0" else "shm_ring"
     assert r0[0] == [True] and r1[0] == [True, True, True], (r0, r1)
     assert sorted(r0[1]) == sorted([(False, 5, big), (True, 5, big), (False, 2, big),
                                     (False, 1, "shm_ring")]), r0
@@ -813,6 +814,48 @@ def test_killed_sender_is_detected_fast_over_shm_rings():
     assert took < 3.0, f"rank 0 needed {took:.2f}s to notice a SIGKILL"
 
 
+def _direct_once_busy(rank, P):
+    # Ping-pong 1 MiB until a message goes straight from the sender's buffer.
+    # The first exchange runs on the idle host and goes through the ring; then
+    # rank 0 starts busy loops beside the job (and stops them on every exit).
+    g = _world._current().group
+    x = np.arange(1 << 17, dtype=np.float64)
+    y = np.zeros_like(x)
+    loops = []
+    try:
+        deadline = time.monotonic() + 90  # the busy test reads windows of 100 ms
+        while True:
+            if rank == 0:
+                ringlet.send(x, 1)
+                ringlet.recv(y, 1)
+            else:
+                ringlet.recv(y, 0)
+                ringlet.send(y, 0)
+            if not np.array_equal(y, x):
+                return "wrong data", []
+            algos = [e["algorithm"] for e in g._p2pc.trace()[2]]
+            if rank == 0 and not loops:
+                loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
+                         for _ in range((os.cpu_count() or 1) + 2)]
+            done = np.array([int("shm_single_copy" in algos), int(time.monotonic() > deadline)])
+            ringlet.all_reduce(done, ringlet.ReduceOp.MAX)
+            if done.any():
+                return ("direct" if done[0] else "never direct"), algos
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+
+
+def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.delenv("RINGLET_SHM_P2P_DIRECT", raising=False)  # the default: when busy
+    res = run_world(_direct_once_busy, 2, mode="process", timeout=120)
+    for verdict, algos in res:
+        assert verdict == "direct", res
+        assert algos[:2] == ["shm_ring", "shm_ring"], res  # idle: through the ring
+
+
 def _kill_receiver_of_a_big_send(rank, P):
     ringlet.barrier()
     if rank == 1:
@@ -827,7 +870,8 @@ def _kill_receiver_of_a_big_send(rank, P):
     return ("completed", time.monotonic() - t0, "")
 
 
-def test_killed_receiver_of_a_direct_send_is_detected_fast():
+def test_killed_receiver_of_a_direct_send_is_detected_fast(monkeypatch):
+    monkeypatch.setenv("RINGLET_SHM_P2P_DIRECT", "2")
     with pytest.raises(WorldError) as ei:
         run_world(_kill_receiver_of_a_big_send, 2, mode="process", timeout=60)
     kind, took, msg = ei.value.results[0]
@@ -860,8 +904,13 @@ def _direct_send_times_out(rank, P, failed):
 def test_direct_send_nobody_receives_times_out_and_the_receiver_gets_no_stale_data():
     import threading
 
-    (k0, m0), (k1, m1) = run_world(_direct_send_times_out, 2, mode="thread", timeout=60,
-                                   args=(threading.Event(),))
+    saved = _core.get_tuning()
+    try:
+        _core.set_tuning(shm_p2p_direct=2)
+        (k0, m0), (k1, m1) = run_world(_direct_send_times_out, 2, mode="thread", timeout=60,
+                                       args=(threading.Event(),))
+    finally:
+        _core.set_tuning(**saved)
     assert k0 == "timeout" and "send" in m0, (k0, m0)
     # the sender's failure aborted the communicator: the late receive fails too
     assert k1 == "CollectiveTimeout" and "rank 0: send/recv" in m1 and "timed out" in m1, \
