@@ -107,8 +107,7 @@ typedef struct {
     uint32_t closed; /* 1: the owner destroyed its comm                     */
     int32_t pid;
     uint32_t pad0;
-    uint64_t pad_r;
-    uint32_t pad_s;  /* (the small lane publishes in its slots' stamps)     */
+    uint32_t pad_r[3];
     uint32_t s_ack;  /* small lane: last step finished reading              */
     uint32_t cma_ok; /* 1: this rank read every peer's probe; 2: it could not */
     uint32_t pad1;
@@ -1320,14 +1319,6 @@ static inline char *cell_of(rl_shm *s, shm_ring *rg, uint32_t n) {
 }
 static inline size_t cells_for(size_t len) { return len ? (len + SHM_CELL - 1) / SHM_CELL : 1; }
 
-/* Called with the comm's send lock for dst held. */
-/* A message larger than the ring (and than shm_cma_bytes) goes as one cell
- * that holds its header and the address of the sender's buffer: the
- * receiver reads the buffer straight into its own (process_vm_readv) and
- * then consumes the cell, which tells the sender it may return.  A send
- * that large already waited for the receiver to drain the ring, so no
- * program that worked before blocks now; the bytes move once instead of
- * twice, and only the receiver needs a core to move them. */
 static inline uint32_t *stamp_of(char *cell) { return (uint32_t *)(cell + CELL_STAMP); }
 
 /* Wait until the cell at `head` is free: the receiver consumed the one
@@ -1342,6 +1333,13 @@ static int ring_room(rl_comm *c, const rl_opdesc *op, shm_ring *rg, int dst, uin
     return st;
 }
 
+/* A message larger than the ring (and than shm_cma_bytes) goes as one cell
+ * that holds its header and the address of the sender's buffer: the
+ * receiver reads the buffer straight into its own (process_vm_readv) and
+ * then consumes the cell, which tells the sender it may return.  A send
+ * that large already waited for the receiver to drain the ring, so no
+ * program that worked before blocks now; the bytes move once instead of
+ * twice, and only the receiver needs a core to move them. */
 static int send_direct(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                        const void *buf) {
     rl_shm *s = c->shm;
@@ -1377,6 +1375,7 @@ static inline int send_goes_direct(const rl_shm *s, size_t len) {
     return mode > 0 && goes_direct(s, len) && (mode >= 2 || rl_host_contended(rl_now_ns()));
 }
 
+/* Called with the comm's send lock for dst held. */
 int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                       const void *buf, size_t len) {
     rl_shm *s = c->shm;
