@@ -170,7 +170,8 @@ int rl_random_bytes(void *buf, size_t n);
     X(shm_p2p_direct, 1, "RINGLET_SHM_P2P_DIRECT",                                                  \
       "shared memory: when a point-to-point message larger than its ring is read straight from "   \
       "the sender (single copy): 0 never, 1 while other processes want this host's CPUs (the "     \
-      "busy_block test; an idle host copies through the ring on both cores), 2 always")
+      "busy_block test) or when most of the sender's buffer lies in huge pages (else an idle "     \
+      "host copies through the ring on both cores), 2 always")
 
 typedef struct {
 #define RL_KNOB_FIELD(name, def, env, doc) int64_t name;
@@ -193,6 +194,10 @@ extern const int rl_nknobs;
  * CPUs; wait.c), with the busy_block knob on: then waiters block at once.
  * Measured over 100 ms windows; does not block. */
 int rl_host_busy(void);
+/* Bytes of [p, p + len) that lie in huge pages (transparent or hugetlb), as
+ * the kernel's page tables say now (PAGEMAP_SCAN, Linux 6.7); -1 where the
+ * kernel cannot tell. */
+int64_t rl_huge_page_bytes(const void *p, size_t len);
 /* The pids of this host's ranks (this process included), whose CPU time the
  * busy test does not count as load; n = 0 forgets them (the host then
  * counts as idle). */

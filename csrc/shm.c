@@ -45,6 +45,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -1362,24 +1365,76 @@ static int send_direct(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
     return st;
 }
 
+/* ---- huge pages --------------------------------------------------------
+ * The kernel's single copy pins the source buffer page by page: from huge
+ * pages it ran 2-3x faster than the ring's two copies here, from 4 KiB
+ * pages slower (docs/experiments.md, "Single copy and huge pages").  The
+ * page tables tell which (PAGEMAP_SCAN; declared here for older headers). */
+#ifndef PAGEMAP_SCAN
+struct page_region {
+    uint64_t start, end, categories;
+};
+struct pm_scan_arg {
+    uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages;
+    uint64_t category_inverted, category_mask, category_anyof_mask, return_mask;
+};
+#define PAGEMAP_SCAN _IOWR('f', 16, struct pm_scan_arg)
+#define PAGE_IS_HUGE (1 << 6)
+#endif
+
+static int pagemap_fd = -1;
+static pid_t pagemap_pid; /* whose pagemap_fd is: a forked child opens its own */
+static pthread_mutex_t pagemap_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int64_t rl_huge_page_bytes(const void *p, size_t len) {
+    pthread_mutex_lock(&pagemap_lock);
+    if (pagemap_fd < 0 || pagemap_pid != getpid()) {
+        if (pagemap_fd >= 0) close(pagemap_fd);
+        pagemap_fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+        pagemap_pid = getpid();
+    }
+    int64_t huge = pagemap_fd < 0 ? -1 : 0;
+    uint64_t at = (uint64_t)(uintptr_t)p & ~(uint64_t)(SHM_PAGE - 1);
+    uint64_t end = (uint64_t)(uintptr_t)p + len;
+    while (huge >= 0 && at < end) {
+        struct page_region v[16];
+        struct pm_scan_arg a = {.size = sizeof a, .start = at, .end = end,
+                                .vec = (uint64_t)(uintptr_t)v, .vec_len = 16,
+                                .category_mask = PAGE_IS_HUGE, .return_mask = PAGE_IS_HUGE};
+        int n = ioctl(pagemap_fd, PAGEMAP_SCAN, &a);
+        if (n < 0) {
+            huge = -1;
+            break;
+        }
+        for (int i = 0; i < n; i++) huge += (int64_t)(v[i].end - v[i].start);
+        if (a.walk_end <= at) break;
+        at = a.walk_end;
+    }
+    pthread_mutex_unlock(&pagemap_lock);
+    return huge;
+}
+
 static inline int goes_direct(const rl_shm *s, size_t len) {
     return s->cma_min && len >= s->cma_min && len > (size_t)s->cells * SHM_CELL;
 }
 
 /* The sender's choice (the receiver follows the frame's flag): on an idle
  * host the ring's copy in and copy out run on two cores at once and beat
- * one core's single copy; beside other processes the single copy needs
- * only the receiver to run (docs/experiments.md). */
-static inline int send_goes_direct(const rl_shm *s, size_t len) {
+ * one core's single copy from 4 KiB pages, not from huge ones; beside other
+ * processes the single copy needs only the receiver to run
+ * (docs/experiments.md). */
+static inline int send_goes_direct(const rl_shm *s, const void *buf, size_t len) {
     int64_t mode = rl_tune.shm_p2p_direct;
-    return mode > 0 && goes_direct(s, len) && (mode >= 2 || rl_host_contended(rl_now_ns()));
+    if (mode <= 0 || !goes_direct(s, len)) return 0;
+    return mode >= 2 || rl_host_contended(rl_now_ns()) ||
+           rl_huge_page_bytes(buf, len) >= (int64_t)(len / 2);
 }
 
 /* Called with the comm's send lock for dst held. */
 int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                       const void *buf, size_t len) {
     rl_shm *s = c->shm;
-    if (send_goes_direct(s, len)) return send_direct(c, op, dst, h, buf);
+    if (send_goes_direct(s, buf, len)) return send_direct(c, op, dst, h, buf);
     op->algo = "shm_ring";
     shm_ring *rg = ring_of(s, c->rank, dst, c->size);
     uint32_t head = s->tx_head[dst];

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import mmap
 import os
 import secrets
 import signal
@@ -814,13 +815,24 @@ def test_killed_sender_is_detected_fast_over_shm_rings():
     assert took < 3.0, f"rank 0 needed {took:.2f}s to notice a SIGKILL"
 
 
+def _paged(nbytes, huge):
+    # An array whose memory the kernel is asked to back with huge pages or
+    # with 4 KiB ones (an idle sender reads the first directly, not the other).
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    a = np.frombuffer(m, np.uint8)
+    a[:] = 0  # fault every page in
+    return a
+
+
 def _direct_once_busy(rank, P):
     # Ping-pong 1 MiB until a message goes straight from the sender's buffer.
     # The first exchange runs on the idle host and goes through the ring; then
     # rank 0 starts busy loops beside the job (and stops them on every exit).
     g = _world._current().group
-    x = np.arange(1 << 17, dtype=np.float64)
-    y = np.zeros_like(x)
+    x = _paged(1 << 20, False).view(np.float64)
+    x[:] = np.arange(1 << 17)
+    y = _paged(1 << 20, False).view(np.float64)
     loops = []
     try:
         deadline = time.monotonic() + 90  # the busy test reads windows of 100 ms
@@ -854,6 +866,45 @@ def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
     for verdict, algos in res:
         assert verdict == "direct", res
         assert algos[:2] == ["shm_ring", "shm_ring"], res  # idle: through the ring
+
+
+def _idle_sends_by_pages(rank, P, n):
+    # On an idle host a message larger than the ring goes straight from the
+    # sender's buffer when most of that buffer lies in huge pages.
+    g = _world._current().group
+    out, huge = [], []
+    for i, want_huge in enumerate((True, False)):
+        buf = _paged(n, want_huge)
+        if rank == 0:
+            buf[:] = (np.arange(n) * 7 + i).astype(np.uint8)
+            huge.append(_core.huge_page_bytes(buf))
+            ringlet.send(buf, 1, tag=i)
+        else:
+            ringlet.recv(buf, 0, tag=i, timeout=60)
+            out.append(bool(np.array_equal(buf, (np.arange(n) * 7 + i).astype(np.uint8))))
+    return out, huge, [e["algorithm"] for e in g._p2pc.trace()[2]]
+
+
+def test_an_idle_sender_reads_directly_only_from_huge_pages(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.delenv("RINGLET_SHM_P2P_DIRECT", raising=False)  # the default
+    n = 16 << 20
+    (_, huge, sent), (ok, _, got) = run_world(_idle_sends_by_pages, 2, mode="process",
+                                              timeout=120, args=(n,))
+    assert ok == [True, True], ok
+    assert huge[1] in (0, -1), huge  # 4 KiB pages (-1: a kernel before 6.7 cannot tell)
+    first = "shm_single_copy" if huge[0] >= n // 2 else "shm_ring"
+    assert sent == got == [first, "shm_ring"], (huge, sent, got)
+
+
+def test_huge_page_bytes_reads_the_page_tables():
+    small = _paged(8 << 20, False)
+    assert _core.huge_page_bytes(small) in (0, -1)
+    assert _core.huge_page_bytes(small[:0]) in (0, -1)
+    big = _paged(8 << 20, True)
+    got = _core.huge_page_bytes(big)
+    assert got == -1 or 0 <= got <= big.nbytes, got
+    assert _core.huge_page_bytes(big[4096:8192]) in (0, 4096, -1)
 
 
 def _kill_receiver_of_a_big_send(rank, P):

@@ -40,6 +40,7 @@ cdef extern from "ringlet.h" nogil:
     const char *rl_simd_info()
 
     int rl_host_busy()
+    int64_t rl_huge_page_bytes(const void *p, size_t n)
     void rl_set_host_pids(const int *pids, int n)
     double rl_host_others()
     void rl_tuning_defaults(rl_tuning *t)

@@ -158,6 +158,13 @@ def host_busy():
     return bool(rl_host_busy())
 
 
+def huge_page_bytes(x):
+    """Bytes of array ``x``'s memory that lie in huge pages now; -1 where the
+    kernel cannot tell (before Linux 6.7)."""
+    cdef cnp.ndarray a = check_array(x, "x", False)
+    return rl_huge_page_bytes(cnp.PyArray_DATA(a), <size_t>cnp.PyArray_NBYTES(a))
+
+
 def host_others():
     """Cores other processes used in the busy test's last window (-1: none yet)."""
     return rl_host_others()
