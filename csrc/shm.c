@@ -878,6 +878,19 @@ static int wait_in(rl_comm *c, const rl_opdesc *op, int lane, int q, uint32_t st
     return rooted_check(c, op, q); /* the peer may have recorded it while we waited */
 }
 
+/* Wait for q's input of this step, not yet begun here; its descriptor's size. */
+static int peek_in(rl_comm *c, const rl_opdesc *op, int lane, int q, uint32_t step,
+                   uint64_t *nbytes) {
+    rl_shm *s = c->shm;
+    int st = rooted_check(c, op, q);
+    if (st == RL_OK) st = wait_flag(c, op, lane_in(s, q, lane, step), step, q);
+    if (st != RL_OK) return st;
+    rl_hdr got;
+    memcpy(&got, in_desc(s, q, lane, step), sizeof got);
+    *nbytes = got.nbytes;
+    return RL_OK;
+}
+
 static int wait_all_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step, uint32_t part,
                        uint64_t nbytes) {
     for (int q = 0; q < c->size; q++) {
@@ -1024,10 +1037,20 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
     note_op(c, op);
     /* Either way a 2-rank broadcast costs the reader's copy of N bytes from
      * the other core: read directly, its lines are not ones the root has just
-     * written; from two chunks the staged root's copy-in overlaps it and wins
-     * (docs/experiments.md). */
-    if (lane == BIG && c->size == 2 && s->cma_min && len >= 2 * s->cma_min && len <= 2 * s->chunk)
-        return cma_scatter(c, op, buf, buf, len, root, 0);
+     * written; from two chunks the staged root's copy-in overlaps it and wins,
+     * unless the root's buffer lies in huge pages, which the kernel reads
+     * faster (docs/experiments.md).  Only the root knows its pages: the reader
+     * tells the two apart by the size in the root's first descriptor. */
+    if (lane == BIG && c->size == 2 && s->cma_min && len >= 2 * s->cma_min) {
+        if (len <= 2 * s->chunk) return cma_scatter(c, op, buf, buf, len, root, 0);
+        if (r == root && rl_huge_page_bytes(buf, len) >= (int64_t)(len / 2))
+            return cma_scatter(c, op, buf, buf, len, root, 0);
+        if (r != root) {
+            uint64_t first;
+            if ((st = peek_in(c, op, BIG, root, s->step[BIG] + 1, &first)) != RL_OK) return st;
+            if (first == len) return cma_scatter(c, op, buf, buf, len, root, 0);
+        }
+    }
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     for (size_t k = 0, part = 0; k < len; k += piece, part++) {
         size_t n = len - k < piece ? len - k : piece;

@@ -209,6 +209,36 @@ def test_two_rank_broadcast_reads_the_root_directly_within_its_window(monkeypatc
     assert res == [([True] * 2 * len(sizes), want * 2)] * 2, res
 
 
+def _broadcasts_by_pages(rank, P, n):
+    # Beyond two chunks a 2-rank broadcast is read straight from the root
+    # when the root's buffer lies in huge pages; the reader follows the root.
+    g = _world._current().group
+    ok, huge = [], []
+    for root in (0, 1):
+        for want_huge in (True, False):
+            buf = _paged(n, want_huge if rank == root else not want_huge)
+            want = (np.arange(n) * 5 + root + want_huge).astype(np.uint8)
+            if rank == root:
+                buf[:] = want
+                huge.append(_core.huge_page_bytes(buf))
+            ringlet.broadcast(buf, src=root)
+            ok.append(bool(np.array_equal(buf, want)))
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "broadcast"]
+    return ok, huge, algo
+
+
+def test_two_rank_broadcast_beyond_the_window_reads_a_root_in_huge_pages(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    n = 16 << 20
+    (ok0, huge0, algo0), (ok1, huge1, algo1) = run_world(
+        _broadcasts_by_pages, 2, mode="process", timeout=120, args=(n,))
+    assert ok0 == ok1 == [True] * 4, (ok0, ok1)
+    # each root: huge pages asked for, then 4 KiB pages (-1: a kernel that cannot tell)
+    assert huge0[1] in (0, -1) and huge1[1] in (0, -1), (huge0, huge1)
+    way = ["shm_single_copy" if h >= n // 2 else "shm_copy" for h in (huge0[0], -1, huge1[0], -1)]
+    assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
+
+
 def _async_and_inplace(rank, P):
     assert _world._current().group.transport == "shm"
     works, bufs = [], []
