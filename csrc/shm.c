@@ -1390,9 +1390,9 @@ static int send_direct(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
 
 /* ---- huge pages --------------------------------------------------------
  * The kernel's single copy pins the source buffer page by page: from huge
- * pages it ran 2-3x faster than the ring's two copies here, from 4 KiB
- * pages slower (docs/experiments.md, "Single copy and huge pages").  The
- * page tables tell which (PAGEMAP_SCAN; declared here for older headers). */
+ * pages it beats the staged path's two copies, from 4 KiB pages it does not
+ * (docs/experiments.md, "Single copy and huge pages").  The page tables tell
+ * which (PAGEMAP_SCAN; declared here for headers older than Linux 6.7). */
 #ifndef PAGEMAP_SCAN
 struct page_region {
     uint64_t start, end, categories;
