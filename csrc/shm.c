@@ -864,31 +864,25 @@ static void publish_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step,
     publish(s, c->rank, lane_in(s, c->rank, lane, step), step);
 }
 
+/* Wait for q's input of this step; its descriptor into *got. */
+static int peek_in(rl_comm *c, const rl_opdesc *op, int lane, int q, uint32_t step,
+                   rl_hdr *got) {
+    rl_shm *s = c->shm;
+    int st = rooted_check(c, op, q);
+    if (st == RL_OK) st = wait_flag(c, op, lane_in(s, q, lane, step), step, q);
+    if (st == RL_OK) memcpy(got, in_desc(s, q, lane, step), sizeof *got);
+    return st;
+}
+
 /* Wait for q's input of this step and compare its descriptor with ours. */
 static int wait_in(rl_comm *c, const rl_opdesc *op, int lane, int q, uint32_t step,
                    uint32_t part, uint64_t nbytes) {
-    rl_shm *s = c->shm;
-    int st = rooted_check(c, op, q);
-    if (st == RL_OK) st = wait_flag(c, op, lane_in(s, q, lane, step), step, q);
-    if (st != RL_OK) return st;
     rl_hdr got, want;
-    memcpy(&got, in_desc(s, q, lane, step), sizeof got);
+    int st = peek_in(c, op, lane, q, step, &got);
+    if (st != RL_OK) return st;
     rl_fill_header(&want, c, op, part, nbytes);
     if (memcmp(&got, &want, sizeof got) != 0) return rl_check_header(c, op, q, &got, &want);
     return rooted_check(c, op, q); /* the peer may have recorded it while we waited */
-}
-
-/* Wait for q's input of this step, not yet begun here; its descriptor's size. */
-static int peek_in(rl_comm *c, const rl_opdesc *op, int lane, int q, uint32_t step,
-                   uint64_t *nbytes) {
-    rl_shm *s = c->shm;
-    int st = rooted_check(c, op, q);
-    if (st == RL_OK) st = wait_flag(c, op, lane_in(s, q, lane, step), step, q);
-    if (st != RL_OK) return st;
-    rl_hdr got;
-    memcpy(&got, in_desc(s, q, lane, step), sizeof got);
-    *nbytes = got.nbytes;
-    return RL_OK;
 }
 
 static int wait_all_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step, uint32_t part,
@@ -1028,6 +1022,11 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
 static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root,
                        size_t stride);
 
+/* At least half of the buffer lies in huge pages (rl_huge_page_bytes). */
+static int mostly_huge(const void *buf, size_t len) {
+    return rl_huge_page_bytes(buf, len) >= (int64_t)(len / 2);
+}
+
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
     rl_shm *s = c->shm;
     int r = c->rank, lane = lane_for(s, len);
@@ -1042,14 +1041,15 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
      * faster (docs/experiments.md).  Only the root knows its pages: the reader
      * tells the two apart by the size in the root's first descriptor. */
     if (lane == BIG && c->size == 2 && s->cma_min && len >= 2 * s->cma_min) {
-        if (len <= 2 * s->chunk) return cma_scatter(c, op, buf, buf, len, root, 0);
-        if (r == root && rl_huge_page_bytes(buf, len) >= (int64_t)(len / 2))
-            return cma_scatter(c, op, buf, buf, len, root, 0);
-        if (r != root) {
-            uint64_t first;
+        int direct = len <= 2 * s->chunk;
+        if (!direct && r == root) {
+            direct = mostly_huge(buf, len);
+        } else if (!direct) {
+            rl_hdr first;
             if ((st = peek_in(c, op, BIG, root, s->step[BIG] + 1, &first)) != RL_OK) return st;
-            if (first == len) return cma_scatter(c, op, buf, buf, len, root, 0);
+            direct = first.nbytes == len;
         }
+        if (direct) return cma_scatter(c, op, buf, buf, len, root, 0);
     }
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     for (size_t k = 0, part = 0; k < len; k += piece, part++) {
@@ -1449,8 +1449,7 @@ static inline int goes_direct(const rl_shm *s, size_t len) {
 static inline int send_goes_direct(const rl_shm *s, const void *buf, size_t len) {
     int64_t mode = rl_tune.shm_p2p_direct;
     if (mode <= 0 || !goes_direct(s, len)) return 0;
-    return mode >= 2 || rl_host_contended(rl_now_ns()) ||
-           rl_huge_page_bytes(buf, len) >= (int64_t)(len / 2);
+    return mode >= 2 || rl_host_contended(rl_now_ns()) || mostly_huge(buf, len);
 }
 
 /* Called with the comm's send lock for dst held. */
