@@ -164,8 +164,9 @@ int rl_random_bytes(void *buf, size_t n);
     X(shm_cma_bytes, 64 << 10, "RINGLET_SHM_CMA_BYTES",                                             \
       "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "      \
       "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "     \
-      "from twice this up to two chunks, or beyond from a root in huge pages; a point-to-point "   \
-      "message: also larger than its ring) "                                                       \
+      "from twice this up to two chunks, or beyond from a root in huge pages; a 2-rank gather: "   \
+      "beyond one chunk from a leaf in huge pages; a point-to-point message: also larger than its " \
+      "ring) "                                                                                      \
       "are read straight from the peer's buffer "                                                   \
       "(process_vm_readv, one copy instead of two); 0: never")                                     \
     X(shm_p2p_direct, 1, "RINGLET_SHM_P2P_DIRECT",                                                  \

@@ -1224,8 +1224,25 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     note_op(c, op);
     if (!gather && lane == BIG && s->cma_min && blk >= s->cma_min && (blk > s->chunk || P == 2))
         return cma_scatter(c, op, many, one, blk, root, blk);
-    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
+    /* A 2-rank gather beyond one chunk from a leaf in huge pages: the root
+     * reads the leaf's block straight from it, which the kernel does faster
+     * than the staged copy pair.  Only the leaf knows its pages: the root
+     * follows the size of the leaf's first descriptor (blk here, one chunk
+     * staged). */
     if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
+    if (gather && lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min && blk > s->chunk) {
+        int leaf = 1 - root, direct;
+        if (r == leaf) {
+            direct = mostly_huge(one, blk);
+        } else {
+            rl_hdr first;
+            if ((st = peek_in(c, op, BIG, leaf, s->step[BIG] + 1, &first)) != RL_OK) return st;
+            direct = first.nbytes == blk;
+        }
+        if (direct && r == leaf) return cma_scatter(c, op, one, one, blk, leaf, 0);
+        if (direct) return cma_scatter(c, op, many, (char *)many + (size_t)leaf * blk, blk, leaf, 0);
+    }
+    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     int writes = gather ? r != root : r == root;
     for (size_t k = 0, part = 0; k < blk; k += piece, part++) {
         size_t n = blk - k < piece ? blk - k : piece;

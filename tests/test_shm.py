@@ -239,6 +239,39 @@ def test_two_rank_broadcast_beyond_the_window_reads_a_root_in_huge_pages(monkeyp
     assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
 
 
+def _gathers_by_pages(rank, P, n):
+    # Beyond one chunk a 2-rank gather reads the leaf's block straight from it
+    # when that block lies in huge pages; the root follows the leaf.
+    g = _world._current().group
+    ok, huge = [], []
+    for root in (0, 1):
+        for want_huge in (True, False):
+            mine = _paged(n, want_huge if rank != root else not want_huge)
+            mine[:] = (np.arange(n) * 3 + rank + 7 * want_huge).astype(np.uint8)
+            if rank != root:
+                huge.append(_core.huge_page_bytes(mine))
+            out = np.zeros(2 * n, np.uint8) if rank == root else None
+            ringlet.gather(out, mine, dst=root)
+            if rank == root:
+                want = np.concatenate([(np.arange(n) * 3 + q + 7 * want_huge).astype(np.uint8)
+                                       for q in (0, 1)])
+                ok.append(bool(np.array_equal(out, want)))
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
+    return ok, huge, algo
+
+
+def test_two_rank_gather_beyond_a_chunk_reads_a_leaf_in_huge_pages(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    n = 8 << 20
+    (ok0, huge0, algo0), (ok1, huge1, algo1) = run_world(
+        _gathers_by_pages, 2, mode="process", timeout=120, args=(n,))
+    assert ok0 == ok1 == [True] * 2, (ok0, ok1)
+    # each leaf: huge pages asked for, then 4 KiB pages (-1: a kernel that cannot tell)
+    assert huge1[1] in (0, -1) and huge0[1] in (0, -1), (huge0, huge1)
+    way = ["shm_single_copy" if h >= n // 2 else "shm_copy" for h in (huge1[0], -1, huge0[0], -1)]
+    assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
+
+
 def _async_and_inplace(rank, P):
     assert _world._current().group.transport == "shm"
     works, bufs = [], []
