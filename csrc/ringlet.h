@@ -200,6 +200,10 @@ int rl_host_busy(void);
  * the kernel's page tables say now (PAGEMAP_SCAN, Linux 6.7); -1 where the
  * kernel cannot tell. */
 int64_t rl_huge_page_bytes(const void *p, size_t len);
+/* Nanoseconds a cache line takes to go from CPU cpu_a to cpu_b and back (the
+ * best of five batches of iters round trips, two pinned threads); -1 where
+ * the CPUs cannot be used or timeout_ms passed.  Blocks the caller. */
+double rl_core_roundtrip_ns(int cpu_a, int cpu_b, int iters, int64_t timeout_ms);
 /* The pids of this host's ranks (this process included), whose CPU time the
  * busy test does not count as load; n = 0 forgets them (the host then
  * counts as idle). */

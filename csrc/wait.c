@@ -24,6 +24,7 @@
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,4 +142,97 @@ int rl_host_busy(void) { return rl_host_contended(rl_now_ns()); }
 double rl_host_others(void) {
     rl_host_contended(rl_now_ns());
     return last_others;
+}
+
+/* ---- how far apart two CPUs are --------------------------------------------
+ * A cache line bounced between two threads pinned to the two CPUs.  A
+ * virtual machine's vCPUs may sit on distant cores of the host for a while,
+ * and then every line a rank stages for its peer crosses at several times
+ * the usual cost (docs/experiments.md): benchmarks record this beside their
+ * rounds. */
+typedef struct {
+    uint64_t line __attribute__((aligned(64)));
+    int cpu[2];
+    int iters, batches;
+    int64_t deadline_ns;
+    int failed; /* affinity refused or the deadline passed */
+    double best_ns;
+} rtt_probe;
+
+#define RTT_STOP UINT64_MAX
+
+static int rtt_pin(rtt_probe *p, int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) return 1;
+    __atomic_store_n(&p->failed, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->line, RTT_STOP, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Wait until the line holds want; 0 once told to stop or past the deadline. */
+static int rtt_await(rtt_probe *p, uint64_t want) {
+    for (uint32_t spins = 1;; spins++) {
+        uint64_t v = __atomic_load_n(&p->line, __ATOMIC_ACQUIRE);
+        if (v == want) return 1;
+        if (v == RTT_STOP) return 0;
+        if ((spins & 0xfff) == 0 && rl_now_ns() > p->deadline_ns) {
+            __atomic_store_n(&p->failed, 1, __ATOMIC_RELAXED);
+            __atomic_store_n(&p->line, RTT_STOP, __ATOMIC_RELEASE);
+            return 0;
+        }
+    }
+}
+
+static void *rtt_echo(void *arg) {
+    rtt_probe *p = arg;
+    if (!rtt_pin(p, p->cpu[1])) return NULL;
+    for (uint64_t v = 1; rtt_await(p, v); v += 2)
+        __atomic_store_n(&p->line, v + 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+static void *rtt_serve(void *arg) {
+    rtt_probe *p = arg;
+    if (!rtt_pin(p, p->cpu[0]) || !rtt_await(p, 0)) return NULL;
+    uint64_t v = 0;
+    for (int b = 0; b < p->batches; b++) {
+        int64_t t0 = rl_now_ns();
+        for (int i = 0; i < p->iters; i++) {
+            __atomic_store_n(&p->line, v + 1, __ATOMIC_RELEASE);
+            if (!rtt_await(p, v + 2)) return NULL;
+            v += 2;
+        }
+        double ns = (double)(rl_now_ns() - t0) / p->iters;
+        if (b == 0 || ns < p->best_ns) p->best_ns = ns;
+    }
+    __atomic_store_n(&p->line, RTT_STOP, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+double rl_core_roundtrip_ns(int cpu_a, int cpu_b, int iters, int64_t timeout_ms) {
+    if (cpu_a < 0 || cpu_b < 0 || cpu_a == cpu_b || cpu_a >= CPU_SETSIZE ||
+        cpu_b >= CPU_SETSIZE || iters < 1 || timeout_ms < 1)
+        return -1;
+    rtt_probe *p = aligned_alloc(64, sizeof *p);
+    if (!p) return -1;
+    memset(p, 0, sizeof *p);
+    p->cpu[0] = cpu_a;
+    p->cpu[1] = cpu_b;
+    p->iters = iters;
+    p->batches = 5;
+    p->deadline_ns = rl_now_ns() + timeout_ms * 1000000LL;
+    pthread_t t[2];
+    int started = 0;
+    if (pthread_create(&t[0], NULL, rtt_echo, p) == 0) started++;
+    if (started == 1 && pthread_create(&t[1], NULL, rtt_serve, p) == 0) started++;
+    if (started < 2) {
+        p->failed = 1;
+        __atomic_store_n(&p->line, RTT_STOP, __ATOMIC_RELEASE);
+    }
+    for (int i = 0; i < started; i++) pthread_join(t[i], NULL);
+    double out = p->failed ? -1 : p->best_ns;
+    free(p);
+    return out;
 }

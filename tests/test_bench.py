@@ -608,6 +608,11 @@ def test_limits_json(capsys, tmp_path):
     assert set(lim["memcpy_procs"]) == {"2", "3"} and min(lim["memcpy_procs"].values()) > 0
     assert "memcpy (numpy), 64MiB, 3 processes at once (sum)" in out
     assert "memory bound, all_reduce, 3 ranks (busbw)" in out
+    if len(os.sched_getaffinity(0)) >= 2:  # a line bounced between two CPUs
+        assert 0 < lim["core_rtt_ns"] < 1e6 and lim["core_rtt_cpus"].count(",") == 1
+        assert "cache line round trip, CPUs " in out
+    else:
+        assert "core_rtt_ns" not in lim
     assert "TCP one way" in out
 
 

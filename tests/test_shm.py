@@ -961,6 +961,17 @@ def test_an_idle_sender_reads_directly_only_from_huge_pages(monkeypatch):
     assert sent == got == [first, "shm_ring"], (huge, sent, got)
 
 
+def test_core_roundtrip_bounces_a_line_between_two_cpus():
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        ns = _core.core_roundtrip_ns(cpus[0], cpus[1], 2000)
+        assert ns is not None and 0 < ns < 1e6, ns
+    assert _core.core_roundtrip_ns(cpus[0], cpus[0]) is None  # one CPU is no pair
+    assert _core.core_roundtrip_ns(cpus[0], 1 << 20) is None  # beyond any CPU set
+    with pytest.raises(ValueError, match="iters"):
+        _core.core_roundtrip_ns(0, 1, 0)
+
+
 def test_huge_page_bytes_reads_the_page_tables():
     small = _paged(8 << 20, False)
     assert _core.huge_page_bytes(small) in (0, -1)

@@ -42,6 +42,7 @@ cdef extern from "ringlet.h" nogil:
     int rl_host_busy()
     int64_t rl_huge_page_bytes(const void *p, size_t n)
     void rl_set_host_pids(const int *pids, int n)
+    double rl_core_roundtrip_ns(int cpu_a, int cpu_b, int iters, int64_t timeout_ms)
     double rl_host_others()
     void rl_tuning_defaults(rl_tuning *t)
     void rl_set_tuning(const rl_tuning *t)

@@ -165,6 +165,19 @@ def huge_page_bytes(x):
     return rl_huge_page_bytes(cnp.PyArray_DATA(a), <size_t>cnp.PyArray_NBYTES(a))
 
 
+def core_roundtrip_ns(int cpu_a, int cpu_b, int iters=20000, timeout=2.0):
+    """Nanoseconds a cache line takes from CPU ``cpu_a`` to ``cpu_b`` and back
+    (two pinned threads, best of five batches of ``iters``); None where the
+    CPUs cannot be used or ``timeout`` seconds passed."""
+    cdef int64_t ms = <int64_t>(timeout * 1000)
+    cdef double ns
+    if iters < 1 or ms < 1:
+        raise ValueError(f"iters must be >= 1 and timeout >= 0.001 s, got {iters!r}, {timeout!r}")
+    with nogil:
+        ns = rl_core_roundtrip_ns(cpu_a, cpu_b, iters, ms)
+    return None if ns < 0 else ns
+
+
 def host_others():
     """Cores other processes used in the busy test's last window (-1: none yet)."""
     return rl_host_others()

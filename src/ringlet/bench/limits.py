@@ -481,6 +481,29 @@ def _memory(duration: float) -> Dict[str, Dict[str, float]]:
     return out
 
 
+def core_roundtrip() -> Optional[Dict[str, Any]]:
+    """The cache line round trip between the first two CPUs this process may
+    use (``{"cpus": [a, b], "ns": ...}``); None with fewer than two.
+
+    On a virtual machine it tells the host's placement of the two vCPUs,
+    which sets what every byte staged from one rank to the other costs
+    (docs/experiments.md): benchmarks record it beside each round.
+    """
+    from .. import _core
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if len(cpus) < 2:
+        return None
+    ns = _core.core_roundtrip_ns(cpus[0], cpus[1])
+    if ns is None:
+        raise LimitsError(f"timing a cache line between CPUs {cpus[0]} and {cpus[1]} failed "
+                          "(affinity refused or no progress within 2 s)")
+    return {"cpus": cpus[:2], "ns": ns}
+
+
 def _copy_worker(nbytes: int, duration: float, conn) -> None:
     """Copy ``nbytes`` arrays back and forth for ``duration`` seconds after "go";
     report (start, end, bytes copied)."""
@@ -674,6 +697,11 @@ def measure(nranks: int = 4, duration: float = 1.0,
     procs = sorted({2, nranks})
     say(f"memcpy in {' and '.join(map(str, procs))} processes at once")
     res["memcpy_procs"] = {str(p): _memcpy_together(p, duration / 2) for p in procs}
+    say("cache line round trip between two CPUs")
+    rt2 = core_roundtrip()
+    if rt2 is not None:
+        res["core_rtt_ns"] = rt2["ns"]
+        res["core_rtt_cpus"] = ",".join(map(str, rt2["cpus"]))
     return res
 
 
@@ -689,7 +717,8 @@ def median_limits(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
     """
     if not samples:
         raise ValueError("median_limits needs at least one measurement")
-    settings = ("nranks", "duration_s", "chunk_bytes", "volume_bytes", "congestion")
+    settings = ("nranks", "duration_s", "chunk_bytes", "volume_bytes", "congestion",
+                "core_rtt_cpus")
     for s in samples[1:]:
         for k in settings:
             if s.get(k) != samples[0].get(k):
@@ -776,6 +805,9 @@ def format_limits(res: Dict[str, Any]) -> str:
             row(f"{label}, {size}", v, "GB/s")
     for p, v in sorted((res.get("memcpy_procs") or {}).items(), key=lambda kv: int(kv[0])):
         row(f"memcpy (numpy), 64MiB, {p} processes at once (sum)", v, "GB/s")
+    if "core_rtt_ns" in res:
+        row(f"cache line round trip, CPUs {res.get('core_rtt_cpus', '?').replace(',', ' and ')}",
+            res["core_rtt_ns"], "ns")
     p = res.get("nranks", 2)
     if memory_bound(res, "broadcast", p, 1 << 20) is not None:
         # busbw a copy-in/copy-out algorithm reaches at the memcpy rates, at any size
