@@ -209,66 +209,50 @@ def test_two_rank_broadcast_reads_the_root_directly_within_its_window(monkeypatc
     assert res == [([True] * 2 * len(sizes), want * 2)] * 2, res
 
 
-def _broadcasts_by_pages(rank, P, n):
-    # Beyond two chunks a 2-rank broadcast is read straight from the root
-    # when the root's buffer lies in huge pages; the reader follows the root.
+def _rooted_by_pages(rank, P, op, n):
+    # Beyond its staged window a 2-rank broadcast (gather) is read straight
+    # from the root's buffer (the leaf's block) when that lies in huge pages;
+    # the other rank follows the one whose pages decide.
     g = _world._current().group
     ok, huge = [], []
     for root in (0, 1):
+        decides = rank == root if op == "broadcast" else rank != root
         for want_huge in (True, False):
-            buf = _paged(n, want_huge if rank == root else not want_huge)
-            want = (np.arange(n) * 5 + root + want_huge).astype(np.uint8)
-            if rank == root:
-                buf[:] = want
+            buf = _paged(n, want_huge if decides else not want_huge)
+
+            def pattern(q):
+                return (np.arange(n) * 5 + q + 7 * want_huge).astype(np.uint8)
+
+            if op == "broadcast":
+                if rank == root:
+                    buf[:] = pattern(root)
+                if decides:
+                    huge.append(_core.huge_page_bytes(buf))
+                ringlet.broadcast(buf, src=root)
+                ok.append(bool(np.array_equal(buf, pattern(root))))
+                continue
+            buf[:] = pattern(rank)
+            if decides:
                 huge.append(_core.huge_page_bytes(buf))
-            ringlet.broadcast(buf, src=root)
-            ok.append(bool(np.array_equal(buf, want)))
-    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "broadcast"]
-    return ok, huge, algo
-
-
-def test_two_rank_broadcast_beyond_the_window_reads_a_root_in_huge_pages(monkeypatch):
-    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
-    n = 16 << 20
-    (ok0, huge0, algo0), (ok1, huge1, algo1) = run_world(
-        _broadcasts_by_pages, 2, mode="process", timeout=120, args=(n,))
-    assert ok0 == ok1 == [True] * 4, (ok0, ok1)
-    # each root: huge pages asked for, then 4 KiB pages (-1: a kernel that cannot tell)
-    assert huge0[1] in (0, -1) and huge1[1] in (0, -1), (huge0, huge1)
-    way = ["shm_single_copy" if h >= n // 2 else "shm_copy" for h in (huge0[0], -1, huge1[0], -1)]
-    assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
-
-
-def _gathers_by_pages(rank, P, n):
-    # Beyond one chunk a 2-rank gather reads the leaf's block straight from it
-    # when that block lies in huge pages; the root follows the leaf.
-    g = _world._current().group
-    ok, huge = [], []
-    for root in (0, 1):
-        for want_huge in (True, False):
-            mine = _paged(n, want_huge if rank != root else not want_huge)
-            mine[:] = (np.arange(n) * 3 + rank + 7 * want_huge).astype(np.uint8)
-            if rank != root:
-                huge.append(_core.huge_page_bytes(mine))
             out = np.zeros(2 * n, np.uint8) if rank == root else None
-            ringlet.gather(out, mine, dst=root)
+            ringlet.gather(out, buf, dst=root)
             if rank == root:
-                want = np.concatenate([(np.arange(n) * 3 + q + 7 * want_huge).astype(np.uint8)
-                                       for q in (0, 1)])
-                ok.append(bool(np.array_equal(out, want)))
-    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
+                ok.append(bool(np.array_equal(out, np.concatenate([pattern(0), pattern(1)]))))
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == op]
     return ok, huge, algo
 
 
-def test_two_rank_gather_beyond_a_chunk_reads_a_leaf_in_huge_pages(monkeypatch):
+@pytest.mark.parametrize("op,n", [("broadcast", 16 << 20), ("gather", 8 << 20)])
+def test_two_rank_rooted_op_beyond_its_window_reads_huge_pages_directly(monkeypatch, op, n):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
-    n = 8 << 20
     (ok0, huge0, algo0), (ok1, huge1, algo1) = run_world(
-        _gathers_by_pages, 2, mode="process", timeout=120, args=(n,))
-    assert ok0 == ok1 == [True] * 2, (ok0, ok1)
-    # each leaf: huge pages asked for, then 4 KiB pages (-1: a kernel that cannot tell)
-    assert huge1[1] in (0, -1) and huge0[1] in (0, -1), (huge0, huge1)
-    way = ["shm_single_copy" if h >= n // 2 else "shm_copy" for h in (huge1[0], -1, huge0[0], -1)]
+        _rooted_by_pages, 2, mode="process", timeout=120, args=(op, n))
+    assert all(ok0 + ok1) and len(ok0 + ok1) == (8 if op == "broadcast" else 4), (ok0, ok1)
+    # the deciding rank for root 0, then for root 1: huge pages asked for, then
+    # 4 KiB pages (-1: a kernel that cannot tell)
+    first, second = (huge0, huge1) if op == "broadcast" else (huge1, huge0)
+    assert first[1] in (0, -1) and second[1] in (0, -1), (huge0, huge1)
+    way = ["shm_single_copy" if h >= n // 2 else "shm_copy" for h in (first[0], -1, second[0], -1)]
     assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
 
 
