@@ -138,7 +138,7 @@ int rl_random_bytes(void *buf, size_t n);
     X(spin_yield, 1, "RINGLET_SPIN_YIELD",                                                          \
       "1: sched_yield between polls; init() sets 1 only when the host's ranks outnumber its CPUs")  \
     X(busy_block, 1, "RINGLET_BUSY_BLOCK",                                                          \
-      "1: skip the spin and block at once while other processes want this host's CPUs")            \
+      "1: skip the spin and block at once while other processes want this host's CPUs")             \
     X(host_ranks, 0, NULL,                                                                          \
       "ranks of the job on this host, which the busy test does not count as load (init() sets it)") \
     X(bulk_recv_bytes, 16 << 20, "RINGLET_BULK_RECV_BYTES",                                         \
@@ -146,7 +146,7 @@ int rl_random_bytes(void *buf, size_t n);
     X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                          \
       "1: same-host connections use Reno congestion control (no pacing); 0: the system's")          \
     X(trace_entries, 2000, "RINGLET_TRACE_ENTRIES",                                                 \
-      "flight recorder: ops kept per communicator, read when one is created; 0: off")             \
+      "flight recorder: ops kept per communicator, read when one is created; 0: off")               \
     X(shm_chunk_bytes, 256 << 10, "RINGLET_SHM_CHUNK_BYTES",                                        \
       "shared memory: bytes a rank stages per step (two buffers each; at least 4096)")              \
     X(shm_small_bytes, 16 << 10, "RINGLET_SHM_SMALL_BYTES",                                         \
@@ -162,18 +162,23 @@ int rl_random_bytes(void *buf, size_t n);
       "shared memory: 8 KiB cells per ordered pair of ranks for point-to-point messages (a power "  \
       "of two; below 2: point-to-point stays on TCP)")                                              \
     X(shm_cma_bytes, 64 << 10, "RINGLET_SHM_CMA_BYTES",                                             \
-      "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "      \
-      "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "     \
-      "from twice this up to two chunks, or beyond from a root in huge pages; a 2-rank gather: "   \
+      "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "        \
+      "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "      \
+      "from twice this up to two chunks, beyond as shm_cma_any_bytes allows; a 2-rank gather: "     \
       "beyond one chunk from a leaf in huge pages; a point-to-point message: also larger than its " \
-      "ring) "                                                                                      \
+      "ring, as shm_p2p_direct allows) "                                                            \
       "are read straight from the peer's buffer "                                                   \
-      "(process_vm_readv, one copy instead of two); 0: never")                                     \
+      "(process_vm_readv, one copy instead of two); 0: never")                                      \
+    X(shm_cma_any_bytes, 4 << 20, "RINGLET_SHM_CMA_ANY_BYTES",                                      \
+      "shared memory: up to this, a 2-rank broadcast beyond two chunks and an idle "                \
+      "point-to-point message beyond twice its ring are read straight from the peer's buffer "      \
+      "whatever its pages; beyond, only from huge pages; 0: only from huge pages")                  \
     X(shm_p2p_direct, 1, "RINGLET_SHM_P2P_DIRECT",                                                  \
-      "shared memory: when a point-to-point message larger than its ring is read straight from "   \
-      "the sender (single copy): 0 never, 1 while other processes want this host's CPUs (the "     \
-      "busy_block test) or when most of the sender's buffer lies in huge pages (else an idle "     \
-      "host copies through the ring on both cores), 2 always")
+      "shared memory: when a point-to-point message larger than its ring is read straight from "    \
+      "the sender (single copy): 0 never, 1 while other processes want this host's CPUs (the "      \
+      "busy_block test), when most of the sender's buffer lies in huge pages or when it is at "     \
+      "most shm_cma_any_bytes (else an idle host copies through the ring on both cores), 2 "        \
+      "always")
 
 typedef struct {
 #define RL_KNOB_FIELD(name, def, env, doc) int64_t name;

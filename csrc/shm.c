@@ -1027,6 +1027,16 @@ static int mostly_huge(const void *buf, size_t len) {
     return rl_huge_page_bytes(buf, len) >= (int64_t)(len / 2);
 }
 
+/* Whether a reader's single copy of this buffer beats the staged copy pair
+ * of a broadcast or a point-to-point message: from huge pages always; from
+ * 4 KiB pages up to shm_cma_any_bytes, beyond which the kernel's page-by-page
+ * pinning costs more than the second copy (docs/experiments.md).  Only the
+ * rank that owns the buffer can ask. */
+static int reads_fast(const void *buf, size_t len) {
+    int64_t any = rl_tune.shm_cma_any_bytes;
+    return (any > 0 && len <= (uint64_t)any) || mostly_huge(buf, len);
+}
+
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
     rl_shm *s = c->shm;
     int r = c->rank, lane = lane_for(s, len);
@@ -1036,14 +1046,14 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
     note_op(c, op);
     /* Either way a 2-rank broadcast costs the reader's copy of N bytes from
      * the other core: read directly, its lines are not ones the root has just
-     * written; from two chunks the staged root's copy-in overlaps it and wins,
-     * unless the root's buffer lies in huge pages, which the kernel reads
-     * faster (docs/experiments.md).  Only the root knows its pages: the reader
-     * tells the two apart by the size in the root's first descriptor. */
+     * written; from two chunks the staged root's copy-in overlaps it and wins
+     * where the kernel reads the root's buffer slowly (reads_fast).  Only the
+     * root knows its buffer: the reader tells the two apart by the size in
+     * the root's first descriptor. */
     if (lane == BIG && c->size == 2 && s->cma_min && len >= 2 * s->cma_min) {
         int direct = len <= 2 * s->chunk;
         if (!direct && r == root) {
-            direct = mostly_huge(buf, len);
+            direct = reads_fast(buf, len);
         } else if (!direct) {
             rl_hdr first;
             if ((st = peek_in(c, op, BIG, root, s->step[BIG] + 1, &first)) != RL_OK) return st;
@@ -1226,9 +1236,10 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
         return cma_scatter(c, op, many, one, blk, root, blk);
     /* A 2-rank gather beyond one chunk from a leaf in huge pages: the root
      * reads the leaf's block straight from it, which the kernel does faster
-     * than the staged copy pair.  Only the leaf knows its pages: the root
-     * follows the size of the leaf's first descriptor (blk here, one chunk
-     * staged). */
+     * than the staged copy pair; from 4 KiB pages the staged leaf, which runs
+     * ahead, wins at every size (docs/experiments.md).  Only the leaf knows
+     * its pages: the root follows the size of the leaf's first descriptor
+     * (blk here, one chunk staged). */
     if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
     if (gather && lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min && blk > s->chunk) {
         int leaf = 1 - root, direct;
@@ -1460,13 +1471,15 @@ static inline int goes_direct(const rl_shm *s, size_t len) {
 
 /* The sender's choice (the receiver follows the frame's flag): on an idle
  * host the ring's copy in and copy out run on two cores at once and beat
- * one core's single copy from 4 KiB pages, not from huge ones; beside other
- * processes the single copy needs only the receiver to run
+ * one core's single copy of a large buffer in 4 KiB pages (reads_fast);
+ * beside other processes the single copy needs only the receiver to run
  * (docs/experiments.md). */
 static inline int send_goes_direct(const rl_shm *s, const void *buf, size_t len) {
     int64_t mode = rl_tune.shm_p2p_direct;
     if (mode <= 0 || !goes_direct(s, len)) return 0;
-    return mode >= 2 || rl_host_contended(rl_now_ns()) || mostly_huge(buf, len);
+    if (mode >= 2 || rl_host_contended(rl_now_ns())) return 1;
+    /* Up to twice the ring its two cores' copies still win from 4 KiB pages. */
+    return len > 2 * (size_t)s->cells * SHM_CELL ? reads_fast(buf, len) : mostly_huge(buf, len);
 }
 
 /* Called with the comm's send lock for dst held. */

@@ -189,7 +189,9 @@ def _two_rank_broadcasts(rank, P, sizes):
     for root in (0, 1):
         for n in sizes:
             want = (np.arange(n, dtype=np.uint64) * 2654435761 + 7 * root).astype(np.uint8)
-            buf = want.copy() if rank == root else np.zeros(n, np.uint8)
+            buf = _paged(n, False)  # 4 KiB pages: only the sizes decide
+            if rank == root:
+                buf[:] = want
             ringlet.broadcast(buf, src=root)
             out.append(bool(np.array_equal(buf, want)))
     algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "broadcast"]
@@ -202,11 +204,23 @@ def test_two_rank_broadcast_reads_the_root_directly_within_its_window(monkeypatc
     # straight from the root's buffer; around the window the staged copy.
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
+    monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", "0")  # beyond the window: huge pages only
     sizes = [(128 << 10) - 1, 128 << 10, 300_001, 512 << 10, (512 << 10) + 1]
     res = run_world(_two_rank_broadcasts, 2, mode="process", timeout=60, args=(sizes,))
     direct = ["shm_copy", "shm_single_copy", "shm_single_copy", "shm_single_copy", "shm_copy"]
     want = direct if cma != "0" else ["shm_copy"] * len(sizes)
     assert res == [([True] * 2 * len(sizes), want * 2)] * 2, res
+
+
+def test_two_rank_broadcast_reads_small_pages_directly_up_to_shm_cma_any_bytes(monkeypatch):
+    # Beyond two chunks, a root in 4 KiB pages is read directly up to the
+    # knob's size and staged above it; the reader follows the root.
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", str(2 << 20))
+    sizes = [1 << 20, 2 << 20, (2 << 20) + 1]
+    res = run_world(_two_rank_broadcasts, 2, mode="process", timeout=60, args=(sizes,))
+    want = ["shm_single_copy", "shm_single_copy", "shm_copy"] * 2
+    assert res == [([True] * 2 * len(sizes), want)] * 2, res
 
 
 def _rooted_by_pages(rank, P, op, n):
@@ -909,6 +923,7 @@ def _direct_once_busy(rank, P):
 def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.delenv("RINGLET_SHM_P2P_DIRECT", raising=False)  # the default: when busy
+    monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", "0")  # else 1 MiB goes direct idle too
     res = run_world(_direct_once_busy, 2, mode="process", timeout=120)
     for verdict, algos in res:
         assert verdict == "direct", res
@@ -943,6 +958,21 @@ def test_an_idle_sender_reads_directly_only_from_huge_pages(monkeypatch):
     assert huge[1] in (0, -1), huge  # 4 KiB pages (-1: a kernel before 6.7 cannot tell)
     first = "shm_single_copy" if huge[0] >= n // 2 else "shm_ring"
     assert sent == got == [first, "shm_ring"], (huge, sent, got)
+
+
+@pytest.mark.parametrize("any_bytes,want", [("4194304", "shm_single_copy"), ("0", "shm_ring")])
+def test_an_idle_sender_reads_small_pages_directly_up_to_shm_cma_any_bytes(monkeypatch,
+                                                                          any_bytes, want):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.delenv("RINGLET_SHM_P2P_DIRECT", raising=False)  # the default
+    monkeypatch.setenv("RINGLET_BUSY_BLOCK", "0")  # the host's load must not decide here
+    monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", any_bytes)
+    n = 1 << 20  # below one huge page: 4 KiB pages whatever was asked
+    (_, huge, sent), (ok, _, got) = run_world(_idle_sends_by_pages, 2, mode="process",
+                                              timeout=120, args=(n,))
+    assert ok == [True, True], ok
+    assert all(h in (0, -1) for h in huge), huge
+    assert sent == got == [want, want], (sent, got)
 
 
 def test_core_roundtrip_bounces_a_line_between_two_cpus():
