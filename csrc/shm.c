@@ -64,6 +64,10 @@
 #define SHM_SLICE_NS 50000000LL
 #define SHM_SPIN_HOT 512
 #define SHM_YIELD_LOST_NS 50000
+/* wait_copy polls for a peer's single copy at up to this rate's time, and
+ * at most this long: beyond, a wake-up is small beside the copy. */
+#define SHM_COPY_BYTES_PER_NS 5
+#define SHM_COPY_SPIN_MAX_NS 2000000LL
 #define SHM_SLOT_HDR ((size_t)64) /* a slot's descriptor, then its payload */
 #define SHM_LOG 256u /* op log entries per rank: more than a writer can run ahead */
 #define SHM_COLL 0u
@@ -436,26 +440,33 @@ static int sleep_check(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
 }
 
 /* Wait until *flag reaches target (modulo 2^32).  `owner` is the comm rank
- * that writes the flag (blamed on timeout). */
-static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
-                     int owner) {
+ * that writes the flag (blamed on timeout).  spin_ns: poll at least this long
+ * before sleeping, under the same rules (wait_copy). */
+static int wait_flag_for(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
+                         int owner, int64_t spin_ns) {
     if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
     /* The first SHM_SPIN_HOT polls (a few microseconds) only poll, unless ranks
      * outnumber cores: a peer running on another core answers within them.
      * Later polls yield every 64, so a peer (or another job) that shares this
      * core on a busy host gets it instead of waiting for our time slice. */
     int64_t spin = rl_tune.shm_spin, hot = rl_tune.spin_yield ? 0 : SHM_SPIN_HOT;
+    if (spin <= 0 || rl_tune.spin_yield) spin_ns = 0;
     /* Other processes want the cores (wait.c): a long spinner is charged a
      * whole time slice for its polls, so only the hot polls (a peer running
      * now answers within them), then sleep. */
-    if (spin > hot && rl_host_contended(rl_now_ns())) spin = hot;
-    for (int64_t i = 0; i < spin; i++) {
+    if ((spin > hot || spin_ns > 0) && rl_host_contended(rl_now_ns())) {
+        spin = spin < hot ? spin : hot;
+        spin_ns = 0;
+    }
+    int64_t until = spin_ns > 0 ? rl_now_ns() + spin_ns : 0;
+    for (int64_t i = 0; i < spin || until; i++) {
         cpu_relax();
         if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
         if ((i & 63) == 63) {
             /* An abort or a cancel ends the spin at once: a yield can cost a
              * time slice on a busy host, and the spin holds several. */
             if (__atomic_load_n(&c->shm->hdr->abort_set, __ATOMIC_RELAXED) || c->poisoned) break;
+            if (until && rl_now_ns() > until) until = 0;
             if (i >= hot) {
                 /* A yield that took a while handed the core to someone: the
                  * host is busy, and a futex sleep wakes exactly when the flag
@@ -484,6 +495,22 @@ static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t t
         if (st == SHM_REACHED) return RL_OK;
         if (st != RL_OK) return st;
     }
+}
+
+static int wait_flag(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
+                     int owner) {
+    return wait_flag_for(c, op, flag, target, owner, 0);
+}
+
+/* A wait for a peer that is reading nbytes straight from this rank's buffer:
+ * poll for about as long as that copy takes before sleeping, so that this
+ * rank does not sleep through it and the next operation does not wait for its
+ * wake-up (docs/experiments.md, "Waiting out a single copy"). */
+static int wait_copy(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
+                     int owner, uint64_t nbytes) {
+    uint64_t ns = nbytes / SHM_COPY_BYTES_PER_NS;
+    return wait_flag_for(c, op, flag, target, owner,
+                         ns < SHM_COPY_SPIN_MAX_NS ? (int64_t)ns : SHM_COPY_SPIN_MAX_NS);
 }
 
 /* ---- attach ------------------------------------------------------------ */
@@ -1210,7 +1237,8 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
         int early = mine != (char *)one && !rl_overlap(one, blk, many, blk * (size_t)P);
         if (early) memcpy(one, mine, blk);
         for (int q = 0; q < P; q++)
-            if (q != r && (st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
+            if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
+                return st;
         if (mine != (char *)one && !early) memmove(one, mine, blk);
         return RL_OK;
     }
@@ -1312,7 +1340,8 @@ static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, s
     step_ack(c, BIG, step);
     /* The input stays in use until every peer has read it. */
     for (int q = 0; q < P; q++)
-        if (q != r && (st = wait_flag(c, op, lane_ack(s, q, BIG), step, q)) != RL_OK) return st;
+        if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
+            return st;
     return RL_OK;
 }
 
@@ -1411,7 +1440,7 @@ static int send_direct(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
     publish(s, c->rank, stamp_of(cell), ++head);
     s->tx_head[dst] = head;
     /* Return only once the receiver has read the buffer (or the job failed). */
-    st = wait_flag(c, op, &rg->tail, head, dst);
+    st = wait_copy(c, op, &rg->tail, head, dst, h->nbytes);
     if (st == RL_OK) s->tx_seen[dst] = head;
     return st;
 }
