@@ -48,7 +48,7 @@ def _blocks(text: str) -> tuple:
     lines = text.splitlines()
     # Rows start with a letter; the indented "each link timed on its own" rows
     # under a stream pattern belong to it.
-    limits = [ln for ln in lines if ln.startswith("measure") or re.match(r"^ *[A-Za-z].*  \S+  (GB/s|us)$", ln)]
+    limits = [ln for ln in lines if ln.startswith("measure") or re.match(r"^ *[A-Za-z].*  \S+  (GB/s|us|ns)$", ln)]
     tables, cur = [], None
     for ln in lines:
         if re.match(r"^# \w+, \d+ ranks: median time and busbw", ln):

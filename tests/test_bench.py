@@ -929,6 +929,17 @@ def _doc_tables():
     return mod
 
 
+def test_doc_tables_keeps_every_limits_row():
+    from ringlet.bench.limits import format_limits
+    lim = dict(_fake_limits(2.0, 1.0, 5.0), nranks=2, memcpy={"64MiB": 10.0},
+               memcpy_procs={"2": 16.0}, add_f32_numpy={}, add_f32_ringlet={},
+               core_rtt_ns=85.4, core_rtt_cpus="0,1")
+    text = format_limits(lim)
+    limits, _ = _doc_tables()._blocks(text + "\n")
+    assert limits == text.splitlines()[1:]  # all rows, GB/s, us and ns alike
+    assert any(ln.startswith("cache line round trip, CPUs 0 and 1") for ln in limits)
+
+
 def test_doc_tables_sweep_runs_the_commands_the_page_shows():
     script = Path(__file__).resolve().parent.parent / "bench" / "doc_tables.py"
     out = subprocess.run([sys.executable, str(script), "--sweep", "--dry-run"], capture_output=True,
