@@ -1064,6 +1064,22 @@ static int reads_fast(const void *buf, size_t len) {
     return (any > 0 && len <= (uint64_t)any) || mostly_huge(buf, len);
 }
 
+/* Whether a 2-rank op takes the single copy, as only the rank `decider`
+ * (whose buffer it is) can tell: it passes its verdict `mine`; the other
+ * rank waits for its first descriptor of the next big step and reads the
+ * size there (n: single copy; one chunk: staged). */
+static int follow_decider(rl_comm *c, const rl_opdesc *op, int decider, int mine, uint64_t n,
+                          int *direct) {
+    if (c->rank == decider) {
+        *direct = mine;
+        return RL_OK;
+    }
+    rl_hdr first;
+    int st = peek_in(c, op, BIG, decider, c->shm->step[BIG] + 1, &first);
+    *direct = st == RL_OK && first.nbytes == n;
+    return st;
+}
+
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
     rl_shm *s = c->shm;
     int r = c->rank, lane = lane_for(s, len);
@@ -1079,13 +1095,9 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
      * the root's first descriptor. */
     if (lane == BIG && c->size == 2 && s->cma_min && len >= 2 * s->cma_min) {
         int direct = len <= 2 * s->chunk;
-        if (!direct && r == root) {
-            direct = reads_fast(buf, len);
-        } else if (!direct) {
-            rl_hdr first;
-            if ((st = peek_in(c, op, BIG, root, s->step[BIG] + 1, &first)) != RL_OK) return st;
-            direct = first.nbytes == len;
-        }
+        if (!direct && (st = follow_decider(c, op, root, r == root && reads_fast(buf, len), len,
+                                            &direct)) != RL_OK)
+            return st;
         if (direct) return cma_scatter(c, op, buf, buf, len, root, 0);
     }
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
@@ -1271,13 +1283,9 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
     if (gather && lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min && blk > s->chunk) {
         int leaf = 1 - root, direct;
-        if (r == leaf) {
-            direct = mostly_huge(one, blk);
-        } else {
-            rl_hdr first;
-            if ((st = peek_in(c, op, BIG, leaf, s->step[BIG] + 1, &first)) != RL_OK) return st;
-            direct = first.nbytes == blk;
-        }
+        if ((st = follow_decider(c, op, leaf, r == leaf && mostly_huge(one, blk), blk, &direct)) !=
+            RL_OK)
+            return st;
         if (direct && r == leaf) return cma_scatter(c, op, one, one, blk, leaf, 0);
         if (direct) return cma_scatter(c, op, many, (char *)many + (size_t)leaf * blk, blk, leaf, 0);
     }
