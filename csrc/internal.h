@@ -19,9 +19,9 @@
 #define RL_ABORT_REASON_MAX 512
 #define RL_HOST_MAX 64
 /* Own blocks of at least this many bytes are copied, and reduce_scatter
- * outputs (and 2-rank all_gather receives) of at least RL_STREAM_OUT_MIN
- * written, with non-temporal stores (rl_copy_stream): the op does not read
- * them again. */
+ * outputs (and 2-rank all_gather receives, and a shared-memory scatter
+ * root's own block) of at least RL_STREAM_OUT_MIN written, with non-temporal
+ * stores (rl_copy_stream): the op does not read them again. */
 #define RL_STREAM_COPY_MIN ((size_t)4 << 20)
 #define RL_STREAM_OUT_MIN ((size_t)16 << 20)
 

@@ -1040,6 +1040,16 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
     return RL_OK;
 }
 
+/* A rank's own block, copied between its own buffers while its peers copy
+ * theirs: streamed from `min` bytes on, so it neither reads each destination
+ * line first nor evicts the lines the other copies move.  Below, the op's
+ * buffers fit in the caches and plain stores leave them there for the next
+ * op (docs/experiments.md).  The ranges must not overlap. */
+static void copy_own(void *dst, const void *src, size_t n, size_t min) {
+    if (n >= min) rl_copy_stream(dst, src, n);
+    else memcpy(dst, src, n);
+}
+
 /* ---- broadcast ------------------------------------------------------------
  * Per step the root copies a chunk into its input area and publishes; every
  * other rank checks the root's descriptor and copies the chunk out, all at
@@ -1247,7 +1257,7 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
         /* The root's own block moves while the leaves read theirs, unless its
          * output lies in the buffer they read. */
         int early = mine != (char *)one && !rl_overlap(one, blk, many, blk * (size_t)P);
-        if (early) memcpy(one, mine, blk);
+        if (early) copy_own(one, mine, blk, RL_STREAM_OUT_MIN);
         for (int q = 0; q < P; q++)
             if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
                 return st;
@@ -1280,7 +1290,10 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
      * ahead, wins at every size (docs/experiments.md).  Only the leaf knows
      * its pages: the root follows the size of the leaf's first descriptor
      * (blk here, one chunk staged). */
-    if (r == root && gather && mine != (char *)one) memmove(mine, one, blk);
+    if (r == root && gather && mine != (char *)one) {
+        if (rl_overlap(mine, blk, one, blk)) memmove(mine, one, blk);
+        else copy_own(mine, one, blk, RL_STREAM_COPY_MIN);
+    }
     if (gather && lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min && blk > s->chunk) {
         int leaf = 1 - root, direct;
         if ((st = follow_decider(c, op, leaf, r == leaf && mostly_huge(one, blk), blk, &direct)) !=
@@ -1337,7 +1350,8 @@ static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, s
     if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
     s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)src;
     publish_in(c, op, BIG, step, 0, blk);
-    if (out + (size_t)r * blk != src + at_off) memcpy(out + (size_t)r * blk, src + at_off, blk);
+    if (out + (size_t)r * blk != src + at_off)
+        copy_own(out + (size_t)r * blk, src + at_off, blk, RL_STREAM_COPY_MIN);
     for (int i = 1; i < P; i++) {
         int q = (r + i) % P;
         if ((st = wait_in(c, op, BIG, q, step, 0, blk)) != RL_OK) return st;

@@ -270,6 +270,62 @@ def test_two_rank_rooted_op_beyond_its_window_reads_huge_pages_directly(monkeypa
     assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
 
 
+def _own_blocks_streamed(rank, P, blk):
+    # Own blocks of 4 MiB and more (16 MiB for the scatter root) are copied
+    # with streaming stores: odd sizes and unaligned buffers, against numpy.
+    g = _world._current().group
+
+    def unaligned(nbytes):
+        return np.zeros(nbytes + 1, np.uint8)[1:]  # one byte off any alignment
+
+    def block(q, salt):
+        return ((np.arange(blk, dtype=np.int64) * 7 + 31 * q + salt) % 251).astype(np.uint8)
+
+    ok = {}
+    inp = unaligned(P * blk)
+    for q in range(P):
+        inp[q * blk:(q + 1) * blk] = block(q, 3 * rank)
+    out = unaligned(P * blk)
+    ringlet.all_to_all(out, inp)
+    ok["all_to_all"] = all(np.array_equal(out[q * blk:(q + 1) * blk], block(rank, 3 * q))
+                           for q in range(P))
+    if P == 2:
+        mine = unaligned(blk)
+        mine[:] = block(rank, 1)
+        out = unaligned(P * blk)
+        ringlet.all_gather(out, mine)
+        ok["all_gather"] = all(np.array_equal(out[q * blk:(q + 1) * blk], block(q, 1))
+                               for q in range(P))
+    for root in range(P):
+        one = unaligned(blk)
+        one[:] = block(rank, 5 + root)
+        many = unaligned(P * blk) if rank == root else None
+        ringlet.gather(many, one, dst=root)
+        if rank == root:
+            ok[f"gather{root}"] = all(np.array_equal(many[q * blk:(q + 1) * blk],
+                                                     block(q, 5 + root)) for q in range(P))
+        many = unaligned(P * blk) if rank == root else None
+        if rank == root:
+            for q in range(P):
+                many[q * blk:(q + 1) * blk] = block(q, 9 + root)
+        one = unaligned(blk)
+        ringlet.scatter(one, many, src=root)
+        ok[f"scatter{root}"] = bool(np.array_equal(one, block(rank, 9 + root)))
+    algo = {e["op"]: e["algorithm"] for e in g._coll.trace()[2]
+            if e["op"] in ("all_to_all", "all_gather", "scatter")}
+    return ok, algo
+
+
+@pytest.mark.parametrize("P,blk", [(2, (16 << 20) + 3), (3, (4 << 20) + 5)])
+def test_own_blocks_copied_with_streaming_stores_arrive_intact(monkeypatch, P, blk):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    res = run_world(_own_blocks_streamed, P, mode="process", timeout=180, args=(blk,))
+    for rank, (ok, algo) in enumerate(res):
+        assert ok and all(ok.values()), (rank, ok)
+        # the single-copy paths, where the own block is streamed
+        assert set(algo.values()) == {"shm_single_copy"}, (rank, algo)
+
+
 def _async_and_inplace(rank, P):
     assert _world._current().group.transport == "shm"
     works, bufs = [], []
