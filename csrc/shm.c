@@ -1100,14 +1100,16 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
     /* Either way a 2-rank broadcast costs the reader's copy of N bytes from
      * the other core: read directly, its lines are not ones the root has just
      * written; from two chunks the staged root's copy-in overlaps it and wins
-     * where the kernel reads the root's buffer slowly (reads_fast).  Only the
-     * root knows its buffer: the reader tells the two apart by the size in
-     * the root's first descriptor. */
-    if (lane == BIG && c->size == 2 && s->cma_min && len >= 2 * s->cma_min) {
-        int direct = len <= 2 * s->chunk;
-        if (!direct && (st = follow_decider(c, op, root, r == root && reads_fast(buf, len), len,
-                                            &direct)) != RL_OK)
-            return st;
+     * where the kernel reads the root's buffer slowly (reads_fast).  With
+     * more ranks, beyond two chunks, every reader reads the root's buffer in
+     * huge pages directly, which beat the staged copies up to 16 MiB and ran
+     * level beyond (docs/experiments.md).  Only the root knows its buffer:
+     * the readers tell the two apart by the size in its first descriptor. */
+    if (lane == BIG && s->cma_min && len >= 2 * s->cma_min &&
+        (c->size == 2 || len > 2 * s->chunk)) {
+        int direct = c->size == 2 && len <= 2 * s->chunk;
+        int mine = r == root && (c->size == 2 ? reads_fast(buf, len) : mostly_huge(buf, len));
+        if (!direct && (st = follow_decider(c, op, root, mine, len, &direct)) != RL_OK) return st;
         if (direct) return cma_scatter(c, op, buf, buf, len, root, 0);
     }
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";

@@ -270,6 +270,36 @@ def test_two_rank_rooted_op_beyond_its_window_reads_huge_pages_directly(monkeypa
     assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
 
 
+def _broadcast_by_root_pages(rank, P, n):
+    # Beyond two chunks, more than 2 ranks read the root's buffer directly
+    # when it lies in huge pages, and stage it through the segment otherwise.
+    g = _world._current().group
+    ok, huge = [], []
+    for root in (0, P - 1):
+        for want_huge in (True, False):
+            buf = _paged(n, want_huge)
+            want = ((np.arange(n) * 3 + root + 5 * want_huge) % 256).astype(np.uint8)
+            if rank == root:
+                buf[:] = want
+                huge.append(_core.huge_page_bytes(buf))
+            ringlet.broadcast(buf, src=root)
+            ok.append(bool(np.array_equal(buf, want)))
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "broadcast"]
+    return ok, huge, algo
+
+
+def test_broadcast_of_more_ranks_reads_a_root_in_huge_pages_directly(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    n = 8 << 20
+    res = run_world(_broadcast_by_root_pages, 3, mode="process", timeout=120, args=(n,))
+    assert all(all(ok) and len(ok) == 4 for ok, _, _ in res), res
+    # rank 0 is root first (huge, then 4 KiB pages), rank 2 second
+    huge = res[0][1] + res[2][1]
+    assert huge[1] in (0, -1) and huge[3] in (0, -1), huge
+    way = ["shm_single_copy" if h >= n // 2 else "shm_copy" for h in huge]
+    assert all(algo == way for _, _, algo in res), (huge, [a for _, _, a in res])
+
+
 def _own_blocks_streamed(rank, P, blk):
     # Own blocks of 4 MiB and more (16 MiB for the scatter root) are copied
     # with streaming stores: odd sizes and unaligned buffers, against numpy.
