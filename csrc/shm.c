@@ -1074,10 +1074,10 @@ static int reads_fast(const void *buf, size_t len) {
     return (any > 0 && len <= (uint64_t)any) || mostly_huge(buf, len);
 }
 
-/* Whether a 2-rank op takes the single copy, as only the rank `decider`
- * (whose buffer it is) can tell: it passes its verdict `mine`; the other
- * rank waits for its first descriptor of the next big step and reads the
- * size there (n: single copy; one chunk: staged). */
+/* Whether an op takes the single copy, as only the rank `decider` (whose
+ * buffer it is) can tell: it passes its verdict `mine`; every other rank
+ * waits for its first descriptor of the next big step and reads the size
+ * there (n: single copy; one chunk: staged). */
 static int follow_decider(rl_comm *c, const rl_opdesc *op, int decider, int mine, uint64_t n,
                           int *direct) {
     if (c->rank == decider) {
@@ -1108,8 +1108,10 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
     if (lane == BIG && s->cma_min && len >= 2 * s->cma_min &&
         (c->size == 2 || len > 2 * s->chunk)) {
         int direct = c->size == 2 && len <= 2 * s->chunk;
-        int mine = r == root && (c->size == 2 ? reads_fast(buf, len) : mostly_huge(buf, len));
-        if (!direct && (st = follow_decider(c, op, root, mine, len, &direct)) != RL_OK) return st;
+        if (!direct) {
+            int mine = r == root && (c->size == 2 ? reads_fast(buf, len) : mostly_huge(buf, len));
+            if ((st = follow_decider(c, op, root, mine, len, &direct)) != RL_OK) return st;
+        }
         if (direct) return cma_scatter(c, op, buf, buf, len, root, 0);
     }
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
