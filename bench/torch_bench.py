@@ -10,7 +10,9 @@ Sweep: ``--ops`` (default all_reduce) from ``--min`` to ``--max`` bytes of
 float32, by factors of 4, through ``torch.distributed`` calls.
 DDP: ``DistributedDataParallel`` on an MLP of ``--layers`` Linear(width, width)
 + ReLU (``--width 2048 --layers 6``: 25.2 M parameters), ``--batch`` rows per
-rank (small by default, so communication dominates), SGD step included.
+rank (small by default, so communication dominates), SGD step included;
+``--bucket-view`` passes ``gradient_as_bucket_view=True`` (gradients live in
+DDP's buckets: no copy into them before the all_reduce and out after).
 
 Run under any launcher, e.g.::
 
@@ -49,6 +51,8 @@ def _args(argv=None):
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5, help="DDP rounds (one step each backend)")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="DDP(gradient_as_bucket_view=True) for both backends")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-ddp", action="store_true")
     ap.add_argument("--threads", type=int, default=1,
@@ -129,7 +133,8 @@ def ddp(a, groups, P):
         m = nn.Sequential(*[type(l)(a.width, a.width) if isinstance(l, nn.Linear) else nn.ReLU()
                             for l in layers])
         m.load_state_dict(base.state_dict())
-        models[name] = (DDP(m, process_group=g), torch.optim.SGD(m.parameters(), lr=1e-4))
+        models[name] = (DDP(m, process_group=g, gradient_as_bucket_view=a.bucket_view),
+                        torch.optim.SGD(m.parameters(), lr=1e-4))
     x = torch.randn(a.batch, a.width)
     y = torch.randn(a.batch, a.width)
 
@@ -161,7 +166,7 @@ def ddp(a, groups, P):
         nn.functional.mse_loss(plain(x), y).backward()
         opt.step()
         local.append(time.perf_counter() - t0)
-    return {"params": nparams, "ranks": P, "batch": a.batch,
+    return {"params": nparams, "ranks": P, "batch": a.batch, "bucket_view": a.bucket_view,
             "local_ms": statistics.median(local) * 1e3,
             **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}}
 
