@@ -1354,8 +1354,11 @@ static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, s
     if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
     s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)src;
     publish_in(c, op, BIG, step, 0, blk);
-    if (out + (size_t)r * blk != src + at_off)
-        copy_own(out + (size_t)r * blk, src + at_off, blk, RL_STREAM_COPY_MIN);
+    /* The own block: at 2 ranks beside the peer's read of ours; beyond, after
+     * this rank's ack, which then frees sooner the peers waiting to reuse
+     * their input (docs/experiments.md). */
+    int own = out + (size_t)r * blk != src + at_off;
+    if (own && P == 2) copy_own(out + (size_t)r * blk, src + at_off, blk, RL_STREAM_COPY_MIN);
     for (int i = 1; i < P; i++) {
         int q = (r + i) % P;
         if ((st = wait_in(c, op, BIG, q, step, 0, blk)) != RL_OK) return st;
@@ -1364,6 +1367,7 @@ static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, s
         if (st != RL_OK) return st;
     }
     step_ack(c, BIG, step);
+    if (own && P > 2) copy_own(out + (size_t)r * blk, src + at_off, blk, RL_STREAM_COPY_MIN);
     /* The input stays in use until every peer has read it. */
     for (int q = 0; q < P; q++)
         if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
