@@ -165,13 +165,15 @@ int rl_random_bytes(void *buf, size_t n);
       "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "        \
       "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "      \
       "from twice this up to two chunks, beyond as shm_cma_any_bytes allows; a 2-rank gather: "     \
-      "beyond one chunk from a leaf in huge pages; a point-to-point message: also larger than its " \
-      "ring, as shm_p2p_direct allows) "                                                            \
+      "beyond one chunk from a leaf in huge pages; reduce_scatter: blocks larger than "              \
+      "shm_chunk_bytes, when every rank's input lies in huge pages or within shm_cma_any_bytes; "   \
+      "a point-to-point message: also larger than its ring, as shm_p2p_direct allows) "             \
       "are read straight from the peer's buffer "                                                   \
       "(process_vm_readv, one copy instead of two); 0: never")                                      \
     X(shm_cma_any_bytes, 4 << 20, "RINGLET_SHM_CMA_ANY_BYTES",                                      \
-      "shared memory: up to this, a 2-rank broadcast beyond two chunks and an idle "                \
-      "point-to-point message beyond twice its ring are read straight from the peer's buffer "      \
+      "shared memory: up to this, a 2-rank broadcast beyond two chunks, an idle point-to-point "    \
+      "message beyond twice its ring and a reduce_scatter's input are read straight from the "      \
+      "peer's buffer "                                                                              \
       "whatever its pages; beyond, only from huge pages; 0: only from huge pages")                  \
     X(shm_p2p_direct, 1, "RINGLET_SHM_P2P_DIRECT",                                                  \
       "shared memory: when a point-to-point message larger than its ring is read straight from "    \

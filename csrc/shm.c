@@ -1190,10 +1190,96 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
 }
 
 /* ---- reduce_scatter ----------------------------------------------------------
- * Per step every rank copies the same piece of each of its P input blocks
- * into its input area (P pieces of up to chunk/P bytes) and publishes; rank
- * r reduces piece r of all P areas, in rank order, straight into out.
- * Writes P*n per step, reads P*n. */
+ * Staged: per step every rank copies the same piece of each of its P input
+ * blocks into its input area (P pieces of up to chunk/P bytes) and
+ * publishes; rank r reduces piece r of all P areas, in rank order, straight
+ * into out.  Writes P*n per step, reads P*n.
+ *
+ * Single copy (blocks of more than one chunk and at least cma_min): every rank
+ * publishes its input's address in one big-lane step and reduces its own
+ * block piece by piece, reading each peer's piece of it straight from that
+ * peer into a cached scratch piece, in rank order as reduce_slots does (so
+ * the same bits as the staged path).  No copy-in and no hand-over per piece;
+ * a rank returns once every peer has read its input.  Every rank's pages
+ * decide how fast its peers read it, so each says in that step's descriptor
+ * whether it can be read directly (nbytes n) or not (0), and any "not"
+ * sends every rank to the staged path (docs/algorithms.md). */
+/* Scratch for the peers' pieces (few system calls), and the sub-block whose
+ * running result stays in L1. */
+#define RS_PIECES ((size_t)2 << 20)
+#define RS_SUB ((size_t)16 << 10)
+static int cma_reduce_scatter(rl_comm *c, rl_opdesc *op, char *out, const char *in, size_t count,
+                              rl_dtype dt, rl_redop rop, int *done) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t esz = rl_dtype_size(dt), blk = count * esz, n = blk * (size_t)P;
+    uint64_t any = rl_tune.shm_cma_any_bytes > 0 ? (uint64_t)rl_tune.shm_cma_any_bytes : 0;
+    /* Peers read this rank's input blocks but its own while it writes out. */
+    int direct = (out == in + (size_t)r * blk || !rl_overlap(out, blk, in, n)) &&
+                 (n <= any || mostly_huge(in, n));
+    uint32_t step;
+    int st;
+    *done = 0;
+    if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
+    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)in;
+    publish_in(c, op, BIG, step, 0, direct ? n : 0);
+    for (int i = 1; i < P; i++) {
+        int q = (r + i) % P;
+        rl_hdr got, want;
+        if ((st = peek_in(c, op, BIG, q, step, &got)) != RL_OK) return st;
+        rl_fill_header(&want, c, op, 0, got.nbytes == n ? n : 0);
+        if (memcmp(&got, &want, sizeof got) != 0) return rl_check_header(c, op, q, &got, &want);
+        if (got.nbytes != n) direct = 0;
+    }
+    if (!direct) { /* the staged path follows, in the steps after this one */
+        step_ack(c, BIG, step);
+        return RL_OK;
+    }
+    op->algo = "shm_single_copy";
+    size_t pe = RS_PIECES / (size_t)(P - 1) / 4096 * 4096 / esz, se = RS_SUB / esz;
+    if (pe < se) pe = se;
+    char *tmp;
+    if ((st = rl_scratch(c, op, ((size_t)(P - 1) * pe + se) * esz, out, &tmp)) != RL_OK) return st;
+    char *acc = tmp + (size_t)(P - 1) * pe * esz;
+    const char *src[SHM_MAX_RANKS];
+    /* A large output is streamed out of L1: its lines are not read first. */
+    int stream = blk >= RL_STREAM_COPY_MIN;
+    for (size_t k = 0; k < count; k += pe) {
+        size_t m = count - k < pe ? count - k : pe, off = ((size_t)r * count + k) * esz;
+        char *dst = out + k * esz;
+        for (int q = 0, t = 0; q < P; q++) {
+            if (q == r) {
+                src[q] = in + off;
+                continue;
+            }
+            char *into = tmp + (size_t)(t++) * pe * esz;
+            uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+            if ((st = cma_read(c, op, q, into, at + off, m * esz)) != RL_OK) return st;
+            src[q] = into;
+        }
+        for (size_t j = 0; j < m; j += se) {
+            size_t h = m - j < se ? m - j : se, at = j * esz;
+            const char *prev = src[0] + at;
+            /* The last pass writes out; before it, out may be this rank's
+             * own input block (in place), still to be read. */
+            for (int q = 1; q < P; q++) {
+                char *to = q == P - 1 && !stream ? dst + at : acc;
+                rl_reduce_kernel(to, prev, src[q] + at, h, dt, rop);
+                prev = to;
+            }
+            if (rop == RL_AVG) rl_scale_kernel((char *)prev, h, dt, 1.0 / P);
+            if (stream) rl_copy_stream(dst + at, acc, h * esz);
+        }
+    }
+    step_ack(c, BIG, step);
+    *done = 1;
+    /* The input stays in use until every peer has read it. */
+    for (int q = 0; q < P; q++)
+        if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
+            return st;
+    return RL_OK;
+}
+
 int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t count,
                           rl_dtype dt, rl_redop rop) {
     rl_shm *s = c->shm;
@@ -1204,6 +1290,11 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
     uint32_t step;
     int st;
     note_op(c, op);
+    if (lane == BIG && s->cma_min && count * esz > s->chunk && count * esz >= s->cma_min) {
+        int done;
+        if ((st = cma_reduce_scatter(c, op, out, in, count, dt, rop, &done)) != RL_OK || done)
+            return st;
+    }
     op->algo = lane == SMALL ? "shm_slot" : "shm_flat";
     /* Results land in out piece by piece while later pieces of in are still
      * to be read: an out overlapping in anywhere but our own block (where

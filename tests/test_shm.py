@@ -300,6 +300,55 @@ def test_broadcast_of_more_ranks_reads_a_root_in_huge_pages_directly(monkeypatch
     assert all(algo == way for _, _, algo in res), (huge, [a for _, _, a in res])
 
 
+def _reduce_scatter_by_pages(rank, P, blks):
+    # Blocks of more than one chunk: every rank reads its block of the others'
+    # inputs directly when all of them may (huge pages, or a total within
+    # shm_cma_any_bytes), else every rank stages; the same bits either way.
+    g = _world._current().group
+    ok, huge, avg = [], [], []
+    for blk in blks:
+        n = blk * P
+        xs = [np.random.default_rng(97 * q + blk).standard_normal(n).astype(np.float32)
+              for q in range(P)]
+        want = xs[0][rank * blk:(rank + 1) * blk].copy()
+        for q in range(1, P):
+            want = want + xs[q][rank * blk:(rank + 1) * blk]  # in rank order, as the C core
+        for small_on_rank0 in (False, True):
+            buf = _paged(n * 4, not (small_on_rank0 and rank == 0)).view(np.float32)
+            buf[:] = xs[rank]
+            huge.append(_core.huge_page_bytes(buf))
+            out = np.full(blk, -1, np.float32)
+            ringlet.reduce_scatter(out, buf, ReduceOp.SUM)
+            ok.append(bool(np.array_equal(out, want)))
+            ringlet.reduce_scatter(out, buf, ReduceOp.AVG)
+            avg.append(out.tobytes())
+            ok.append(bool(np.array_equal(buf, xs[rank])))  # the input is left alone
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "reduce_scatter"]
+    same_avg = [avg[i] == avg[i + 1] for i in range(0, len(avg), 2)]
+    return ok, huge, algo, same_avg
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_reduce_scatter_reads_its_block_of_the_peers_directly(monkeypatch, P):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    # 6 MB blocks (the output streamed out), beyond shm_cma_any_bytes in all;
+    # 400 KB blocks, within it: read directly from 4 KiB pages too
+    blks = [1_500_001, 100_003]
+    res = run_world(_reduce_scatter_by_pages, P, mode="process", timeout=180, args=(blks,))
+    assert all(all(ok) and len(ok) == 8 for ok, _, _, _ in res), [r[0] for r in res]
+    assert all(all(same) for _, _, _, same in res), "direct and staged AVG differ bitwise"
+    way = []
+    for i, blk in enumerate(blks):
+        for j in range(2):
+            k = 2 * i + j
+            fast = all(h >= blk * P * 4 // 2 for h in (r[1][k] for r in res))
+            way += ["shm_single_copy" if fast or blk * P * 4 <= 4 << 20 else "shm_flat"] * 2
+    assert all(algo == way for _, _, algo, _ in res), (way, [r[1] for r in res],
+                                                     [r[2] for r in res])
+    # 4 KiB pages on one rank send every rank to the staged path
+    assert way[2] == "shm_flat" or res[0][1][1] >= blks[0] * P * 2, (way, res[0][1])
+
+
 def _own_blocks_streamed(rank, P, blk):
     # Own blocks of 4 MiB and more (16 MiB for the scatter root) are copied
     # with streaming stores: odd sizes and unaligned buffers, against numpy.
