@@ -300,31 +300,42 @@ def test_broadcast_of_more_ranks_reads_a_root_in_huge_pages_directly(monkeypatch
     assert all(algo == way for _, _, algo in res), (huge, [a for _, _, a in res])
 
 
-def _reduce_scatter_by_pages(rank, P, blks):
-    # Blocks of more than one chunk: every rank reads its block of the others'
-    # inputs directly when all of them may (huge pages, or a total within
-    # shm_cma_any_bytes), else every rank stages; the same bits either way.
+def _reductions_by_pages(rank, P, blks):
+    # reduce_scatter blocks of more than one chunk: every rank reads its block
+    # of the others' inputs directly when all of them may (huge pages, or a
+    # total within shm_cma_any_bytes), else every rank stages; the same bits
+    # either way.  A reduce of the same buffers (staged) alongside.
     g = _world._current().group
     ok, huge, avg = [], [], []
     for blk in blks:
         n = blk * P
         xs = [np.random.default_rng(97 * q + blk).standard_normal(n).astype(np.float32)
               for q in range(P)]
-        want = xs[0][rank * blk:(rank + 1) * blk].copy()
+        total = xs[0].copy()
         for q in range(1, P):
-            want = want + xs[q][rank * blk:(rank + 1) * blk]  # in rank order, as the C core
+            total = total + xs[q]  # in rank order, as the C core
         for small_on_rank0 in (False, True):
             buf = _paged(n * 4, not (small_on_rank0 and rank == 0)).view(np.float32)
             buf[:] = xs[rank]
             huge.append(_core.huge_page_bytes(buf))
             out = np.full(blk, -1, np.float32)
             ringlet.reduce_scatter(out, buf, ReduceOp.SUM)
-            ok.append(bool(np.array_equal(out, want)))
+            ok.append(bool(np.array_equal(out, total[rank * blk:(rank + 1) * blk])))
             ringlet.reduce_scatter(out, buf, ReduceOp.AVG)
             avg.append(out.tobytes())
             ok.append(bool(np.array_equal(buf, xs[rank])))  # the input is left alone
-    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "reduce_scatter"]
-    same_avg = [avg[i] == avg[i + 1] for i in range(0, len(avg), 2)]
+            for root in (P - 1, 0):
+                ringlet.reduce(buf, dst=root, op=ReduceOp.SUM if root else ReduceOp.AVG)
+                if rank != root:
+                    ok.append(bool(np.array_equal(buf, xs[rank])))  # a leaf's is left alone
+                elif root:
+                    ok.append(bool(np.array_equal(buf, total)))
+                else:
+                    avg.append(buf.tobytes())
+                buf[:] = xs[rank]
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] in ("reduce_scatter", "reduce")]
+    k = 2 if rank == 0 else 1  # AVG results per case
+    same_avg = [avg[i:i + k] == avg[i + k:i + 2 * k] for i in range(0, len(avg), 2 * k)]
     return ok, huge, algo, same_avg
 
 
@@ -334,19 +345,23 @@ def test_reduce_scatter_reads_its_block_of_the_peers_directly(monkeypatch, P):
     # 6 MB blocks (the output streamed out), beyond shm_cma_any_bytes in all;
     # 400 KB blocks, within it: read directly from 4 KiB pages too
     blks = [1_500_001, 100_003]
-    res = run_world(_reduce_scatter_by_pages, P, mode="process", timeout=180, args=(blks,))
-    assert all(all(ok) and len(ok) == 8 for ok, _, _, _ in res), [r[0] for r in res]
-    assert all(all(same) for _, _, _, same in res), "direct and staged AVG differ bitwise"
+    res = run_world(_reductions_by_pages, P, mode="process", timeout=240, args=(blks,))
+    # rank 0's AVG reduce is compared bitwise below instead
+    assert [len(ok) for ok, _, _, _ in res] == [12] + [16] * (P - 1), [r[0] for r in res]
+    assert all(all(ok) for ok, _, _, _ in res), [r[0] for r in res]
+    assert all(same == [True, True] for _, _, _, same in res), "direct and staged differ bitwise"
     way = []
     for i, blk in enumerate(blks):
         for j in range(2):
             k = 2 * i + j
             fast = all(h >= blk * P * 4 // 2 for h in (r[1][k] for r in res))
-            way += ["shm_single_copy" if fast or blk * P * 4 <= 4 << 20 else "shm_flat"] * 2
+            direct = fast or blk * P * 4 <= 4 << 20
+            way += ["shm_single_copy" if direct else "shm_flat"] * 2
+            way += ["shm_pair" if P == 2 else "shm_chunked"] * 2  # a reduce stays staged
     assert all(algo == way for _, _, algo, _ in res), (way, [r[1] for r in res],
                                                      [r[2] for r in res])
     # 4 KiB pages on one rank send every rank to the staged path
-    assert way[2] == "shm_flat" or res[0][1][1] >= blks[0] * P * 2, (way, res[0][1])
+    assert way[4] != "shm_single_copy" or res[0][1][1] >= blks[0] * P * 2, (way, res[0][1])
 
 
 def _own_blocks_streamed(rank, P, blk):
