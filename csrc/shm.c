@@ -991,93 +991,6 @@ static int reduce_pair(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dt
     return RL_OK;
 }
 
-/* ---- reductions read straight from the peers ------------------------------
- * A rank that reduces one block of the P inputs (reduce_scatter) can read
- * that block of each peer's input directly (process_vm_readv) into a scratch
- * piece instead of having every rank copy its whole input into the segment:
- * no copy-in and one hand-over per op instead of one per piece.  The kernel
- * copies, it does not add, so the peers' pieces still pass through the cache
- * once.  (A reduce so formed, the root then reading the other results, lost
- * to the staged pipeline at every size from 16 MiB: docs/experiments.md.) */
-static int mostly_huge(const void *buf, size_t len);
-
-/* In step `step` (begun as a writer), publish this rank's input `in` of n
- * bytes and whether its peers may read it directly: `ok` and its pages
- * allow it (huge pages, or n within shm_cma_any_bytes, beyond which the
- * kernel pins 4 KiB pages one by one).  *direct: every rank said yes.  On
- * no, the step is acknowledged and the staged path follows in the next
- * steps.  The size in the descriptor carries the verdict: n or 0. */
-static int agree_direct(rl_comm *c, rl_opdesc *op, uint32_t step, const void *in, uint64_t n,
-                        int ok, int *direct) {
-    rl_shm *s = c->shm;
-    int64_t any = rl_tune.shm_cma_any_bytes;
-    int r = c->rank, st;
-    *direct = ok && ((any > 0 && n <= (uint64_t)any) || mostly_huge(in, n));
-    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)in;
-    publish_in(c, op, BIG, step, 0, *direct ? n : 0);
-    for (int i = 1; i < c->size; i++) {
-        int q = (r + i) % c->size;
-        rl_hdr got, want;
-        if ((st = peek_in(c, op, BIG, q, step, &got)) != RL_OK) return st;
-        rl_fill_header(&want, c, op, 0, got.nbytes == n ? n : 0);
-        if (memcmp(&got, &want, sizeof got) != 0) return rl_check_header(c, op, q, &got, &want);
-        if (got.nbytes != n) *direct = 0;
-    }
-    if (!*direct) step_ack(c, BIG, step);
-    return RL_OK;
-}
-
-/* Scratch for the peers' pieces (few system calls), and the sub-block whose
- * running result stays in L1. */
-#define RD_PIECES ((size_t)2 << 20)
-#define RD_SUB ((size_t)16 << 10)
-
-/* dst = in_0 op in_1 op ... op in_{P-1} over `count` elements at byte `off`
- * of every rank's input (published in `step`; this rank's is `in`), in rank
- * order as reduce_slots, so the same bits as the staged path.  Each peer's
- * piece is read whole, then reduced in sub-blocks; from 4 MiB the result is
- * streamed out of L1 (its lines are not read first).  dst may be this
- * rank's own block of `in` (in place): the last pass writes it. */
-static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const char *in,
-                               size_t off, char *dst, size_t count, rl_dtype dt, rl_redop rop) {
-    rl_shm *s = c->shm;
-    int P = c->size, r = c->rank, st;
-    size_t esz = rl_dtype_size(dt);
-    size_t pe = RD_PIECES / (size_t)(P - 1) / 4096 * 4096 / esz, se = RD_SUB / esz;
-    if (pe < se) pe = se;
-    char *tmp;
-    if ((st = rl_scratch(c, op, ((size_t)(P - 1) * pe + se) * esz, dst, &tmp)) != RL_OK) return st;
-    char *acc = tmp + (size_t)(P - 1) * pe * esz;
-    const char *src[SHM_MAX_RANKS];
-    int stream = count * esz >= RL_STREAM_COPY_MIN;
-    for (size_t k = 0; k < count; k += pe) {
-        size_t m = count - k < pe ? count - k : pe, at_k = off + k * esz;
-        char *to_k = dst + k * esz;
-        for (int q = 0, t = 0; q < P; q++) {
-            if (q == r) {
-                src[q] = in + at_k;
-                continue;
-            }
-            char *into = tmp + (size_t)(t++) * pe * esz;
-            uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
-            if ((st = cma_read(c, op, q, into, at + at_k, m * esz)) != RL_OK) return st;
-            src[q] = into;
-        }
-        for (size_t j = 0; j < m; j += se) {
-            size_t h = m - j < se ? m - j : se, at = j * esz;
-            const char *prev = src[0] + at;
-            for (int q = 1; q < P; q++) {
-                char *to = q == P - 1 && !stream ? to_k + at : acc;
-                rl_reduce_kernel(to, prev, src[q] + at, h, dt, rop);
-                prev = to;
-            }
-            if (rop == RL_AVG) rl_scale_kernel((char *)prev, h, dt, 1.0 / P);
-            if (stream) rl_copy_stream(to_k + at, acc, h * esz);
-        }
-    }
-    return RL_OK;
-}
-
 int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dtype dt,
                       rl_redop rop, int root) {
     rl_shm *s = c->shm;
@@ -1152,10 +1065,10 @@ static int mostly_huge(const void *buf, size_t len) {
 }
 
 /* Whether a reader's single copy of this buffer beats the staged copy pair
- * of a broadcast or a point-to-point message: from huge pages always; from
- * 4 KiB pages up to shm_cma_any_bytes, beyond which the kernel's page-by-page
- * pinning costs more than the second copy (docs/experiments.md).  Only the
- * rank that owns the buffer can ask. */
+ * of a broadcast, a point-to-point message or a reduce_scatter's input: from
+ * huge pages always; from 4 KiB pages up to shm_cma_any_bytes, beyond which
+ * the kernel's page-by-page pinning costs more than the second copy
+ * (docs/experiments.md).  Only the rank that owns the buffer can ask. */
 static int reads_fast(const void *buf, size_t len) {
     int64_t any = rl_tune.shm_cma_any_bytes;
     return (any > 0 && len <= (uint64_t)any) || mostly_huge(buf, len);
@@ -1276,6 +1189,89 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     return RL_OK;
 }
 
+/* ---- reductions read straight from the peers ------------------------------
+ * A rank that reduces one block of the P inputs (reduce_scatter) can read
+ * that block of each peer's input directly (process_vm_readv) into a scratch
+ * piece instead of having every rank copy its whole input into the segment:
+ * no copy-in and one hand-over per op instead of one per piece.  The kernel
+ * copies, it does not add, so the peers' pieces still pass through the cache
+ * once.  (A reduce so formed, the root reading the others' results at the
+ * end, lost to its staged pipeline: docs/experiments.md.) */
+/* In step `step` (begun as a writer), publish this rank's input `in` of n
+ * bytes and whether its peers may read it directly: `ok` and its pages
+ * allow it (reads_fast).  *direct: every rank said yes.  On no, the step is
+ * acknowledged and the staged path follows in the next steps.  The size in
+ * the descriptor carries the verdict: n or 0. */
+static int agree_direct(rl_comm *c, rl_opdesc *op, uint32_t step, const void *in, uint64_t n,
+                        int ok, int *direct) {
+    rl_shm *s = c->shm;
+    int r = c->rank, st;
+    *direct = ok && reads_fast(in, n);
+    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)in;
+    publish_in(c, op, BIG, step, 0, *direct ? n : 0);
+    for (int i = 1; i < c->size; i++) {
+        int q = (r + i) % c->size;
+        rl_hdr got, want;
+        if ((st = peek_in(c, op, BIG, q, step, &got)) != RL_OK) return st;
+        rl_fill_header(&want, c, op, 0, got.nbytes == n ? n : 0);
+        if (memcmp(&got, &want, sizeof got) != 0) return rl_check_header(c, op, q, &got, &want);
+        if (got.nbytes != n) *direct = 0;
+    }
+    if (!*direct) step_ack(c, BIG, step);
+    return RL_OK;
+}
+
+/* Scratch for the peers' pieces (few system calls), and the sub-block whose
+ * running result stays in L1. */
+#define RD_PIECES ((size_t)2 << 20)
+#define RD_SUB ((size_t)16 << 10)
+
+/* dst = in_0 op in_1 op ... op in_{P-1} over `count` elements at byte `off`
+ * of every rank's input (published in `step`; this rank's is `in`), in rank
+ * order as reduce_slots, so the same bits as the staged path.  Each peer's
+ * piece is read whole, then reduced in sub-blocks; from 4 MiB the result is
+ * streamed out of L1 (its lines are not read first).  dst may be this
+ * rank's own block of `in` (in place): the last pass writes it. */
+static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const char *in,
+                               size_t off, char *dst, size_t count, rl_dtype dt, rl_redop rop) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank, st;
+    size_t esz = rl_dtype_size(dt);
+    size_t pe = RD_PIECES / (size_t)(P - 1) / 4096 * 4096 / esz, se = RD_SUB / esz;
+    if (pe < se) pe = se;
+    char *tmp;
+    if ((st = rl_scratch(c, op, ((size_t)(P - 1) * pe + se) * esz, dst, &tmp)) != RL_OK) return st;
+    char *acc = tmp + (size_t)(P - 1) * pe * esz;
+    const char *src[SHM_MAX_RANKS];
+    int stream = count * esz >= RL_STREAM_COPY_MIN;
+    for (size_t k = 0; k < count; k += pe) {
+        size_t m = count - k < pe ? count - k : pe, at_k = off + k * esz;
+        char *to_k = dst + k * esz;
+        for (int q = 0, t = 0; q < P; q++) {
+            if (q == r) {
+                src[q] = in + at_k;
+                continue;
+            }
+            char *into = tmp + (size_t)(t++) * pe * esz;
+            uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+            if ((st = cma_read(c, op, q, into, at + at_k, m * esz)) != RL_OK) return st;
+            src[q] = into;
+        }
+        for (size_t j = 0; j < m; j += se) {
+            size_t h = m - j < se ? m - j : se, at = j * esz;
+            const char *prev = src[0] + at;
+            for (int q = 1; q < P; q++) {
+                char *to = q == P - 1 && !stream ? to_k + at : acc;
+                rl_reduce_kernel(to, prev, src[q] + at, h, dt, rop);
+                prev = to;
+            }
+            if (rop == RL_AVG) rl_scale_kernel((char *)prev, h, dt, 1.0 / P);
+            if (stream) rl_copy_stream(to_k + at, acc, h * esz);
+        }
+    }
+    return RL_OK;
+}
+
 /* ---- reduce_scatter ----------------------------------------------------------
  * Staged: per step every rank copies the same piece of each of its P input
  * blocks into its input area (P pieces of up to chunk/P bytes) and
@@ -1319,7 +1315,8 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
     uint32_t step;
     int st;
     note_op(c, op);
-    if (lane == BIG && s->cma_min && count * esz > s->chunk && count * esz >= s->cma_min) {
+    size_t blk = count * esz;
+    if (lane == BIG && P > 1 && s->cma_min && blk > s->chunk && blk >= s->cma_min) {
         int done;
         if ((st = cma_reduce_scatter(c, op, out, in, count, dt, rop, &done)) != RL_OK || done)
             return st;
