@@ -714,6 +714,37 @@ static int cma_read(rl_comm *c, const rl_opdesc *op, int q, void *dst, uint64_t 
                    n, strerror(e));
 }
 
+/* Write n bytes of src into the peer's memory at dst (a reduce's leaf into
+ * its root's output), or fail the op naming the peer.  A root that failed
+ * aborted before it left: no write starts after that is seen. */
+static int cma_write(rl_comm *c, const rl_opdesc *op, int q, uint64_t dst, const void *src,
+                     size_t n) {
+    rl_shm *s = c->shm;
+    int e = 0;
+    while (n && e == 0) {
+        if (__atomic_load_n(&s->hdr->abort_set, __ATOMIC_ACQUIRE)) return peer_aborted(c, op);
+        struct iovec l = {(void *)src, n}, r = {(void *)(uintptr_t)dst, n};
+        ssize_t put = process_vm_writev((pid_t)s->ctrl[q].pid, &l, 1, &r, 1, 0);
+        if (put < 0) {
+            if (errno != EINTR) e = errno;
+            continue;
+        }
+        if (put == 0) e = EFAULT;
+        src = (const char *)src + put;
+        dst += (uint64_t)put;
+        n -= (size_t)put;
+    }
+    if (__atomic_load_n(&s->hdr->abort_set, __ATOMIC_ACQUIRE)) return peer_aborted(c, op);
+    if (e == 0) return RL_OK;
+    if (e == ESRCH)
+        return rl_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
+                       "the peer's process (pid %d) exited or was killed (shared memory)",
+                       (int)s->ctrl[q].pid);
+    return rl_fail(c, op, e == EFAULT ? RL_ERR_PROTOCOL : RL_ERR_SYSTEM, q, e,
+                   "writing %zu bytes into the peer's output directly (process_vm_writev) "
+                   "failed: %s", n, strerror(e));
+}
+
 int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
     rl_shm *s = c->shm;
     if (!s) return RL_ERR_INVALID;
@@ -991,6 +1022,9 @@ static int reduce_pair(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dt
     return RL_OK;
 }
 
+static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dtype dt,
+                      rl_redop rop, int root, int *done);
+
 int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dtype dt,
                       rl_redop rop, int root) {
     rl_shm *s = c->shm;
@@ -1011,6 +1045,11 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
         }
         step_ack(c, lane, step);
         return RL_OK;
+    }
+    if (root >= 0 && P > 1 && s->cma_min && (count / (size_t)P) * esz > s->chunk &&
+        (count / (size_t)P) * esz >= s->cma_min) {
+        int done;
+        if ((st = cma_reduce(c, op, buf, count, dt, rop, root, &done)) != RL_OK || done) return st;
     }
     if (P == 2) return reduce_pair(c, op, buf, count, dt, rop, root);
     op->algo = "shm_chunked";
@@ -1195,8 +1234,9 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
  * piece instead of having every rank copy its whole input into the segment:
  * no copy-in and one hand-over per op instead of one per piece.  The kernel
  * copies, it does not add, so the peers' pieces still pass through the cache
- * once.  (A reduce so formed, the root reading the others' results at the
- * end, lost to its staged pipeline: docs/experiments.md.) */
+ * once.  A reduce takes the same form, its leaves writing their results
+ * into the root (cma_reduce); an all_reduce so formed lost to its staged
+ * pipeline (docs/experiments.md). */
 /* In step `step` (begun as a writer), publish this rank's input `in` of n
  * bytes and whether its peers may read it directly: `ok` and its pages
  * allow it (reads_fast).  *direct: every rank said yes.  On no, the step is
@@ -1231,22 +1271,28 @@ static int agree_direct(rl_comm *c, rl_opdesc *op, uint32_t step, const void *in
  * order as reduce_slots, so the same bits as the staged path.  Each peer's
  * piece is read whole, then reduced in sub-blocks; from 4 MiB the result is
  * streamed out of L1 (its lines are not read first).  dst may be this
- * rank's own block of `in` (in place): the last pass writes it. */
+ * rank's own block of `in` (in place): the last pass writes it.  to: the
+ * rank whose memory dst is; another rank's (a reduce's root) receives each
+ * piece's result with one write (cma_write). */
 static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const char *in,
-                               size_t off, char *dst, size_t count, rl_dtype dt, rl_redop rop) {
+                               size_t off, char *dst, int to, size_t count, rl_dtype dt,
+                               rl_redop rop) {
     rl_shm *s = c->shm;
-    int P = c->size, r = c->rank, st;
+    int P = c->size, r = c->rank, st, away = to != r;
     size_t esz = rl_dtype_size(dt);
     size_t pe = RD_PIECES / (size_t)(P - 1) / 4096 * 4096 / esz, se = RD_SUB / esz;
     if (pe < se) pe = se;
     char *tmp;
-    if ((st = rl_scratch(c, op, ((size_t)(P - 1) * pe + se) * esz, dst, &tmp)) != RL_OK) return st;
-    char *acc = tmp + (size_t)(P - 1) * pe * esz;
+    size_t extra = away ? pe + se : se;
+    if ((st = rl_scratch(c, op, ((size_t)(P - 1) * pe + extra) * esz, away ? NULL : dst, &tmp)) !=
+        RL_OK)
+        return st;
+    char *acc = tmp + (size_t)(P - 1) * pe * esz, *res = acc + se * esz;
     const char *src[SHM_MAX_RANKS];
-    int stream = count * esz >= RL_STREAM_COPY_MIN;
+    int stream = !away && count * esz >= RL_STREAM_COPY_MIN;
     for (size_t k = 0; k < count; k += pe) {
         size_t m = count - k < pe ? count - k : pe, at_k = off + k * esz;
-        char *to_k = dst + k * esz;
+        char *to_k = away ? res : dst + k * esz;
         for (int q = 0, t = 0; q < P; q++) {
             if (q == r) {
                 src[q] = in + at_k;
@@ -1268,6 +1314,9 @@ static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const c
             if (rop == RL_AVG) rl_scale_kernel((char *)prev, h, dt, 1.0 / P);
             if (stream) rl_copy_stream(to_k + at, acc, h * esz);
         }
+        if (away && (st = cma_write(c, op, to, (uint64_t)(uintptr_t)dst + k * esz, res,
+                                    m * esz)) != RL_OK)
+            return st;
     }
     return RL_OK;
 }
@@ -1295,12 +1344,48 @@ static int cma_reduce_scatter(rl_comm *c, rl_opdesc *op, char *out, const char *
     int ok = out == in + (size_t)r * blk || !rl_overlap(out, blk, in, n);
     if ((st = agree_direct(c, op, step, in, n, ok, done)) != RL_OK || !*done) return st;
     op->algo = "shm_single_copy";
-    if ((st = direct_reduce_block(c, op, step, in, (size_t)r * blk, out, count, dt, rop)) != RL_OK)
+    if ((st = direct_reduce_block(c, op, step, in, (size_t)r * blk, out, r, count, dt, rop)) !=
+        RL_OK)
         return st;
     step_ack(c, BIG, step);
     /* The input stays in use until every peer has read it. */
     for (int q = 0; q < P; q++)
         if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
+            return st;
+    return RL_OK;
+}
+
+/* ---- reduce, single copy ------------------------------------------------------
+ * The reduce_scatter above with the root's buffer as everyone's output:
+ * rank r reads block r of every peer's buffer directly, reduces it with its
+ * own in rank order, and writes the result into block r of the root's buffer
+ * (the root in place, a leaf with one process_vm_writev per piece).  Only
+ * leaf r touches block r of the root's buffer, reading it before writing it.
+ * No copy-in and no copy-out: every rank reads n and writes n / P; one step
+ * to agree, one acknowledgement at the end (docs/algorithms.md). */
+static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dtype dt,
+                      rl_redop rop, int root, int *done) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t esz = rl_dtype_size(dt), bs = rl_block_start(count, P, r) * esz;
+    uint32_t step;
+    int st;
+    *done = 0;
+    if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
+    if ((st = agree_direct(c, op, step, buf, count * esz, 1, done)) != RL_OK || !*done) return st;
+    op->algo = "shm_single_copy";
+    char *dst = buf + bs;
+    if (r != root)
+        dst = (char *)(uintptr_t)(__atomic_load_n(&s->ctrl[root].xaddr[step & 1],
+                                                  __ATOMIC_RELAXED) + bs);
+    if ((st = direct_reduce_block(c, op, step, buf, bs, dst, root, rl_block_count(count, P, r),
+                                  dt, rop)) != RL_OK)
+        return st;
+    step_ack(c, BIG, step);
+    /* Peers read this buffer (and the root's receives) until each has acked. */
+    for (int q = 0; q < P; q++)
+        if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, count * esz / P)) !=
+                          RL_OK)
             return st;
     return RL_OK;
 }

@@ -301,10 +301,11 @@ def test_broadcast_of_more_ranks_reads_a_root_in_huge_pages_directly(monkeypatch
 
 
 def _reductions_by_pages(rank, P, blks):
-    # reduce_scatter blocks of more than one chunk: every rank reads its block
-    # of the others' inputs directly when all of them may (huge pages, or a
-    # total within shm_cma_any_bytes), else every rank stages; the same bits
-    # either way.  A reduce of the same buffers (staged) alongside.
+    # reduce_scatter and reduce with blocks of more than one chunk: every rank
+    # reads its block of the others' buffers directly when all of them may
+    # (huge pages, or a total within shm_cma_any_bytes), else every rank
+    # stages; the same bits either way.  An all_reduce of the same buffers
+    # (staged) alongside.
     g = _world._current().group
     ok, huge, avg = [], [], []
     for blk in blks:
@@ -333,21 +334,28 @@ def _reductions_by_pages(rank, P, blks):
                 else:
                     avg.append(buf.tobytes())
                 buf[:] = xs[rank]
-    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] in ("reduce_scatter", "reduce")]
-    k = 2 if rank == 0 else 1  # AVG results per case
+            ringlet.all_reduce(buf, ReduceOp.SUM)
+            ok.append(bool(np.array_equal(buf, total)))
+            buf[:] = xs[rank]
+            ringlet.all_reduce(buf, ReduceOp.AVG)
+            avg.append(buf.tobytes())
+            buf[:] = xs[rank]
+    algo = [e["algorithm"] for e in g._coll.trace()[2]
+            if e["op"] in ("reduce_scatter", "reduce", "all_reduce")]
+    k = 3 if rank == 0 else 2  # AVG results per case
     same_avg = [avg[i:i + k] == avg[i + k:i + 2 * k] for i in range(0, len(avg), 2 * k)]
     return ok, huge, algo, same_avg
 
 
 @pytest.mark.parametrize("P", [2, 4])
-def test_reduce_scatter_reads_its_block_of_the_peers_directly(monkeypatch, P):
+def test_reductions_read_their_block_of_the_peers_directly(monkeypatch, P):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     # 6 MB blocks (the output streamed out), beyond shm_cma_any_bytes in all;
     # 400 KB blocks, within it: read directly from 4 KiB pages too
     blks = [1_500_001, 100_003]
     res = run_world(_reductions_by_pages, P, mode="process", timeout=240, args=(blks,))
     # rank 0's AVG reduce is compared bitwise below instead
-    assert [len(ok) for ok, _, _, _ in res] == [12] + [16] * (P - 1), [r[0] for r in res]
+    assert [len(ok) for ok, _, _, _ in res] == [16] + [20] * (P - 1), [r[0] for r in res]
     assert all(all(ok) for ok, _, _, _ in res), [r[0] for r in res]
     assert all(same == [True, True] for _, _, _, same in res), "direct and staged differ bitwise"
     way = []
@@ -357,11 +365,13 @@ def test_reduce_scatter_reads_its_block_of_the_peers_directly(monkeypatch, P):
             fast = all(h >= blk * P * 4 // 2 for h in (r[1][k] for r in res))
             direct = fast or blk * P * 4 <= 4 << 20
             way += ["shm_single_copy" if direct else "shm_flat"] * 2
-            way += ["shm_pair" if P == 2 else "shm_chunked"] * 2  # a reduce stays staged
+            staged = "shm_pair" if P == 2 else "shm_chunked"
+            way += ["shm_single_copy" if direct else staged] * 2
+            way += [staged] * 2  # an all_reduce stays staged (docs/experiments.md)
     assert all(algo == way for _, _, algo, _ in res), (way, [r[1] for r in res],
                                                      [r[2] for r in res])
     # 4 KiB pages on one rank send every rank to the staged path
-    assert way[4] != "shm_single_copy" or res[0][1][1] >= blks[0] * P * 2, (way, res[0][1])
+    assert way[6] != "shm_single_copy" or res[0][1][1] >= blks[0] * P * 2, (way, res[0][1])
 
 
 def _own_blocks_streamed(rank, P, blk):
@@ -1024,6 +1034,41 @@ def test_killed_sender_is_detected_fast_over_shm_rings():
     kind, took, msg = ei.value.results[0]
     assert kind == "closed" and "exited or was killed (shared memory)" in msg, (kind, msg)
     assert took < 3.0, f"rank 0 needed {took:.2f}s to notice a SIGKILL"
+
+
+def _kill_root_of_reduces(rank, P):
+    # Reduces whose leaves write their results into the root (huge pages,
+    # blocks beyond one chunk); the root is killed while they run.
+    import threading
+
+    buf = _paged(32 << 20, True).view(np.float32)
+    buf[:] = rank
+    ringlet.reduce(buf, dst=0)
+    algo = _world._current().group._coll.trace()[2][-1]["algorithm"]
+    if rank == 0:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(2000):
+            t0 = time.monotonic()
+            ringlet.reduce(buf, dst=0, timeout=60)
+    except PeerClosedError as exc:
+        return ("closed", time.monotonic() - t0, str(exc), algo)
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc), algo)
+    return ("completed", time.monotonic() - t0, "", algo)
+
+
+def test_killed_root_of_a_single_copy_reduce_is_detected_fast(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    with pytest.raises(WorldError) as ei:
+        run_world(_kill_root_of_reduces, 3, mode="process", timeout=120)
+    for q in (1, 2):
+        kind, took, msg, algo = ei.value.results[q]
+        assert kind == "closed" and "peer 0" in msg, (kind, msg)
+        assert took < 3.0, f"a leaf needed {took:.2f}s to notice the root's SIGKILL"
+        # the path under test, where the kernel allows it (else every rank stages)
+        assert algo in ("shm_single_copy", "shm_chunked"), algo
 
 
 def _paged(nbytes, huge):
