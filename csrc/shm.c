@@ -696,13 +696,14 @@ static void cma_probe(rl_comm *c) {
     __atomic_store_n(&s->ctrl[c->rank].cma_ok, ok, __ATOMIC_RELEASE);
 }
 
-/* Read n bytes at the peer's address src into dst, or fail the op naming the peer. */
-static int cma_read(rl_comm *c, const rl_opdesc *op, int q, void *dst, uint64_t src, size_t n) {
+/* The op's status after a direct read or write of n bytes with the peer q
+ * ended in errno e (0: it worked).  A peer that failed may have left the op
+ * and freed or reused its buffer (a scatter root acknowledges before it
+ * waits): what was read is then not trusted, even when the read worked.  It
+ * aborted before it left. */
+static int cma_outcome(rl_comm *c, const rl_opdesc *op, int q, int e, const char *verb, size_t n,
+                       const char *what, const char *call) {
     rl_shm *s = c->shm;
-    int e = cma_read_raw((pid_t)s->ctrl[q].pid, dst, src, n);
-    /* A peer that failed may have left the op and freed or reused its input
-     * (a scatter root acknowledges before it waits): what was read is then
-     * not trusted, even when the read worked.  It aborted before it left. */
     if (__atomic_load_n(&s->hdr->abort_set, __ATOMIC_ACQUIRE)) return peer_aborted(c, op);
     if (e == 0) return RL_OK;
     if (e == ESRCH)
@@ -710,8 +711,13 @@ static int cma_read(rl_comm *c, const rl_opdesc *op, int q, void *dst, uint64_t 
                        "the peer's process (pid %d) exited or was killed (shared memory)",
                        (int)s->ctrl[q].pid);
     return rl_fail(c, op, e == EFAULT ? RL_ERR_PROTOCOL : RL_ERR_SYSTEM, q, e,
-                   "reading %zu bytes of the peer's input directly (process_vm_readv) failed: %s",
-                   n, strerror(e));
+                   "%s %zu bytes %s directly (%s) failed: %s", verb, n, what, call, strerror(e));
+}
+
+/* Read n bytes at the peer's address src into dst, or fail the op naming the peer. */
+static int cma_read(rl_comm *c, const rl_opdesc *op, int q, void *dst, uint64_t src, size_t n) {
+    int e = cma_read_raw((pid_t)c->shm->ctrl[q].pid, dst, src, n);
+    return cma_outcome(c, op, q, e, "reading", n, "of the peer's input", "process_vm_readv");
 }
 
 /* Write n bytes of src into the peer's memory at dst (a reduce's leaf into
@@ -720,6 +726,7 @@ static int cma_read(rl_comm *c, const rl_opdesc *op, int q, void *dst, uint64_t 
 static int cma_write(rl_comm *c, const rl_opdesc *op, int q, uint64_t dst, const void *src,
                      size_t n) {
     rl_shm *s = c->shm;
+    size_t all = n;
     int e = 0;
     while (n && e == 0) {
         if (__atomic_load_n(&s->hdr->abort_set, __ATOMIC_ACQUIRE)) return peer_aborted(c, op);
@@ -734,15 +741,7 @@ static int cma_write(rl_comm *c, const rl_opdesc *op, int q, uint64_t dst, const
         dst += (uint64_t)put;
         n -= (size_t)put;
     }
-    if (__atomic_load_n(&s->hdr->abort_set, __ATOMIC_ACQUIRE)) return peer_aborted(c, op);
-    if (e == 0) return RL_OK;
-    if (e == ESRCH)
-        return rl_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
-                       "the peer's process (pid %d) exited or was killed (shared memory)",
-                       (int)s->ctrl[q].pid);
-    return rl_fail(c, op, e == EFAULT ? RL_ERR_PROTOCOL : RL_ERR_SYSTEM, q, e,
-                   "writing %zu bytes into the peer's output directly (process_vm_writev) "
-                   "failed: %s", n, strerror(e));
+    return cma_outcome(c, op, q, e, "writing", all, "into the peer's output", "process_vm_writev");
 }
 
 int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
