@@ -956,6 +956,17 @@ static void step_ack(rl_comm *c, int lane, uint32_t step) {
     publish(c->shm, c->rank, lane_ack(c->shm, c->rank, lane), step);
 }
 
+/* After a single copy: wait until every peer has acknowledged big step
+ * `step`, having read up to nbytes of this rank's buffer (or written them). */
+static int wait_peers_ack(rl_comm *c, const rl_opdesc *op, uint32_t step, uint64_t nbytes) {
+    for (int q = 0; q < c->size; q++) {
+        if (q == c->rank) continue;
+        int st = wait_copy(c, op, lane_ack(c->shm, q, BIG), step, q, nbytes);
+        if (st != RL_OK) return st;
+    }
+    return RL_OK;
+}
+
 /* dst = slot(0) op slot(1) op ... op slot(P-1), element range [off, off+n),
  * in rank order, so every rank that computes it gets the same bits. */
 static void reduce_slots(rl_comm *c, int lane, uint32_t step, size_t off_bytes, char *dst,
@@ -1332,7 +1343,6 @@ static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const c
  * the addresses, one acknowledgement at the end (docs/algorithms.md). */
 static int cma_reduce_scatter(rl_comm *c, rl_opdesc *op, char *out, const char *in, size_t count,
                               rl_dtype dt, rl_redop rop, int *done) {
-    rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
     size_t esz = rl_dtype_size(dt), blk = count * esz, n = blk * (size_t)P;
     uint32_t step;
@@ -1348,10 +1358,7 @@ static int cma_reduce_scatter(rl_comm *c, rl_opdesc *op, char *out, const char *
         return st;
     step_ack(c, BIG, step);
     /* The input stays in use until every peer has read it. */
-    for (int q = 0; q < P; q++)
-        if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
-            return st;
-    return RL_OK;
+    return wait_peers_ack(c, op, step, blk);
 }
 
 /* ---- reduce, single copy ------------------------------------------------------
@@ -1382,11 +1389,7 @@ static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dty
         return st;
     step_ack(c, BIG, step);
     /* Peers read this buffer (and the root's receives) until each has acked. */
-    for (int q = 0; q < P; q++)
-        if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, count * esz / P)) !=
-                          RL_OK)
-            return st;
-    return RL_OK;
+    return wait_peers_ack(c, op, step, count * esz / P);
 }
 
 int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t count,
@@ -1463,9 +1466,7 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
          * output lies in the buffer they read. */
         int early = mine != (char *)one && !rl_overlap(one, blk, many, blk * (size_t)P);
         if (early) copy_own(one, mine, blk, RL_STREAM_OUT_MIN);
-        for (int q = 0; q < P; q++)
-            if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
-                return st;
+        if ((st = wait_peers_ack(c, op, step, blk)) != RL_OK) return st;
         if (mine != (char *)one && !early) memmove(one, mine, blk);
         return RL_OK;
     }
@@ -1570,10 +1571,7 @@ static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, s
     step_ack(c, BIG, step);
     if (own && P > 2) copy_own(out + (size_t)r * blk, src + at_off, blk, RL_STREAM_COPY_MIN);
     /* The input stays in use until every peer has read it. */
-    for (int q = 0; q < P; q++)
-        if (q != r && (st = wait_copy(c, op, lane_ack(s, q, BIG), step, q, blk)) != RL_OK)
-            return st;
-    return RL_OK;
+    return wait_peers_ack(c, op, step, blk);
 }
 
 static int cma_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk) {
