@@ -20,6 +20,10 @@ _ACCEPTED = ("a numpy.ndarray, a CPU torch tensor, or an object exporting DLPack
              "or the buffer protocol (array.array, memoryview)")
 
 
+# torch tensor classes met so far: one set lookup per call instead of the module test.
+_TENSOR_TYPES: set = set()
+
+
 def as_array(x: Any, what: str, writable: bool) -> np.ndarray:
     """A C-contiguous numpy view of ``x``'s memory.
 
@@ -40,7 +44,11 @@ def as_array(x: Any, what: str, writable: bool) -> np.ndarray:
     """
     if isinstance(x, np.ndarray):
         return x
-    if type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage"):
+    tp = type(x)
+    if tp in _TENSOR_TYPES:
+        return _torch_view(x, what)
+    if tp.__module__.startswith("torch") and hasattr(x, "untyped_storage"):
+        _TENSOR_TYPES.add(tp)
         return _torch_view(x, what)
     if hasattr(x, "__dlpack__"):
         try:

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 import ringlet.torch  # noqa: F401  (registers "ringlet")
 
@@ -110,6 +111,26 @@ t = full(1.0, 1000)
 w = dist.all_reduce(t, async_op=True)
 fut = w.get_future().then(lambda f: f.value()[0] * 2)
 assert torch.all(fut.wait() == 2 * P) and w.wait() and torch.all(t == P)
+
+# a blocking call on the group itself: the result is in place when it returns, and
+# its Work is already complete (the list form's copies out included)
+pg = dist.distributed_c10d._get_default_group()
+opts = dist.AllreduceOptions()
+opts.asyncOp = False
+t = full(r + 1.0, 3)
+w = pg.allreduce([t], opts)
+assert w.is_completed() and torch.all(t == P * (P + 1) / 2) and w.wait()
+gopts = AllgatherOptions()
+gopts.asyncOp = False
+outs = [torch.empty(2) for _ in range(P)]
+w = pg.allgather([outs], [full(float(r), 2)], gopts)
+assert w.is_completed() and all(torch.all(o == q) for q, o in enumerate(outs))
+# options left out: torch's defaults (asynchronous)
+outs = [torch.empty(2) for _ in range(P)]
+assert pg.allgather([outs], [full(r + 5.0, 2)]).wait()
+assert all(torch.all(o == q + 5) for q, o in enumerate(outs))
+t = full(float(r), 2)
+assert pg.allreduce([t]).wait() and torch.all(t == P * (P - 1) / 2)
 
 # object collectives
 objs = [None] * P

@@ -6,9 +6,10 @@ group itself (DDP, comm hooks, FSDP2 and pipelining call its methods).
 
 Every operation runs asynchronously on the ringlet group's progress thread
 (its ``async_op=True`` path), or inline when torch's ``asyncOp`` is False (a
-blocking call: no hand-off), and returns a torch ``Work`` built from a
-``torch.futures.Future`` whose value is the list of output tensors, as DDP's
-comm hooks expect (``fut.value()[0]``).  Operations that torch hands over as
+blocking call: no hand-off).  An asynchronous one returns a torch ``Work``
+built from a ``torch.futures.Future`` whose value is the list of output
+tensors, as DDP's comm hooks expect (``fut.value()[0]``); a blocking one, done
+when it returns, one shared completed ``Work``.  Operations that torch hands over as
 lists of tensors go through one flat buffer; the copies in or out happen on
 the progress thread, before the future completes.
 """
@@ -21,7 +22,8 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+# AllgatherOptions is not re-exported by torch.distributed.
+from torch._C._distributed_c10d import AllgatherOptions, _create_work_from_future
 
 import ringlet
 from ringlet import ReduceOp
@@ -32,16 +34,29 @@ _T = dist.ReduceOp.RedOpType
 _OPS = {_T.SUM: ReduceOp.SUM, _T.AVG: ReduceOp.AVG, _T.PRODUCT: ReduceOp.PROD,
         _T.MIN: ReduceOp.MIN, _T.MAX: ReduceOp.MAX, _T.BAND: ReduceOp.BAND,
         _T.BOR: ReduceOp.BOR, _T.BXOR: ReduceOp.BXOR}
+_BY_VALUE = {int(k): v for k, v in _OPS.items()}  # pybind enums hash slowly
 _COMM_KEY = "ringlet/comm_id"
 
 
 def _op(opts: Any) -> ReduceOp:
     red = opts.reduceOp.op
-    op = _OPS.get(red)
+    op = _BY_VALUE.get(int(red))
     if op is None:
         raise ValueError(f"the ringlet backend does not support ReduceOp {red.name}; supported: "
                          f"{', '.join(k.name for k in _OPS)}")
     return op
+
+
+def _done_work() -> Any:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result([])
+    return _create_work_from_future(fut)
+
+
+# What every blocking call returns: the op has finished when the call does, and
+# torch only waits on its Work, so one completed Work serves them all (a future
+# built per call cost more than the small op itself).
+_DONE = _done_work()
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -118,15 +133,18 @@ class RingletProcessGroup(dist.ProcessGroup):
 
         Works of one ringlet group run in issue order, so the last one done
         means all are; a failure poisons the group, so it reaches the last.
+        No works (a blocking call, already done): ``after`` runs here and
+        the shared completed Work is returned.
         """
+        last = works[-1] if works else None
+        if last is None:
+            if after is not None:
+                after()
+            return _DONE
         fut: torch.futures.Future = torch.futures.Future()
-        last = works[-1] if works else None  # None: ran synchronously, done
-        if last is None and after is None:
-            fut.set_result(result)
-            return _create_work_from_future(fut)
 
         def done(w: Any) -> None:
-            exc = w.exception() if w is not None else None
+            exc = w.exception()
             if exc is None and after is not None:
                 try:
                     after()
@@ -137,10 +155,7 @@ class RingletProcessGroup(dist.ProcessGroup):
             else:
                 fut.set_result(result)
 
-        if last is None:
-            done(None)
-        else:
-            last._add_done_callback(done)
+        last._add_done_callback(done)
         return _create_work_from_future(fut)
 
     # ---- collectives -------------------------------------------------------------
@@ -178,7 +193,7 @@ class RingletProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                   opts: Any = None) -> Any:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         a = self._async(opts)
         t = self._t(opts)
         works, copies = [], []
@@ -194,7 +209,7 @@ class RingletProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Any:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         a = self._async(opts)
         t = self._t(opts)
         w = self._g.all_gather(output, input, async_op=a, timeout=t)
@@ -204,7 +219,7 @@ class RingletProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         a = self._async(opts)
         t = self._t(opts)
         works = [self._g.all_gather(o, i, async_op=a, timeout=t)
