@@ -150,6 +150,39 @@ def overlap(cnp.ndarray a, cnp.ndarray b):
     return n > 0 and m > 0 and x < y + m and y < x + n
 
 
+# How a two-array collective's sizes relate (pair_code's `kind`).
+PAIR_EQUAL = 0    # output and input alike, a multiple of the group size (all_to_all)
+PAIR_GATHER = 1   # output = group size x input (all_gather)
+PAIR_SCATTER = 2  # input = group size x output (reduce_scatter)
+
+
+def pair_code(o, i, str op, Py_ssize_t P, int kind, bint disjoint, fallback):
+    """``array_code`` of the output ``o`` (writable) after every check of a
+    two-array collective: ``i`` readable, the same dtype, sizes related as
+    ``kind`` says, no shared byte when ``disjoint``.  One call instead of a
+    dozen attribute reads from Python, which cost more than the small op."""
+    check_array(i, "input", False)
+    code = array_code(o, "output", True, fallback)
+    cdef cnp.ndarray a = <cnp.ndarray>o, b = <cnp.ndarray>i
+    cdef Py_ssize_t n = cnp.PyArray_SIZE(a), m = cnp.PyArray_SIZE(b)
+    if kind == PAIR_EQUAL:
+        if m % P:
+            raise ValueError(f"{op}: input size {m} is not divisible by the group size {P}")
+        if n != m:
+            raise ValueError(f"{op}: output has {n} elements, input {m}; they must be equal")
+    if a.descr is not b.descr and not cnp.PyArray_EquivTypes(a.descr, b.descr):
+        raise TypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}")
+    if kind == PAIR_GATHER and n != m * P:
+        raise ValueError(f"{op}: output has {n} elements but needs group size {P} x input "
+                         f"size {m} = {m * P}")
+    if kind == PAIR_SCATTER and m != n * P:
+        raise ValueError(f"{op}: input has {m} elements but needs group size {P} x output "
+                         f"size {n} = {n * P}")
+    if disjoint and overlap(a, b):
+        raise ValueError(f"{op}: output must not overlap input")
+    return code
+
+
 def simd_info():
     return rl_simd_info().decode()
 

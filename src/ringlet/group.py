@@ -39,6 +39,10 @@ _array = _core.check_array
 _acode = _core.array_code
 # _overlap(a, b): whether two checked (C-contiguous) arrays share a byte.
 _overlap = _core.overlap
+# _pair(output, input, op, P, kind, disjoint, fallback): every check of a
+# two-array collective in one call; the output's dtype code.
+_pair = _core.pair_code
+_EQUAL, _GATHER, _SCATTER = _core.PAIR_EQUAL, _core.PAIR_GATHER, _core.PAIR_SCATTER
 
 
 # Any accepted buffer (torch tensor, DLPack, buffer protocol) becomes a numpy
@@ -311,14 +315,8 @@ class ProcessGroup:
             output = _as_array(output, "output", True)
         if type(input) is not _ND:
             input = _as_array(input, "input", False)
-        code = _acode(output, "output", True, dtype_code)
-        o = output
-        i = _array(input, "input", False)
-        if o.dtype != i.dtype:
-            raise TypeError(f"all_gather: output dtype {o.dtype} differs from input dtype {i.dtype}")
-        if o.size != i.size * self.size:
-            raise ValueError(f"all_gather: output has {o.size} elements but needs group size "
-                             f"{self.size} x input size {i.size} = {i.size * self.size}")
+        code = _pair(output, input, "all_gather", self.size, _GATHER, False, dtype_code)
+        o, i = output, input
         ms = self._default_ms if timeout is None else self._ms(timeout)
         h = self._hier
         if h is not None and h.use("all_gather", o.nbytes, i.size):
@@ -333,17 +331,8 @@ class ProcessGroup:
             output = _as_array(output, "output", True)
         if type(input) is not _ND:
             input = _as_array(input, "input", False)
-        code = _acode(output, "output", True, dtype_code)
-        o = output
-        i = _array(input, "input", False)
-        if o.dtype != i.dtype:
-            raise TypeError(f"reduce_scatter: output dtype {o.dtype} differs from input dtype "
-                            f"{i.dtype}")
-        if i.size != o.size * self.size:
-            raise ValueError(f"reduce_scatter: input has {i.size} elements but needs group size "
-                             f"{self.size} x output size {o.size} = {o.size * self.size}")
-        if _overlap(o, i):
-            raise ValueError("reduce_scatter: output must not overlap input")
+        code = _pair(output, input, "reduce_scatter", self.size, _SCATTER, True, dtype_code)
+        o, i = output, input
         op = 0 if op is _SUM else check_op(op, code, o.dtype)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         h = self._hier
@@ -359,21 +348,9 @@ class ProcessGroup:
             output = _as_array(output, "output", True)
         if type(input) is not _ND:
             input = _as_array(input, "input", False)
-        i = _array(input, "input", False)
-        code = _acode(output, "output", True, dtype_code)
-        o = output
-        if i.size % self.size:
-            raise ValueError(f"all_to_all: input size {i.size} is not divisible by the group "
-                             f"size {self.size}")
-        if o.size != i.size:
-            raise ValueError(f"all_to_all: output has {o.size} elements, input {i.size}; "
-                             f"they must be equal")
-        if o.dtype != i.dtype:
-            raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
-        if _overlap(o, i):
-            raise ValueError("all_to_all: output must not overlap input")
+        code = _pair(output, input, "all_to_all", self.size, _EQUAL, True, dtype_code)
         ms = self._default_ms if timeout is None else self._ms(timeout)
-        return self._call("all_to_all", async_op, _C.all_to_all, o, i, code, ms)
+        return self._call("all_to_all", async_op, _C.all_to_all, output, input, code, ms)
 
     def all_to_all_v(self, output: np.ndarray, output_counts: Sequence[int], input: np.ndarray,
                      input_counts: Sequence[int], *, async_op: bool = False,
@@ -415,21 +392,18 @@ class ProcessGroup:
             output = _as_array(output, "output", True)
         if type(input) is not _ND:
             input = _as_array(input, "input", False)
-        code = _acode(input, "input", False, dtype_code)
-        i = input
-        dst = self._peer(dst, "dst")
+        if type(dst) is not int or not 0 <= dst < self.size:
+            dst = self._peer(dst, "dst")
         o = None
         if self.rank == dst:
             if output is None:
                 raise ValueError(f"gather: the destination rank {dst} needs an output array")
-            o = _array(output, "output", True)
-            if o.dtype != i.dtype:
-                raise TypeError(f"gather: output dtype {o.dtype} differs from input dtype {i.dtype}")
-            if o.size != i.size * self.size:
-                raise ValueError(f"gather: output has {o.size} elements but needs group size "
-                                 f"{self.size} x input size {i.size} = {i.size * self.size}")
+            o = output
+            code = _pair(o, input, "gather", self.size, _GATHER, False, dtype_code)
+        else:
+            code = _acode(input, "input", False, dtype_code)
         ms = self._default_ms if timeout is None else self._ms(timeout)
-        return self._call("gather", async_op, _C.gather, o, i, code, dst, ms)
+        return self._call("gather", async_op, _C.gather, o, input, code, dst, ms)
 
     def scatter(self, output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *,
                 async_op: bool = False, timeout: Optional[float] = None):
@@ -438,25 +412,23 @@ class ProcessGroup:
             output = _as_array(output, "output", True)
         if input is not None and type(input) is not _ND:
             input = _as_array(input, "input", False)
-        code = _acode(output, "output", True, dtype_code)
         o = output
-        src = self._peer(src, "src")
+        if type(src) is not int or not 0 <= src < self.size:
+            src = self._peer(src, "src")
         i = None
         if self.rank == src:
             if input is None:
                 raise ValueError(f"scatter: the source rank {src} needs an input array")
-            i = _array(input, "input", False)
-            if o.dtype != i.dtype:
-                raise TypeError(f"scatter: output dtype {o.dtype} differs from input dtype {i.dtype}")
-            if i.size != o.size * self.size:
-                raise ValueError(f"scatter: input has {i.size} elements but needs group size "
-                                 f"{self.size} x output size {o.size} = {o.size * self.size}")
+            i = input
+            code = _pair(o, i, "scatter", self.size, _SCATTER, False, dtype_code)
             # The root copies its own block before sending the others, so an
             # output overlapping any other block would corrupt what is sent.
             if _overlap(o, i) and _addr(o) != _addr(i) + src * o.nbytes:
                 raise ValueError(f"scatter: the root's output overlaps its input other than "
                                  f"as input block {src} (the in-place form); it would send "
                                  f"overwritten data")
+        else:
+            code = _acode(o, "output", True, dtype_code)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("scatter", async_op, _C.scatter, o, i, code, src, ms)
 
