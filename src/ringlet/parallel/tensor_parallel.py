@@ -129,6 +129,15 @@ def mark_sequence_parallel(module: Module) -> Module:
     return module
 
 
+def _from_linear(cls: Any, linear: Any, group: Any, kwargs: dict) -> Any:
+    # The two parallel Linears' from_full: this rank's slice of a whole layer.
+    if not isinstance(linear, Linear):
+        raise TypeError(f"from_full: expected a ringlet.nn.Linear, got "
+                        f"{type(linear).__name__}")
+    return cls(linear.in_features, linear.out_features, linear.bias is not None,
+               group=group, _full=linear, **kwargs)
+
+
 class ColumnParallelLinear(Module):
     """``Linear(in_features, out_features)`` with the output features split over ``group``.
 
@@ -191,11 +200,7 @@ class ColumnParallelLinear(Module):
 
         ``kwargs``: ``gather_output``, ``sequence_parallel``, ``sequence_dim``.
         """
-        if not isinstance(linear, Linear):
-            raise TypeError(f"from_full: expected a ringlet.nn.Linear, got "
-                            f"{type(linear).__name__}")
-        return cls(linear.in_features, linear.out_features, linear.bias is not None,
-                   group=group, _full=linear, **kwargs)
+        return _from_linear(cls, linear, group, kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -305,11 +310,7 @@ class RowParallelLinear(Module):
 
         ``kwargs``: ``input_is_parallel``, ``sequence_parallel``, ``sequence_dim``.
         """
-        if not isinstance(linear, Linear):
-            raise TypeError(f"from_full: expected a ringlet.nn.Linear, got "
-                            f"{type(linear).__name__}")
-        return cls(linear.in_features, linear.out_features, linear.bias is not None,
-                   group=group, _full=linear, **kwargs)
+        return _from_linear(cls, linear, group, kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} [{self.input_start}:{self.input_stop}], "
