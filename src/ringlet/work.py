@@ -9,7 +9,7 @@ buffer can never be freed while C still writes into it.
 
 from __future__ import annotations
 
-import collections
+import queue
 import threading
 from typing import Any, Callable, Optional
 
@@ -17,6 +17,10 @@ from ._timeout import seconds
 from .errors import CollectiveTimeout
 
 __all__ = ["Work"]
+
+
+# Guards the callback lists of every Work (callbacks are rare: one lock serves all).
+_CALLBACKS = threading.Lock()
 
 
 class Work:
@@ -29,32 +33,40 @@ class Work:
         work.wait()  # raises the operation's error, if any
     """
 
-    __slots__ = ("_event", "_exc", "_result", "_keep", "_op", "_callbacks", "_lock")
+    __slots__ = ("_done", "_fin", "_exc", "_result", "_keep", "_op", "_callbacks")
 
     def __init__(self, op: str, keep: tuple = ()) -> None:
-        self._event = threading.Event()
+        # Held from here until the operation finishes; a waiter blocks on it.
+        # A bare lock: an Event costs several times more to make and to wait
+        # on, a measurable share of a small asynchronous operation.
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._fin = False
         self._exc: Optional[BaseException] = None
         self._result: Any = None
         self._keep = keep  # arrays the C call uses; released once done
         self._op = op
-        self._callbacks: list = []
-        self._lock = threading.Lock()
+        self._callbacks: Optional[list] = None
 
     def _finish(self, result: Any = None, exc: Optional[BaseException] = None) -> None:
-        with self._lock:
-            self._result = result
-            self._exc = exc
-            self._keep = ()
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
+        self._result = result
+        self._exc = exc
+        self._keep = ()
+        with _CALLBACKS:
+            self._fin = True
+            callbacks, self._callbacks = self._callbacks, None
+        self._done.release()
+        if callbacks:
+            for cb in callbacks:
+                cb(self)
 
     def _add_done_callback(self, fn: Callable[["Work"], None]) -> None:
         """Run ``fn(self)`` once the operation finished (at once if it has): the torch
         adapter completes torch futures this way, without a thread per operation."""
-        with self._lock:
-            if not self._event.is_set():
+        with _CALLBACKS:
+            if not self._fin:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -75,17 +87,19 @@ class Work:
         """
         if timeout is not None:
             timeout = seconds(timeout, zero=True)
-        if not self._event.wait(timeout):
-            raise CollectiveTimeout(f"Work.wait: {self._op} not finished after {timeout}s "
-                                    f"(the operation continues in the background)",
-                                    op=self._op, waited=timeout)
+        if not self._fin:
+            if not self._done.acquire(True, -1 if timeout is None else timeout):
+                raise CollectiveTimeout(f"Work.wait: {self._op} not finished after {timeout}s "
+                                        f"(the operation continues in the background)",
+                                        op=self._op, waited=timeout)
+            self._done.release()  # for the next waiter
         if self._exc is not None:
             raise self._exc
         return True
 
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not."""
-        return self._event.is_set()
+        return self._fin
 
     def exception(self) -> Optional[BaseException]:
         """The operation's error once finished (None on success or while running)."""
@@ -97,7 +111,7 @@ class Work:
         return self._result
 
     def __repr__(self) -> str:
-        state = "failed" if self._exc else ("done" if self._event.is_set() else "pending")
+        state = "failed" if self._exc else ("done" if self._fin else "pending")
         return f"<ringlet.Work {self._op} {state}>"
 
 
@@ -112,33 +126,40 @@ class SerialExecutor:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: collections.deque = collections.deque()
-        self._cond = threading.Condition()
+        # The hand-off itself: a C queue whose get() waits without the GIL.
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # _busy, _thread, _closed
+        self._idle = threading.Condition(self._lock)  # drain() waits on it
         self._thread: Optional[threading.Thread] = None
         self._busy = 0  # queued + running
         self._closed = False
 
     def submit(self, fn: Callable[[], Any], work: Work) -> Work:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._name}: executor is shut down")
-            self._queue.append((fn, work))
             self._busy += 1
+            self._queue.put((fn, work))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
         return work
 
     def _run(self) -> None:
+        q = self._queue
         while True:
-            with self._cond:
-                while not self._queue:
-                    if self._closed or not self._cond.wait(self._IDLE_EXIT):
-                        if not self._queue:
-                            self._thread = None
-                            return
-                fn, work = self._queue.popleft()
+            try:
+                fn, work = q.get(True, self._IDLE_EXIT)
+            except queue.Empty:
+                fn = work = None
+            if fn is None:  # idle for a while, or close()'s wake-up
+                with self._lock:
+                    # Under the lock a submit has either queued already or
+                    # will start a new thread.
+                    if q.empty():
+                        self._thread = None
+                        return
+                continue
             try:
                 result = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
@@ -149,16 +170,18 @@ class SerialExecutor:
                 # Drop our references now: an idle worker must not keep the last
                 # closure (and the buffers it captured) alive until the next item.
                 fn = work = result = None
-                with self._cond:
+                with self._lock:
                     self._busy -= 1
-                    self._cond.notify_all()
+                    if not self._busy:
+                        self._idle.notify_all()
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Wait until everything submitted so far has run."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._busy == 0, timeout)
+        with self._lock:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            if self._thread is not None:
+                self._queue.put((None, None))  # wakes the worker; it leaves once drained
