@@ -152,8 +152,8 @@ def overlap(cnp.ndarray a, cnp.ndarray b):
 
 # How a two-array collective's sizes relate (pair_code's `kind`).
 PAIR_EQUAL = 0    # output and input alike, a multiple of the group size (all_to_all)
-PAIR_GATHER = 1   # output = group size x input (all_gather)
-PAIR_SCATTER = 2  # input = group size x output (reduce_scatter)
+PAIR_GATHER = 1   # output = group size x input (all_gather, gather)
+PAIR_SCATTER = 2  # input = group size x output (reduce_scatter, scatter)
 
 
 def pair_code(o, i, str op, Py_ssize_t P, int kind, bint disjoint, fallback):
