@@ -110,3 +110,24 @@ def test_close_runs_what_was_queued_then_refuses():
     assert [w.result() for w in works] == ["held", 0, 1, 2, 3, 4]
     worker.join(T)
     assert not worker.is_alive() and ex._thread is None
+
+
+def test_a_callback_that_raises_is_logged_and_the_thread_goes_on(caplog):
+    ex = SerialExecutor("t-raise")
+    held, started, release = _gate()
+    w = ex.submit(held, Work("held"))
+    assert started.wait(T)
+    calls = []
+
+    def bad(x):
+        raise RuntimeError("callback broke")
+
+    w._add_done_callback(bad)
+    w._add_done_callback(lambda x: calls.append(x))
+    release.set()
+    assert w.wait(T) and ex.drain(T)
+    assert calls == [w]  # the next callback still ran
+    assert ex.submit(lambda: 5, Work("after")).result() == 5  # the worker lives on
+    logged = [r for r in caplog.records if "callback of held work" in r.getMessage()]
+    assert len(logged) == 1 and str(logged[0].exc_info[1]) == "callback broke"
+    ex.close()

@@ -9,6 +9,7 @@ buffer can never be freed while C still writes into it.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any, Callable, Optional
@@ -18,6 +19,8 @@ from .errors import CollectiveTimeout
 
 __all__ = ["Work"]
 
+
+_log = logging.getLogger("ringlet")
 
 # Guards the callback lists of every Work (callbacks are rare: one lock serves all).
 _CALLBACKS = threading.Lock()
@@ -58,7 +61,10 @@ class Work:
         self._done.release()
         if callbacks:
             for cb in callbacks:
-                cb(self)
+                try:
+                    cb(self)
+                except Exception:  # noqa: BLE001 - must not end the progress thread
+                    _log.exception("ringlet: a callback of %s work raised", self._op)
 
     def _add_done_callback(self, fn: Callable[["Work"], None]) -> None:
         """Run ``fn(self)`` once the operation finished (at once if it has): the torch
