@@ -33,7 +33,8 @@ LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 def clean_env(**extra: str) -> Dict[str, str]:
     """This process's environment without any launcher's variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(LAUNCH_PREFIXES) and k not in LAUNCH_NAMES}
+           if k == "RINGLET_TRACE_DIR" or (not k.startswith(LAUNCH_PREFIXES)
+                                            and k not in LAUNCH_NAMES)}
     src = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))  # as installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     env.update(extra)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import shutil
+import tempfile
 
 import pytest
+
+_TRACE_DIR = None
 
 
 def require(module: str):
@@ -25,12 +29,25 @@ def pytest_sessionstart(session):
     # quietly skip the torch-oracle, gloo and torchrun tests.
     import os
 
+    # Jobs that fail on purpose dump their flight records (ringlet.trace), by
+    # default into $TMPDIR, where hundreds a run would pile up: they go to one
+    # directory that the session removes.
+    if "RINGLET_TRACE_DIR" not in os.environ:
+        global _TRACE_DIR
+        _TRACE_DIR = tempfile.mkdtemp(prefix="ringlet-test-traces-")
+        os.environ["RINGLET_TRACE_DIR"] = _TRACE_DIR
+
     if os.environ.get("CI") == "true":
         try:
             importlib.import_module("torch")
         except ImportError as exc:
             raise pytest.UsageError(f"CI=true but torch is not installed ({exc}); .ci/run "
                                     f"installs torch==2.13.0+cpu first") from exc
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _TRACE_DIR is not None:
+        shutil.rmtree(_TRACE_DIR, ignore_errors=True)
 
 
 def pytest_collection_finish(session):
