@@ -23,7 +23,8 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
 
 def _clean_env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))
+           if (k == "RINGLET_TRACE_DIR"
+               or not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")))
            and k not in _LAUNCHER_VARS}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)

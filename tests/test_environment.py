@@ -272,7 +272,8 @@ def test_mpi_bootstrap_under_mpirun(tmp_path):
             server.close()
     """))
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))}
+           if k == "RINGLET_TRACE_DIR"
+           or not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))}
     env.update(PYTHONPATH=SRC, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     out = subprocess.run([openmpi_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script)],
                          env=env, capture_output=True, text=True, timeout=120)

@@ -869,7 +869,8 @@ def test_example_runs_under_the_launcher(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     src = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGLET_")}
+    env = {k: v for k, v in os.environ.items()
+           if k == "RINGLET_TRACE_DIR" or not k.startswith("RINGLET_")}
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     env["OPENBLAS_NUM_THREADS"] = "1"
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "4",

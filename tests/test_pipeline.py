@@ -706,7 +706,8 @@ def test_example_trains_under_ringlet_run(extra):
     import sys
 
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_pipeline.py"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGLET_")}
+    env = {k: v for k, v in os.environ.items()
+           if k == "RINGLET_TRACE_DIR" or not k.startswith("RINGLET_")}
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "4", str(script),
                           "--steps", "40"] + extra, env=env, capture_output=True, text=True,
                          timeout=120)

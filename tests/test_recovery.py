@@ -70,7 +70,8 @@ RECOVER = textwrap.dedent("""
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))
+           if (k == "RINGLET_TRACE_DIR"
+               or not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                          "MASTER_PORT")}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")

@@ -19,7 +19,8 @@ SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))
+           if (k == "RINGLET_TRACE_DIR"
+               or not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
