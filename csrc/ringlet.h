@@ -158,6 +158,12 @@ int rl_random_bytes(void *buf, size_t n);
       "broadcast root or reduce leaf runs that many ops ahead")                                     \
     X(shm_slot_bytes, 4096, "RINGLET_SHM_SLOT_BYTES",                                               \
       "shared memory: payload of one small-message slot (at most 1 MiB)")                           \
+    X(shm_mid_slots, 16, "RINGLET_SHM_MID_SLOTS",                                                   \
+      "shared memory: medium slots per rank (a power of two up to 64; below 2: none) for a "         \
+      "broadcast, scatter or gather larger than a small slot and at most one chunk, so its root "    \
+      "(scatter, broadcast) or leaves (gather) run that many steps ahead")                          \
+    X(shm_mid_slot_bytes, 64 << 10, "RINGLET_SHM_MID_SLOT_BYTES",                                   \
+      "shared memory: payload of one medium slot (at most 1 MiB)")                                  \
     X(shm_p2p_cells, 32, "RINGLET_SHM_P2P_CELLS",                                                   \
       "shared memory: 8 KiB cells per ordered pair of ranks for point-to-point messages (a power "  \
       "of two; below 2: point-to-point stays on TCP)")                                              \

@@ -58,7 +58,7 @@
 #include "internal.h"
 
 #define SHM_MAGIC 0x4d48534cu /* "LSHM" */
-#define SHM_VERSION 4u
+#define SHM_VERSION 5u
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
@@ -95,6 +95,9 @@ typedef struct {
     uint32_t watching;   /* ranks that opened a pidfd on every peer        */
     uint32_t cma_bytes;  /* single copy (process_vm_readv) from blocks of this
                             many bytes (shm_cma_bytes of rank 0); 0: never */
+    uint32_t mid_slots;  /* medium slots per rank, a power of two; 0: none  */
+    uint64_t mid_bytes;  /* payload of one medium slot                     */
+    uint64_t mid_off;    /* offset of rank 0's first medium slot           */
     /* The one futex word: every event a sleeper may wait for (a flag that a
      * publisher moved while someone slept, an abort, a close, an attach)
      * bumps it, so no wake-up is lost between a check and the sleep. */
@@ -114,7 +117,8 @@ typedef struct {
     uint32_t closed; /* 1: the owner destroyed its comm                     */
     int32_t pid;
     uint32_t pad0;
-    uint32_t pad_r[3];
+    uint32_t m_ack;  /* medium lane: last step finished reading             */
+    uint32_t pad_r[2];
     uint32_t s_ack;  /* small lane: last step finished reading              */
     uint32_t cma_ok; /* 1: this rank read every peer's probe; 2: it could not */
     uint32_t pad1;
@@ -151,6 +155,14 @@ _Static_assert(sizeof(shm_logent) == 64, "shm op log entry must be 64 bytes");
 _Static_assert(sizeof(shm_header) <= SHM_PAGE, "shm header must fit a page");
 _Static_assert(sizeof(shm_ctrl) == 256, "shm control block must be 256 bytes");
 
+/* The slots of a small or medium lane: per rank `slots` of a descriptor line
+ * and `bytes` of payload, `stride` apart. */
+typedef struct {
+    char *base;
+    size_t bytes, stride;
+    uint32_t slots;
+} shm_pool;
+
 typedef struct rl_shm rl_shm;
 struct rl_shm {
     char *base;
@@ -159,11 +171,9 @@ struct rl_shm {
     shm_ctrl *ctrl;
     char *data;
     size_t chunk, result, stride, small;
-    char *slot_base;
     shm_logent *log;
-    size_t slot_bytes, slot_stride;
-    uint32_t slots;
-    uint32_t step[2]; /* per lane */
+    shm_pool pool[3]; /* per lane; the big lane's is unused */
+    uint32_t step[3]; /* per lane */
     /* SHM_P2P: ring (s, d) carries messages from s to d */
     uint32_t kind, cells;
     char *rings;
@@ -179,9 +189,10 @@ struct rl_shm {
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-/* The layout every rank derives from (nranks, chunk, slots, slot_bytes). */
+/* The layout every rank derives from (nranks, chunk, then slots and bytes
+ * per slot of the small and the medium lane). */
 typedef struct {
-    size_t result, stride, data_off, slot_stride, slot_off, log_off, total;
+    size_t result, stride, data_off, slot_stride, slot_off, mid_stride, mid_off, log_off, total;
 } shm_layout;
 /* A slot's descriptor line starts a 128-byte pair, its payload right after.
  * Its stamp (the step whose input it holds) relies on a new segment reading
@@ -190,25 +201,37 @@ typedef struct {
 _Static_assert(sizeof(rl_hdr) <= SLOT_STAMP, "a slot's descriptor must end before its stamp");
 static size_t slot_stride_of(size_t slot_bytes) { return round_up(SHM_SLOT_HDR + slot_bytes, 128); }
 
-static void layout(int P, size_t chunk, size_t slots, size_t slot_bytes, shm_layout *l) {
+enum { BIG = 0, SMALL = 1, MID = 2 }; /* lanes */
+
+static void layout(int P, size_t chunk, size_t slots, size_t slot_bytes, size_t mid_slots,
+                   size_t mid_bytes, shm_layout *l) {
     l->result = round_up(chunk / (size_t)P + 64, 64);
     l->stride = round_up(chunk + l->result, SHM_PAGE);
     l->data_off = SHM_PAGE + round_up(sizeof(shm_ctrl) * (size_t)P, SHM_PAGE);
     l->slot_stride = slot_stride_of(slot_bytes);
     l->slot_off = l->data_off + l->stride * 2 * (size_t)P;
-    l->log_off = l->slot_off + round_up(l->slot_stride * slots * (size_t)P, SHM_PAGE);
+    l->mid_stride = slot_stride_of(mid_bytes);
+    l->mid_off = l->slot_off + round_up(l->slot_stride * slots * (size_t)P, SHM_PAGE);
+    l->log_off = l->mid_off + round_up(l->mid_stride * mid_slots * (size_t)P, SHM_PAGE);
     l->total = l->log_off + round_up(sizeof(shm_logent) * SHM_LOG * (size_t)P, SHM_PAGE);
 }
 
 /* Slots per rank: the knob rounded down to a power of two (steps index them
- * modulo 2^32); 0 when there is no small lane. */
-static size_t knob_slots(void) {
-    int64_t v = rl_tune.shm_slots;
-    if (v < 2 || rl_tune.shm_slot_bytes < 1) return 0;
-    if (v > (int64_t)SHM_LOG / 2) v = SHM_LOG / 2; /* the op log outlasts any run-ahead */
+ * modulo 2^32) and capped so that the op log outlasts any run-ahead (small
+ * lane + medium lane + the big lane's 2 < SHM_LOG); 0 when there is no such
+ * lane. */
+static size_t pow2_slots(int64_t v, int64_t bytes, int64_t cap) {
+    if (v < 2 || bytes < 1) return 0;
+    if (v > cap) v = cap;
     size_t n = 1;
     while (n * 2 <= (size_t)v) n *= 2;
     return n;
+}
+static size_t knob_slots(void) {
+    return pow2_slots(rl_tune.shm_slots, rl_tune.shm_slot_bytes, SHM_LOG / 2);
+}
+static size_t knob_mid_slots(void) {
+    return pow2_slots(rl_tune.shm_mid_slots, rl_tune.shm_mid_slot_bytes, SHM_LOG / 4);
 }
 
 /* ---- point-to-point rings (SHM_P2P) ---------------------------------------
@@ -250,6 +273,12 @@ static size_t knob_slot_bytes(void) {
     return knob_slots() ? round_up((size_t)v, 64) : 0;
 }
 
+static size_t knob_mid_bytes(void) {
+    int64_t v = rl_tune.shm_mid_slot_bytes;
+    if (v > 1 << 20) v = 1 << 20;
+    return knob_mid_slots() ? round_up((size_t)v, 64) : 0;
+}
+
 static size_t knob_chunk(void) {
     int64_t v = rl_tune.shm_chunk_bytes;
     if (v < 4096) v = 4096;
@@ -267,7 +296,8 @@ size_t rl_shm_p2p_segment_bytes(int nranks) {
 size_t rl_shm_segment_bytes(int nranks) {
     shm_layout l;
     if (nranks < 1 || nranks > SHM_MAX_RANKS) return 0;
-    layout(nranks, knob_chunk(), knob_slots(), knob_slot_bytes(), &l);
+    layout(nranks, knob_chunk(), knob_slots(), knob_slot_bytes(), knob_mid_slots(),
+           knob_mid_bytes(), &l);
     return l.total;
 }
 
@@ -520,6 +550,20 @@ static int attach_fail(rl_error *err, int status, const char *fmt, const char *a
     return status;
 }
 
+/* Write once, at attach, the areas only this rank writes (its big buffers and
+ * slot payloads, still zero): their first writes in the first ops would
+ * otherwise each take a fault and lines from memory (docs/experiments.md).
+ * The segment is mapped with MAP_POPULATE for the same reason on the side
+ * that reads. */
+static void warm_own(rl_shm *s, int r) {
+    memset(s->data + (size_t)r * 2 * s->stride, 0, 2 * s->stride);
+    for (int lane = SMALL; lane <= MID; lane++) {
+        shm_pool *p = &s->pool[lane];
+        char *mine = p->base + (size_t)r * p->slots * p->stride;
+        for (size_t i = 0; i < p->slots; i++) memset(mine + i * p->stride + SHM_SLOT_HDR, 0, p->bytes);
+    }
+}
+
 static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl_error *err) {
     memset(err, 0, sizeof *err);
     if (c->shm) return attach_fail(err, RL_ERR_INVALID, "%scommunicator already has a segment",
@@ -531,7 +575,7 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     if (fstat(fd, &stt) != 0 || (size_t)stt.st_size < size || size < SHM_PAGE)
         return attach_fail(err, RL_ERR_INVALID, "%ssegment fd is shorter than %ld bytes (%ld)", "",
                            (long)size, (long)stt.st_size);
-    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (m == MAP_FAILED) {
         err->sys_errno = errno;
         return attach_fail(err, RL_ERR_SYSTEM, "mmap of the shared-memory segment: %s", strerror(errno),
@@ -543,12 +587,13 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     size_t p2p_off = SHM_PAGE + round_up(sizeof(shm_ctrl) * (size_t)P, SHM_PAGE);
     if (create) {
         size_t chunk = knob_chunk(), slots = knob_slots(), slot_bytes = knob_slot_bytes();
+        size_t mid_slots = knob_mid_slots(), mid_bytes = knob_mid_bytes();
         size_t cells = knob_cells();
         size_t need;
         if (kind == SHM_P2P) {
             need = rl_shm_p2p_segment_bytes(P);
         } else {
-            layout(P, chunk, slots, slot_bytes, &l);
+            layout(P, chunk, slots, slot_bytes, mid_slots, mid_bytes, &l);
             need = l.total;
         }
         if (need == 0 || need > size) {
@@ -574,6 +619,9 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
             h->slots = (uint32_t)slots;
             h->slot_bytes = slot_bytes;
             h->slot_off = l.slot_off;
+            h->mid_slots = (uint32_t)mid_slots;
+            h->mid_bytes = mid_bytes;
+            h->mid_off = l.mid_off;
             h->log_off = l.log_off;
             int64_t small = rl_tune.shm_small_bytes;
             h->small = small < 0 ? 0 : ((size_t)small > chunk ? chunk : (size_t)small);
@@ -593,12 +641,16 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
         } else if (ok) {
             ok = h->chunk >= 4096 && h->slots <= SHM_LOG / 2 &&
                  (h->slots & (h->slots - 1)) == 0 && h->slot_bytes <= (1u << 20) &&
-                 (h->slots == 0) == (h->slot_bytes == 0);
+                 (h->slots == 0) == (h->slot_bytes == 0) && h->mid_slots <= SHM_LOG / 4 &&
+                 (h->mid_slots & (h->mid_slots - 1)) == 0 && h->mid_bytes <= (1u << 20) &&
+                 (h->mid_slots == 0) == (h->mid_bytes == 0);
             if (ok) {
-                layout(P, (size_t)h->chunk, h->slots, (size_t)h->slot_bytes, &l);
+                layout(P, (size_t)h->chunk, h->slots, (size_t)h->slot_bytes, h->mid_slots,
+                       (size_t)h->mid_bytes, &l);
                 ok = l.result == h->result && l.stride == h->stride &&
                      l.data_off == h->data_off && l.slot_off == h->slot_off &&
-                     l.log_off == h->log_off && l.total <= size && h->small <= h->chunk;
+                     l.mid_off == h->mid_off && l.log_off == h->log_off && l.total <= size &&
+                     h->small <= h->chunk;
             }
         }
         if (!ok) {
@@ -611,7 +663,7 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     }
     rl_shm *s = calloc(1, sizeof *s);
     int *pidfds = malloc(sizeof(int) * (size_t)P);
-    uint32_t *pos = calloc(5 * (size_t)P, sizeof *pos);
+    uint32_t *pos = calloc(6 * (size_t)P, sizeof *pos);
     if (!s || !pidfds || !pos) {
         free(s);
         free(pidfds);
@@ -639,12 +691,17 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
         s->result = h->result;
         s->stride = h->stride;
         s->small = h->small;
-        s->slots = h->slots;
-        s->slot_bytes = h->slot_bytes;
-        s->slot_stride = slot_stride_of(s->slot_bytes);
-        s->slot_base = (char *)m + h->slot_off;
+        s->pool[SMALL].slots = h->slots;
+        s->pool[SMALL].bytes = h->slot_bytes;
+        s->pool[SMALL].stride = slot_stride_of(h->slot_bytes);
+        s->pool[SMALL].base = (char *)m + h->slot_off;
+        s->pool[MID].slots = h->mid_slots;
+        s->pool[MID].bytes = h->mid_bytes;
+        s->pool[MID].stride = slot_stride_of(h->mid_bytes);
+        s->pool[MID].base = (char *)m + h->mid_off;
         s->log = (shm_logent *)((char *)m + h->log_off);
     }
+    if (kind == SHM_COLL) warm_own(s, c->rank);
     s->pidfds = pidfds;
     s->ctrl[c->rank].pid = (int32_t)getpid();
     s->probe = (uint64_t)SHM_MAGIC << 32 | c->id;
@@ -833,35 +890,53 @@ void rl_shm_detach(rl_comm *c) {
  * messages; the small lane has `slots` slots per rank and carries every op
  * whose bytes fit a slot, so a rank that only writes (a broadcast root, a
  * reduce leaf) runs up to `slots` ops ahead of its readers. */
-enum { BIG = 0, SMALL = 1 };
-
-static inline char *slot_at(rl_shm *s, int q, uint32_t step);
-/* The flag q publishes a step's input with: in the big lane `in`; in the
- * small lane the stamp in the slot's descriptor line (SLOT_STAMP), so a
+static inline char *slot_at(rl_shm *s, int q, int lane, uint32_t step) {
+    shm_pool *p = &s->pool[lane];
+    return p->base + ((size_t)q * p->slots + (step & (p->slots - 1))) * p->stride;
+}
+/* The flag q publishes a step's input with: in the big lane `in`; in a
+ * slotted lane the stamp in the slot's descriptor line (SLOT_STAMP), so a
  * reader polls the line it reads next, and the slot's first payload line is
  * that line's pair for the adjacent-line prefetcher. */
 static inline uint32_t *lane_in(rl_shm *s, int q, int lane, uint32_t step) {
-    return lane == SMALL ? (uint32_t *)(slot_at(s, q, step) + SLOT_STAMP) : &s->ctrl[q].in;
+    if (lane == BIG) return &s->ctrl[q].in;
+    return (uint32_t *)(slot_at(s, q, lane, step) + SLOT_STAMP);
 }
 static inline uint32_t *lane_ack(rl_shm *s, int q, int lane) {
-    return lane == SMALL ? &s->ctrl[q].s_ack : &s->ctrl[q].ack;
-}
-static inline char *slot_at(rl_shm *s, int q, uint32_t step) {
-    return s->slot_base + ((size_t)q * s->slots + (step & (s->slots - 1))) * s->slot_stride;
+    return lane == SMALL ? &s->ctrl[q].s_ack : lane == MID ? &s->ctrl[q].m_ack : &s->ctrl[q].ack;
 }
 static inline char *in_area(rl_shm *s, int q, int lane, uint32_t step) {
-    if (lane == SMALL) return slot_at(s, q, step) + SHM_SLOT_HDR;
+    if (lane != BIG) return slot_at(s, q, lane, step) + SHM_SLOT_HDR;
     return s->data + ((size_t)q * 2 + (step & 1)) * s->stride;
 }
 static inline rl_hdr *in_desc(rl_shm *s, int q, int lane, uint32_t step) {
-    return lane == SMALL ? (rl_hdr *)slot_at(s, q, step) : &s->ctrl[q].desc[step & 1];
+    return lane != BIG ? (rl_hdr *)slot_at(s, q, lane, step) : &s->ctrl[q].desc[step & 1];
 }
 static inline char *res_area(rl_shm *s, int q, uint32_t step) {
     return in_area(s, q, BIG, step) + s->chunk;
 }
+static inline const char *lane_algo(int lane) {
+    return lane == SMALL ? "shm_slot" : lane == MID ? "shm_mid_slot" : "shm_copy";
+}
+/* What one step of a lane carries at most. */
+static inline size_t lane_bytes(const rl_shm *s, int lane) {
+    return lane == BIG ? s->chunk : s->pool[lane].bytes;
+}
 /* The small lane when `bytes` (what one rank publishes) fit a slot. */
 static inline int lane_for(const rl_shm *s, size_t bytes) {
-    return s->slots && bytes <= s->slot_bytes ? SMALL : BIG;
+    return s->pool[SMALL].slots && bytes <= s->pool[SMALL].bytes ? SMALL : BIG;
+}
+/* A rooted op's lane: beyond a small slot and up to `most` bytes, the medium
+ * lane, whose many slots let the side that writes (a scatter's or
+ * broadcast's root, a gather's leaves) run steps ahead of the side that reads
+ * where the big lane's two buffers hold it at every op: on a busy host each
+ * hand-over there costs a wake-up.  Each step carries at least 64 bytes per
+ * rank. */
+static inline int lane_rooted(const rl_shm *s, size_t bytes, size_t most, int P) {
+    int lane = lane_for(s, bytes);
+    if (lane == BIG && s->pool[MID].slots && bytes <= most && s->pool[MID].bytes >= (size_t)P * 64)
+        return MID;
+    return lane;
 }
 
 static inline shm_logent *log_at(rl_shm *s, int q, uint64_t seq) {
@@ -899,7 +974,7 @@ static int op_check(rl_comm *c, const rl_opdesc *op, int q) {
  * last. */
 static int step_begin(rl_comm *c, const rl_opdesc *op, int lane, int writes, uint32_t *out) {
     rl_shm *s = c->shm;
-    uint32_t step = ++s->step[lane], depth = lane == SMALL ? s->slots : 2;
+    uint32_t step = ++s->step[lane], depth = lane == BIG ? 2 : s->pool[lane].slots;
     *out = step;
     if (!writes) return RL_OK;
     /* A peer's ack is read again only when the value last read is too old:
@@ -1142,7 +1217,6 @@ static int follow_decider(rl_comm *c, const rl_opdesc *op, int decider, int mine
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
     rl_shm *s = c->shm;
     int r = c->rank, lane = lane_for(s, len);
-    size_t piece = lane == SMALL ? s->slot_bytes : s->chunk;
     uint32_t step;
     int st;
     note_op(c, op);
@@ -1163,7 +1237,9 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
         }
         if (direct) return cma_scatter(c, op, buf, buf, len, root, 0);
     }
-    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
+    lane = lane_rooted(s, len, s->chunk, c->size);
+    size_t piece = lane_bytes(s, lane);
+    op->algo = lane_algo(lane);
     for (size_t k = 0, part = 0; k < len; k += piece, part++) {
         size_t n = len - k < piece ? len - k : piece;
         if ((st = step_begin(c, op, lane, r == root, &step)) != RL_OK) return st;
@@ -1205,7 +1281,7 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank, lane = lane_for(s, count * rl_dtype_size(dt));
     size_t esz = rl_dtype_size(dt), blk = count * esz;
-    size_t ce = (lane == SMALL ? s->slot_bytes : s->chunk) / esz;
+    size_t ce = lane_bytes(s, lane) / esz;
     char *mine = (char *)out + (size_t)r * blk;
     uint32_t step;
     int st;
@@ -1398,7 +1474,7 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
     int P = c->size, r = c->rank;
     size_t esz = rl_dtype_size(dt);
     int lane = lane_for(s, count * esz * (size_t)P);
-    size_t ce = (lane == SMALL ? s->slot_bytes : s->chunk) / (size_t)P / esz;
+    size_t ce = lane_bytes(s, lane) / (size_t)P / esz;
     uint32_t step;
     int st;
     note_op(c, op);
@@ -1481,14 +1557,18 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
                   int root) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
-    int lane = lane_for(s, gather ? blk : blk * (size_t)P);
-    size_t area = lane == SMALL ? s->slot_bytes : s->chunk;
+    /* A gather's root reads every leaf's slots, P times a broadcast reader's
+     * span of the lane: with whole slots its lines fall out of the caches
+     * between uses (docs/algorithms.md), so it keeps blocks up to half a slot. */
+    int lane = gather ? lane_rooted(s, blk, s->pool[MID].bytes / 2, P)
+                      : lane_rooted(s, blk * (size_t)P, s->chunk, P);
+    size_t area = lane_bytes(s, lane);
     size_t piece = gather ? area : area / (size_t)P;
     char *mine = (char *)many + (size_t)root * blk;
     uint32_t step;
     int st;
     note_op(c, op);
-    if (!gather && lane == BIG && s->cma_min && blk >= s->cma_min && (blk > s->chunk || P == 2))
+    if (!gather && lane != SMALL && s->cma_min && blk >= s->cma_min && (blk > s->chunk || P == 2))
         return cma_scatter(c, op, many, one, blk, root, blk);
     /* A 2-rank gather beyond one chunk from a leaf in huge pages: the root
      * reads the leaf's block straight from it, which the kernel does faster
@@ -1508,7 +1588,7 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
         if (direct && r == leaf) return cma_scatter(c, op, one, one, blk, leaf, 0);
         if (direct) return cma_scatter(c, op, many, (char *)many + (size_t)leaf * blk, blk, leaf, 0);
     }
-    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
+    op->algo = lane_algo(lane);
     int writes = gather ? r != root : r == root;
     for (size_t k = 0, part = 0; k < blk; k += piece, part++) {
         size_t n = blk - k < piece ? blk - k : piece;
@@ -1592,7 +1672,7 @@ int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
     int lane = lane_for(s, blk * (size_t)P);
-    size_t piece = (lane == SMALL ? s->slot_bytes : s->chunk) / (size_t)P;
+    size_t piece = lane_bytes(s, lane) / (size_t)P;
     uint32_t step;
     int st;
     note_op(c, op);

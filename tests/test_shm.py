@@ -31,12 +31,13 @@ from ringlet.testing import WorldError, run_world
 from _launchers import clean_env
 from _oracle import DTYPES, close, data, is_float, ops_for, reduce_np, same
 
-# Both lanes at small sizes: slots up to 512 B, one-step big-lane buffers up
-# to 1 KiB, chunked steps of 4 KiB beyond; all_to_all blocks from 4 KiB (all_gather
-# at 2 ranks; scatter above the 4 KiB chunk) read straight from the peers (single
-# copy), smaller ones staged.
+# Every lane at small sizes: slots up to 512 B, one-step big-lane buffers up
+# to 1 KiB, chunked steps of 4 KiB beyond; rooted ops up to the chunk in 1 KiB
+# medium slots (several steps each, four slots reused); all_to_all blocks from
+# 4 KiB (all_gather at 2 ranks; scatter above the 4 KiB chunk) read straight
+# from the peers (single copy), smaller ones staged.
 SHM_TUNING = dict(shm_chunk_bytes=4096, shm_small_bytes=1024, shm_slots=8, shm_slot_bytes=512,
-                  shm_cma_bytes=4096)
+                  shm_mid_slots=4, shm_mid_slot_bytes=1024, shm_cma_bytes=4096)
 
 
 @pytest.fixture
@@ -201,14 +202,16 @@ def _two_rank_broadcasts(rank, P, sizes):
 @pytest.mark.parametrize("cma", ["65536", "0"])
 def test_two_rank_broadcast_reads_the_root_directly_within_its_window(monkeypatch, cma):
     # From 2 * shm_cma_bytes to two chunks (256 KiB each): one copy by the reader,
-    # straight from the root's buffer; around the window the staged copy.
+    # straight from the root's buffer; around the window the staged copies.
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
     monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", "0")  # beyond the window: huge pages only
     sizes = [(128 << 10) - 1, 128 << 10, 300_001, 512 << 10, (512 << 10) + 1]
     res = run_world(_two_rank_broadcasts, 2, mode="process", timeout=60, args=(sizes,))
-    direct = ["shm_copy", "shm_single_copy", "shm_single_copy", "shm_single_copy", "shm_copy"]
-    want = direct if cma != "0" else ["shm_copy"] * len(sizes)
+    # Staged: up to one chunk in the medium slots, beyond in the big buffers.
+    staged = ["shm_mid_slot" if n <= 256 << 10 else "shm_copy" for n in sizes]
+    direct = [staged[0], "shm_single_copy", "shm_single_copy", "shm_single_copy", staged[4]]
+    want = direct if cma != "0" else staged
     assert res == [([True] * 2 * len(sizes), want * 2)] * 2, res
 
 
@@ -573,6 +576,53 @@ def _leaves_run_ahead(rank, P, done):
         ringlet.reduce(y, dst=0, timeout=60)
         out.append(float(y[0]))
     return out
+
+
+def _mid_run_ahead(rank, P, gates, n):
+    # Beyond a small slot and up to a chunk, rooted ops take the medium slots:
+    # the side that writes (scatter's and broadcast's root, gather's leaves)
+    # finishes eight ops before the side that reads starts the first.
+    g = _world._current().group
+    got = {}
+    for kind, gate in zip(("broadcast", "scatter", "gather"), gates):
+        writer = (rank == 0) != (kind == "gather")
+        if not writer:
+            for _ in range(P - 1 if kind == "gather" else 1):
+                assert gate.acquire(timeout=60)
+        vals = []
+        for i in range(8):
+            if kind == "broadcast":
+                x = np.full(n, float(i) if rank == 0 else -1.0)
+                ringlet.broadcast(x, src=0, timeout=60)
+                vals.append(float(x[-1]))
+            elif kind == "scatter":
+                many = np.repeat(np.arange(P) * 10.0 + i, n) if rank == 0 else None
+                one = np.full(n, -1.0)
+                ringlet.scatter(one, many, src=0, timeout=60)
+                vals.append(float(one[-1]))
+            else:
+                out = np.full(n * P, -1.0) if rank == 0 else None
+                ringlet.gather(out, np.full(n, rank * 10.0 + i), dst=0, timeout=60)
+                vals.append(out[n - 1::n].tolist() if rank == 0 else None)
+        if writer:
+            gate.release(1 if kind == "gather" else P - 1)
+        got[kind] = vals
+    algos = {e["algorithm"] for e in g._coll.trace()[2] if e["op"] in got}
+    return got, algos
+
+
+def test_rooted_writers_run_ahead_in_the_medium_slots(monkeypatch):
+    import threading
+
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    n = 2048  # 16 KiB of float64: above a 4 KiB slot; scatter's 48 KiB fit one 64 KiB step
+    res = run_world(_mid_run_ahead, 3, mode="thread", timeout=60,
+                    args=([threading.Semaphore(0) for _ in range(3)], n))
+    for rank, (got, algos) in enumerate(res):
+        assert algos == {"shm_mid_slot"}, (rank, algos)
+        assert got["broadcast"] == [float(i) for i in range(8)], (rank, got)
+        assert got["scatter"] == [rank * 10.0 + i for i in range(8)], (rank, got)
+    assert res[0][0]["gather"] == [[q * 10.0 + i for q in range(3)] for i in range(8)], res[0]
 
 
 def test_writers_run_ahead_of_readers_in_the_slots(monkeypatch):
