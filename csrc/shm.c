@@ -560,7 +560,8 @@ static void warm_own(rl_shm *s, int r) {
     for (int lane = SMALL; lane <= MID; lane++) {
         shm_pool *p = &s->pool[lane];
         char *mine = p->base + (size_t)r * p->slots * p->stride;
-        for (size_t i = 0; i < p->slots; i++) memset(mine + i * p->stride + SHM_SLOT_HDR, 0, p->bytes);
+        for (size_t i = 0; i < p->slots; i++)
+            memset(mine + i * p->stride + SHM_SLOT_HDR, 0, p->bytes);
     }
 }
 
@@ -885,11 +886,12 @@ void rl_shm_detach(rl_comm *c) {
 }
 
 /* ---- steps ------------------------------------------------------------- */
-/* Two lanes of steps, each numbered alike on every rank.  The big lane has
+/* Three lanes of steps, each numbered alike on every rank.  The big lane has
  * two buffers per rank (step s uses buffer s & 1) and carries chunked
  * messages; the small lane has `slots` slots per rank and carries every op
  * whose bytes fit a slot, so a rank that only writes (a broadcast root, a
- * reduce leaf) runs up to `slots` ops ahead of its readers. */
+ * reduce leaf) runs up to `slots` ops ahead of its readers; the medium lane
+ * does the same for rooted ops between a slot and a chunk (lane_rooted). */
 static inline char *slot_at(rl_shm *s, int q, int lane, uint32_t step) {
     shm_pool *p = &s->pool[lane];
     return p->base + ((size_t)q * p->slots + (step & (p->slots - 1))) * p->stride;
@@ -1178,8 +1180,9 @@ static void copy_own(void *dst, const void *src, size_t n, size_t min) {
  * Per step the root copies a chunk into its input area and publishes; every
  * other rank checks the root's descriptor and copies the chunk out, all at
  * once.  The root writes N, each other rank reads N.  A message that fits a
- * slot goes in the small lane: the root runs ahead of its readers.  Two ranks,
- * 2*cma_min up to two chunks: single copy (cma_scatter with stride 0). */
+ * slot goes in the small lane, one up to a chunk in the medium lane: the root
+ * runs ahead of its readers.  Two ranks, 2*cma_min up to two chunks: single
+ * copy (cma_scatter with stride 0). */
 static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root,
                        size_t stride);
 
@@ -1512,9 +1515,9 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
 /* ---- gather and scatter ------------------------------------------------------
  * gather: per step every leaf copies a piece of its block in and publishes;
  * the root copies that piece of every block out.  Leaves leave without
- * waiting (in the small lane they run ahead).  scatter: per step the root
- * copies the same piece of every block in (P pieces of up to chunk/P
- * bytes) and publishes; each leaf copies its piece out.  The root's own
+ * waiting (in the small and medium lanes they run ahead).  scatter: per step
+ * the root copies the same piece of every block in (P pieces of up to 1/P of
+ * the lane's step) and publishes; each leaf copies its piece out.  The root's own
  * block moves by memmove: first for gather (`one` is then free), last for
  * scatter (after every piece of `many` was read). */
 /* Single copy for scatter (blocks >= cma_min, and above one chunk beyond 2
