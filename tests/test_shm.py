@@ -625,6 +625,46 @@ def test_rooted_writers_run_ahead_in_the_medium_slots(monkeypatch):
     assert res[0][0]["gather"] == [[q * 10.0 + i for q in range(3)] for i in range(8)], res[0]
 
 
+def _knobs_of_rank0(rank, P):
+    # Each process sets other shm knobs before the group's segment is made:
+    # only comm rank 0's count, because every other rank reads the layout
+    # from the segment.
+    if rank == 0:
+        _core.set_tuning(shm_chunk_bytes=8192, shm_slots=4, shm_slot_bytes=256, shm_mid_slots=2,
+                         shm_mid_slot_bytes=1024)
+    else:
+        _core.set_tuning(shm_chunk_bytes=1 << 20, shm_slots=128, shm_slot_bytes=1 << 16,
+                         shm_mid_slots=64, shm_mid_slot_bytes=1 << 20)
+    g = ringlet.new_group(list(range(P)))
+    assert g.transport == "shm", g.transport
+    ok = []
+    for n in (100, 1000, 3000, 20000):  # float64: every lane under rank 0's knobs
+        for i in range(3):
+            x = np.full(n, float(i) if rank == 1 else -1.0)
+            g.broadcast(x, src=1)
+            ok.append(bool((x == i).all()))
+            many = np.repeat(np.arange(P, dtype=np.float64) + i, n) if rank == 1 else None
+            one = np.empty(n)
+            g.scatter(one, many, src=1)
+            ok.append(bool((one == rank + i).all()))
+            out = np.empty(n * P) if rank == 2 else None
+            g.gather(out, np.full(n, rank * 10.0 + i), dst=2)
+            if rank == 2:
+                ok.append(bool((out == np.repeat(np.arange(P) * 10.0 + i, n)).all()))
+    algos = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] in ("broadcast", "scatter")]
+    return all(ok), algos
+
+
+def test_the_layout_is_rank_zeros_whatever_the_other_ranks_knobs(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    res = run_world(_knobs_of_rank0, 3, mode="process", timeout=120)
+    assert all(ok for ok, _ in res), res
+    assert res[0][1] == res[1][1] == res[2][1], res
+    # Rank 0's knobs: 800 B and 8000 B broadcasts outgrow its 256 B slots and take
+    # its 1 KiB medium slots up to its 8 KiB chunk; larger ones its big lane.
+    assert {"shm_mid_slot", "shm_copy"} <= set(res[0][1]), res[0][1]
+
+
 def test_writers_run_ahead_of_readers_in_the_slots(monkeypatch):
     import threading
 
