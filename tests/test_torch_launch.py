@@ -38,6 +38,8 @@ def _torchrun():
 def _env():
     env = dict(os.environ)
     for k in list(env):
+        if k == "RINGLET_TRACE_DIR":
+            continue
         if k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_")) or k in (
                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             del env[k]
