@@ -25,20 +25,35 @@ import ringlet
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_PREFIXES = ("RINGLET_", "OMPI_", "PMI_", "PMIX_", "PRTE_", "SLURM_", "MPI4PY_",
-                   "HYDRA_")
+                   "HYDRA_", "TORCHELASTIC_")
 LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 
 
+# Kept although it is ringlet's: conftest.py points the jobs' flight records
+# at a directory the session removes.
+KEEP_NAMES = ("RINGLET_TRACE_DIR",)
+
+
 def clean_env(**extra: str) -> Dict[str, str]:
-    """This process's environment without any launcher's variables, plus ``extra``."""
+    """This process's environment without any launcher's variables (but
+    ``KEEP_NAMES``), the installed ringlet first on PYTHONPATH, plus ``extra``:
+    a job started from a test sees only what the test gives it."""
     env = {k: v for k, v in os.environ.items()
-           if k == "RINGLET_TRACE_DIR" or (not k.startswith(LAUNCH_PREFIXES)
-                                            and k not in LAUNCH_NAMES)}
+           if k in KEEP_NAMES or (not k.startswith(LAUNCH_PREFIXES)
+                                  and k not in LAUNCH_NAMES)}
     src = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))  # as installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
+
+
+def clear_launcher(monkeypatch) -> None:
+    """Remove every launcher's variables from this process's environment for
+    one test (``monkeypatch`` restores them)."""
+    for k in list(os.environ):
+        if k.startswith(LAUNCH_PREFIXES) or k in LAUNCH_NAMES:
+            monkeypatch.delenv(k)
 
 
 def missing(what: str, how: str) -> None:

@@ -30,6 +30,7 @@ from ringlet.checkpoint import _region
 from ringlet.checkpoint import format as ckfmt
 from ringlet.testing import WorldError, run_world
 
+from _launchers import clean_env  # noqa: E402
 from conftest import require  # noqa: E402
 
 require("safetensors")  # a declared test dependency: missing is a failure
@@ -435,9 +436,7 @@ save({{"w": np.full((64, 64), float(sys.argv[3]), np.float32), "v": {{"gen": int
 
 def _run_crash(path, point, gen):
     script = _CRASH.format(src=SRC)
-    env = dict(os.environ, PYTHONPATH=SRC)
-    for k in [k for k in env if k.startswith("RINGLET_") and k != "RINGLET_TRACE_DIR"]:
-        del env[k]
+    env = clean_env()
     return subprocess.run([sys.executable, "-c", script, path, point, str(gen)], env=env,
                           timeout=120, capture_output=True, text=True)
 

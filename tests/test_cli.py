@@ -4,7 +4,6 @@ the one-line notice ``init()`` prints when no launcher is detected."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,26 +14,10 @@ import pytest
 import ringlet
 from ringlet import _version, cli
 
+from _launchers import clean_env, clear_launcher
+
 ROOT = Path(__file__).resolve().parents[1]
-SRC = str(Path(ringlet.__file__).resolve().parents[1])
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT")
 
-
-def _clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if (k == "RINGLET_TRACE_DIR"
-               or not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")))
-           and k not in _LAUNCHER_VARS}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
-def _clear_launcher(monkeypatch):
-    for k in list(os.environ):
-        if k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")) or k in _LAUNCHER_VARS:
-            monkeypatch.delenv(k)
 
 
 def test_version_is_one_source():
@@ -57,14 +40,14 @@ def test_version_flag(flag, capsys):
 
 
 def test_version_flag_console_process():
-    out = subprocess.run([sys.executable, "-m", "ringlet.cli", "--version"], env=_clean_env(),
+    out = subprocess.run([sys.executable, "-m", "ringlet.cli", "--version"], env=clean_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"ringlet {ringlet.__version__}"
 
 
 def test_info_json(capsys, monkeypatch):
-    _clear_launcher(monkeypatch)
+    clear_launcher(monkeypatch)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -89,7 +72,7 @@ def test_info_json(capsys, monkeypatch):
 
 
 def test_info_json_without_launcher_and_invalid(capsys, monkeypatch):
-    _clear_launcher(monkeypatch)
+    clear_launcher(monkeypatch)
     assert cli.main(["info", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["launch"] is None and d["secret"] == "not set"
@@ -111,7 +94,7 @@ _INIT = ("import ringlet; g = ringlet.init(timeout=30); "
 
 
 def test_no_launcher_notice():
-    out = subprocess.run([sys.executable, "-c", _INIT], env=_clean_env(),
+    out = subprocess.run([sys.executable, "-c", _INIT], env=clean_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "world 1"
@@ -121,7 +104,7 @@ def test_no_launcher_notice():
 
 
 def test_no_launcher_notice_quiet_and_launched():
-    quiet = subprocess.run([sys.executable, "-c", _INIT], env=_clean_env(RINGLET_QUIET="1"),
+    quiet = subprocess.run([sys.executable, "-c", _INIT], env=clean_env(RINGLET_QUIET="1"),
                            capture_output=True, text=True, timeout=60)
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stdout.strip() == "world 1"
@@ -130,11 +113,11 @@ def test_no_launcher_notice_quiet_and_launched():
     explicit = subprocess.run(
         [sys.executable, "-c", _INIT.replace("init(timeout=30)",
                                              "init(rank=0, world_size=1, timeout=30)")],
-        env=_clean_env(), capture_output=True, text=True, timeout=60)
+        env=clean_env(), capture_output=True, text=True, timeout=60)
     assert explicit.returncode == 0, explicit.stderr
     assert "no launcher" not in explicit.stderr
     launched = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "1", sys.executable,
-                               "-c", _INIT], env=_clean_env(), capture_output=True, text=True,
+                               "-c", _INIT], env=clean_env(), capture_output=True, text=True,
                               timeout=60)
     assert launched.returncode == 0, launched.stderr
     assert "no launcher" not in launched.stderr and "world 1" in launched.stdout

@@ -17,9 +17,8 @@ from ringlet import environment as envmod
 from ringlet.environment import (LaunchEnv, detect, is_loopback, load_secret, parse_nodelist,
                                  select_bind_address)
 from ringlet.errors import RendezvousError
-from _launchers import openmpi_mpirun
+from _launchers import clean_env, openmpi_mpirun
 
-SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
 
 
 # ---- detect: each launcher -------------------------------------------------------------------
@@ -271,10 +270,7 @@ def test_mpi_bootstrap_under_mpirun(tmp_path):
         if server is not None:
             server.close()
     """))
-    env = {k: v for k, v in os.environ.items()
-           if k == "RINGLET_TRACE_DIR"
-           or not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_"))}
-    env.update(PYTHONPATH=SRC, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     out = subprocess.run([openmpi_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script)],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -314,7 +310,7 @@ def test_init_warns_ranks_in_sessions_of_their_own(tmp_path, launcher):
     # Two ranks pinned to one CPU under real launchers: MPICH's mpiexec starts each
     # rank as a session leader (as torchrun does), so init warns exactly when the
     # kernel has autogroups; Open MPI's mpirun keeps its ranks in one session: never.
-    from _launchers import clean_env, mpich, openmpi_env, openmpi_mpirun
+    from _launchers import mpich, openmpi_env
 
     if not hasattr(os, "sched_setaffinity") or not os.path.exists(envmod._AUTOGROUP_SYSCTL):
         pytest.skip("needs Linux with scheduler autogroups")

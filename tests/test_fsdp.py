@@ -18,6 +18,7 @@ from ringlet.parallel._flat import FlatLayout
 from ringlet.parallel.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from ringlet.testing import run_world
 
+from _launchers import clean_env
 from conftest import require
 
 SS = ShardingStrategy
@@ -868,11 +869,7 @@ def test_example_runs_under_the_launcher(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
-    env = {k: v for k, v in os.environ.items()
-           if k == "RINGLET_TRACE_DIR" or not k.startswith("RINGLET_")}
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    env["OPENBLAS_NUM_THREADS"] = "1"
+    env = clean_env(OPENBLAS_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "4",
                           os.path.join(root, "examples", "train_fsdp.py"), "--steps", "8",
                           "--checkpoint", str(tmp_path / "ckpt")],

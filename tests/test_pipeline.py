@@ -27,6 +27,8 @@ from ringlet.pipeline import (Action, ActionKind, PipelineError, PipelineStage, 
 from ringlet.parallel.pipeline import _wire as wire
 from ringlet.testing import WorldError, run_world
 
+from _launchers import clean_env
+
 RTOL, ATOL = 1e-10, 1e-12
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 SA, RA, SG, RG = (ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD,
@@ -700,14 +702,12 @@ def test_crashed_stage_process_fails_peers_fast():
                                         "--microbatches", "4"]])
 def test_example_trains_under_ringlet_run(extra):
     """``ringlet run -n 4 examples/train_pipeline.py``: the loss goes down (it checks)."""
-    import os
     import pathlib
     import subprocess
     import sys
 
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_pipeline.py"
-    env = {k: v for k, v in os.environ.items()
-           if k == "RINGLET_TRACE_DIR" or not k.startswith("RINGLET_")}
+    env = clean_env()
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "4", str(script),
                           "--steps", "40"] + extra, env=env, capture_output=True, text=True,
                          timeout=120)

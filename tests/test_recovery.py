@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -18,9 +17,8 @@ import pytest
 import ringlet
 from ringlet import _world
 from ringlet.errors import RendezvousError
-from _launchers import openmpi_mpirun
+from _launchers import clean_env, openmpi_mpirun
 
-SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
 ROUNDS = 20
 
 # Every round: a fresh world must work (an all_reduce checked against its
@@ -68,17 +66,6 @@ RECOVER = textwrap.dedent("""
 """)
 
 
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if (k == "RINGLET_TRACE_DIR"
-               or not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                         "MASTER_PORT")}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,7 +86,7 @@ def test_recovery_loop_under_ringlet_run(tmp_path):
     script = tmp_path / "recover.py"
     script.write_text(RECOVER)
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "3", "--timeout", "120",
-                          str(script), str(ROUNDS)], env=_env(), capture_output=True,
+                          str(script), str(ROUNDS)], env=clean_env(), capture_output=True,
                          text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     # The launcher's store outlives every world: generations 1..ROUNDS.
@@ -113,7 +100,7 @@ def test_recovery_loop_under_torchrun_variables(tmp_path):
         port = _free_port()
         procs = [subprocess.Popen(
             [sys.executable, str(script), str(ROUNDS)],
-            env=_env(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+            env=clean_env(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(port), RINGLET_SECRET="recovery-test-secret-0123456789"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
         outs = [p.communicate(timeout=180) for p in procs]
@@ -127,7 +114,7 @@ def test_recovery_loop_under_torchrun_variables(tmp_path):
 def test_recovery_loop_under_mpirun(tmp_path):
     script = tmp_path / "recover.py"
     script.write_text(RECOVER)
-    env = _env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
     out = subprocess.run([openmpi_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script),

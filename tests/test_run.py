@@ -14,21 +14,12 @@ import pytest
 import ringlet
 from ringlet import cli, run as runmod
 
-SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))
+from _launchers import clean_env, clear_launcher
 
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if (k == "RINGLET_TRACE_DIR"
-               or not k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
 
 
 def _launch(*args, timeout=60, **kw):
-    return subprocess.run([sys.executable, "-m", "ringlet.run", *args], env=_env(),
+    return subprocess.run([sys.executable, "-m", "ringlet.run", *args], env=clean_env(),
                           capture_output=True, text=True, timeout=timeout, **kw)
 
 
@@ -83,7 +74,7 @@ def test_module_mode_and_no_prefix(tmp_path):
     # ranks could interleave.
     pkg.write_text("import os, sys\n"
                    "sys.stdout.write(f\"mod {os.environ['RINGLET_RANK']} {sys.argv[1:]}\\n\")\n")
-    env = _env()
+    env = clean_env()
     env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", "--no-prefix", "-m",
                           "mymod", "--lr", "0.1"], env=env, capture_output=True, text=True,
@@ -191,7 +182,7 @@ def test_sigint_to_the_launcher_reaches_every_rank(tmp_path):
             raise SystemExit(1)
     """))
     p = subprocess.Popen([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         seen = set()
         deadline = time.monotonic() + 30
@@ -216,7 +207,7 @@ def test_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
     p = subprocess.Popen([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     pids = []
     try:
         deadline = time.monotonic() + 30
@@ -272,10 +263,7 @@ def test_bad_launcher_arguments(capsys):
 
 
 def test_cli_info_and_usage(capsys, monkeypatch):
-    for k in list(os.environ):
-        if k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_")) or k in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            monkeypatch.delenv(k)
+    clear_launcher(monkeypatch)
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"ringlet {ringlet.__version__}" in out
@@ -309,7 +297,7 @@ def test_console_entry_point_runs_a_job():
     out = subprocess.run([sys.executable, "-c", "import sys; from ringlet.cli import main; "
                           "sys.exit(main(sys.argv[1:]))", "run", "-n", "2", sys.executable, "-c",
                           "import os; print('hi', os.environ['RINGLET_RANK'])"],
-                         env=_env(), capture_output=True, text=True, timeout=60)
+                         env=clean_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == ["[0] hi 0", "[1] hi 1"]
 

@@ -13,8 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import ringlet  # noqa: E402
 from ringlet.environment import torchrun_agent_store  # noqa: E402
+
+from _launchers import clean_env  # noqa: E402
 
 PLAIN = textwrap.dedent("""
     import os, numpy as np, ringlet
@@ -36,17 +37,7 @@ def _torchrun():
 
 
 def _env():
-    env = dict(os.environ)
-    for k in list(env):
-        if k == "RINGLET_TRACE_DIR":
-            continue
-        if k.startswith(("RINGLET_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_")) or k in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            del env[k]
-    src = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))  # as installed
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    env["RINGLET_SECRET"] = "torchrun-test-secret-0123456789"
-    return env
+    return clean_env(RINGLET_SECRET="torchrun-test-secret-0123456789")
 
 
 def _run(script_text, tmp_path, *args, nproc=2):
