@@ -1,8 +1,11 @@
 """The same-host identity (ringlet._topology)."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -34,3 +37,133 @@ def test_override_wins_and_bad_overrides_are_refused():
 def test_host_groups_orders_hosts_by_lowest_rank():
     assert host_groups(["b", "a", "b", "c", "a"]) == [[0, 2], [1, 4], [3]]
     assert host_groups([]) == []
+
+
+# ---- CPU binding (RINGLET_BIND) -------------------------------------------------------------
+from ringlet._topology import BIND_ENV, bind_mode, cpu_digest, plan_binding  # noqa: E402
+
+from _launchers import clean_env  # noqa: E402
+
+
+def test_plan_binding_gives_each_rank_of_a_host_its_block():
+    d = cpu_digest(range(8))
+    hosts, pids, digests = ["a", "a", "a"], [10, 11, 12], [d, d, d]
+    blocks = [plan_binding(r, hosts, pids, digests, range(8)) for r in range(3)]
+    assert blocks == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    # Only the ranks of this host count, in rank order.
+    assert plan_binding(2, ["a", "b", "a"], [10, 11, 12], [d] * 3, [3, 2]) == [3]
+    assert plan_binding(0, ["a", "b", "a"], [10, 11, 12], [d] * 3, [3, 2]) == [2]
+
+
+def test_plan_binding_leaves_alone_what_it_should():
+    d, e = cpu_digest([0, 1]), cpu_digest([1])
+    assert plan_binding(0, ["a", "b"], [1, 2], [d, d], [0, 1]) is None      # alone on its host
+    assert plan_binding(0, ["a", "a"], [7, 7], [d, d], [0, 1]) is None      # threads of one process
+    assert plan_binding(0, ["a", "a"], [1, 2], [d, e], [0, 1]) is None      # a launcher bound them
+    assert plan_binding(0, ["a"] * 3, [1, 2, 3], [d] * 3, [0, 1]) is None   # more ranks than CPUs
+    assert plan_binding(0, ["a", "a"], [0, 2], [d, d], [0, 1]) is None      # a pid unknown
+
+
+def test_cpu_digest_ignores_order_and_tells_sets_apart():
+    assert cpu_digest([3, 1, 2]) == cpu_digest([1, 2, 3])
+    assert cpu_digest([1, 2]) != cpu_digest([1, 2, 3])
+
+
+def test_bind_mode_values():
+    assert bind_mode({}) == "auto"
+    assert bind_mode({BIND_ENV: " None "}) == "none"
+    with pytest.raises(ValueError, match="RINGLET_BIND must be one of auto, none, got 'core'"):
+        bind_mode({BIND_ENV: "core"})
+
+
+def test_bind_process_reaches_threads_started_before():
+    code = textwrap.dedent("""
+        import os, threading
+        from ringlet._topology import bind_process
+        seen, go = [], threading.Event()
+        def worker():
+            seen.append(threading.get_native_id()); go.wait(60)
+        t = threading.Thread(target=worker); t.start()
+        while not seen: pass
+        cpu = min(os.sched_getaffinity(0))
+        bind_process([cpu])
+        print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(seen[0])), cpu)
+        go.set(); t.join()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cpu = int(out.stdout.split()[-1])
+    assert out.stdout.strip() == f"[{cpu}] [{cpu}] {cpu}"
+
+
+_AFFINITY_JOB = textwrap.dedent("""
+    import json, os, ringlet
+    before = sorted(os.sched_getaffinity(0))
+    ringlet.init(timeout=60)
+    during = sorted(os.sched_getaffinity(0))
+    rank = ringlet.get_rank()
+    ringlet.barrier()
+    ringlet.shutdown()
+    after = sorted(os.sched_getaffinity(0))
+    print("AFF", json.dumps([rank, before, during, after]), flush=True)
+""")
+
+
+def _affinities(stdout):
+    """{rank: (CPUs before init, while in the job, after shutdown)}"""
+    rows = {}
+    for line in stdout.splitlines():
+        if "AFF " in line:
+            rank, *sets = json.loads(line[line.index("AFF ") + 4:])
+            rows[rank] = tuple(sets)
+    return rows
+
+
+def _two_cpus():
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("CPU binding needs at least 2 CPUs to give 2 ranks blocks of their own")
+    return cpus
+
+
+@pytest.mark.parametrize("mode", ["auto", "none"])
+def test_ringlet_run_binds_each_rank_to_its_block_and_restores_it(tmp_path, mode):
+    cpus = _two_cpus()
+    script = tmp_path / "job.py"
+    script.write_text(_AFFINITY_JOB)
+    out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
+                         env=clean_env(RINGLET_BIND=mode), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = _affinities(out.stdout)
+    assert sorted(rows) == [0, 1], out.stdout
+    half = len(cpus) // 2
+    for r, (before, during, after) in rows.items():
+        assert before == after == cpus, (r, rows)
+        if mode == "auto":
+            assert during == (cpus[:half] if r == 0 else cpus[half:]), (r, rows)
+        else:
+            assert during == cpus, (r, rows)
+
+
+def test_ranks_a_launcher_bound_keep_their_cpus(tmp_path):
+    cpus = _two_cpus()
+    script = tmp_path / "job.py"
+    script.write_text(_AFFINITY_JOB)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(2):
+        mask = {cpus[-1]} if r == 1 else set(cpus)  # rank 1 as a launcher's binding left it
+        env = clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), RINGLET_SECRET="bind-test-secret-0123456789")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      preexec_fn=lambda m=mask: os.sched_setaffinity(0, m)))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    rows = _affinities("".join(outs))
+    assert rows[0] == (cpus, cpus, cpus), rows
+    assert rows[1] == ([cpus[-1]],) * 3, rows

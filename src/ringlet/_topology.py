@@ -7,6 +7,14 @@ network namespaces often share or repeat names (every pod called "worker",
 the kernel's boot id, the IPC and network namespace inodes, and the host
 name, hashed; ``RINGLET_HOST_ID`` overrides it (tests use distinct values to
 force TCP between ranks of one machine).
+
+CPU binding (``RINGLET_BIND=auto|none``, default auto): left to itself the
+scheduler balances a host's runnable tasks by count, so two ranks beside two
+busy processes on two CPUs often share one CPU while the busy pair shares the
+other, and every hand-over between the ranks becomes a context switch
+(docs/launching.md, "CPU binding").  With ``auto`` the ranks of a host, when
+no launcher bound them (every one may run on the same CPUs) and there are at
+least as many of those CPUs as ranks, each take a contiguous block of them.
 """
 
 from __future__ import annotations
@@ -16,9 +24,12 @@ import os
 import socket
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["host_id", "host_groups", "HOST_ID_ENV"]
+__all__ = ["host_id", "host_groups", "HOST_ID_ENV", "BIND_ENV", "bind_mode", "cpu_digest",
+           "plan_binding", "bind_process"]
 
 HOST_ID_ENV = "RINGLET_HOST_ID"
+BIND_ENV = "RINGLET_BIND"
+_BIND_MODES = ("auto", "none")
 
 
 def _read(path: str) -> str:
@@ -79,3 +90,76 @@ def host_groups(ids: Sequence[str]) -> List[List[int]]:
     for r, h in enumerate(ids):
         order.setdefault(h, []).append(r)
     return list(order.values())
+
+
+def bind_mode(env: Optional[Dict[str, str]] = None) -> str:
+    """``RINGLET_BIND`` as ``auto`` (default) or ``none``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    e = os.environ if env is None else env
+    raw = e.get(BIND_ENV, "").strip().lower() or "auto"
+    if raw not in _BIND_MODES:
+        raise ValueError(f"{BIND_ENV} must be one of {', '.join(_BIND_MODES)}, got "
+                         f"{e.get(BIND_ENV)!r}")
+    return raw
+
+
+def cpu_digest(cpus: Sequence[int]) -> str:
+    """A short digest of a CPU set: ranks compare these, not the sets (a set
+    can list a thousand CPUs, and rank 0 sends every rank's to every rank)."""
+    return hashlib.sha256(",".join(map(str, sorted(cpus))).encode()).hexdigest()[:16]
+
+
+def plan_binding(rank: int, hosts: Sequence[str], pids: Sequence[int],
+                 digests: Sequence[str], cpus: Sequence[int]) -> Optional[List[int]]:
+    """The CPUs ``rank`` should run on, or None to leave its affinity alone.
+
+    Args:
+        rank: this rank.
+        hosts, pids, digests: per rank, its ``host_id()``, process id and
+            ``cpu_digest`` of the CPUs it may run on.
+        cpus: the CPUs this rank may run on.
+    Returns:
+        With L ranks on this host, its block (the i-th of L contiguous,
+        near-equal blocks of ``cpus``, i its position among them by rank);
+        None when it runs alone on its host, when ranks of its host share a
+        process (threads), when their CPU sets differ (a launcher bound them)
+        or when they outnumber the CPUs (the scheduler must be free to move
+        them then).
+
+    Example::
+
+        plan_binding(1, ["a", "a"], [10, 11], ["d", "d"], [0, 1, 2, 3])  # [2, 3]
+    """
+    local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    n, mine = len(local), sorted(cpus)
+    if n < 2 or len(mine) < n:
+        return None
+    if len({pids[r] for r in local}) != n or any(pids[r] <= 0 for r in local):
+        return None
+    if any(digests[r] != digests[rank] for r in local):
+        return None
+    i = local.index(rank)
+    return mine[i * len(mine) // n:(i + 1) * len(mine) // n]
+
+
+def bind_process(cpus: Sequence[int]) -> None:
+    """Restrict every thread of this process to ``cpus`` (threads started
+    later inherit it).  A thread that exits meanwhile is skipped.
+
+    Raises:
+        OSError: the kernel refused the set for this thread.
+    """
+    want = set(cpus)
+    os.sched_setaffinity(0, want)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, want)
+        except (ProcessLookupError, PermissionError):
+            pass

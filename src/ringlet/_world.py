@@ -94,6 +94,7 @@ class World:
         # Per world rank: its same-host identity; and the algorithm choice and
         # cost model rank 0 handed out, so every rank's groups decide alike.
         self.host_ids: List[str] = []
+        self.unbind_cpus: Optional[List[int]] = None  # the CPU set before RINGLET_BIND's
         self.algo = "auto"
         self.model: Any = None
 
@@ -290,6 +291,14 @@ class World:
             except (RingletError, OSError):
                 pass
         self._close_comms()
+        if self.unbind_cpus:
+            from ._topology import bind_process
+
+            try:
+                bind_process(self.unbind_cpus)
+            except OSError:
+                pass
+            self.unbind_cpus = None
         for st in (self.store, self._fail_store):
             if st:
                 try:
@@ -746,15 +755,23 @@ def _size_mismatch(rank: int, size: int, other: int, other_size: int) -> str:
 
 
 def _exchange_endpoints(world: World, timeout: float) -> None:
+    from ._topology import bind_mode, cpu_digest
+
     store, ctx, p = world.store, world.ctx, world.prefix
+    bind = bind_mode()
+    try:
+        my_cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        my_cpus = []
     store.set(f"{p}ep/{world.rank}",
               json.dumps({"ep": f"{world.host}:{ctx.port}", "size": world.size,
-                          "host_id": world.host_ids[0], "pid": os.getpid()}).encode())
+                          "host_id": world.host_ids[0], "pid": os.getpid(),
+                          "cpus": cpu_digest(my_cpus)}).encode())
     join = _Joiner(world, timeout)
     if world.rank == 0:
         # In rank order: a rank with another world size is caught as soon as
         # the ranks below it have joined, never after the whole timeout.
-        table, hosts, pids = [], [], []
+        table, hosts, pids, digests = [], [], [], []
         for r in range(world.size):
             entry = json.loads(join.get(f"{p}ep/{r}").decode())
             if entry["size"] != world.size:
@@ -764,8 +781,9 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
             table.append(entry["ep"])
             hosts.append(str(entry.get("host_id", "")))
             pids.append(int(entry.get("pid", 0)))
+            digests.append(str(entry.get("cpus", "")))
         store.set(f"{p}ep/all", json.dumps({"eps": table, "hosts": hosts, "pids": pids,
-                                            "algo": world.algo,
+                                            "cpus": digests, "algo": world.algo,
                                             "model": world.model.as_dict()}).encode())
     else:
         rec = json.loads(join.get(f"{p}ep/all").decode())
@@ -774,6 +792,7 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
         table = rec["eps"]
         hosts = rec.get("hosts") or world.host_ids * len(table)
         pids = rec.get("pids") or []
+        digests = rec.get("cpus") or []
         world.algo = rec.get("algo", world.algo)
         if "model" in rec:
             from ._costmodel import ModelParams
@@ -793,6 +812,27 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     # not that of this host's ranks (ranks may be threads of one process).
     mine = sorted({pid for pid, h in zip(pids, hosts) if h == hosts[world.rank] and pid > 0})
     _core.set_host_pids(mine or [os.getpid()])
+    if bind == "auto" and my_cpus and len(pids) == len(digests) == world.size:
+        _bind_cpus(world, hosts, pids, digests, my_cpus)
+
+
+def _bind_cpus(world: World, hosts: List[str], pids: List[int], digests: List[str],
+               my_cpus: List[int]) -> None:
+    """RINGLET_BIND=auto: give this rank its block of its host's CPUs
+    (_topology.plan_binding); close() gives the process its old set back."""
+    from ._topology import bind_process, plan_binding
+
+    want = plan_binding(world.rank, hosts, pids, digests, my_cpus)
+    if want is None or want == my_cpus:
+        return
+    try:
+        bind_process(want)
+    except OSError as exc:  # a cpuset changed under us: run unbound
+        _log.debug("ringlet: rank %d could not bind to CPUs %s: %s", world.rank, want, exc)
+        return
+    world.unbind_cpus = my_cpus
+    _log.debug("ringlet: rank %d bound to CPUs %s of %s (RINGLET_BIND=none leaves them)",
+               world.rank, want, my_cpus)
 
 
 def shutdown() -> None:
