@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from . import _auth, _core
+from . import _auth, _core, environment
 from .errors import AuthenticationError, RendezvousError
 
 __all__ = ["TRANSPORT_ENV", "transport_mode", "setup"]
@@ -50,12 +50,7 @@ def transport_mode(env: Optional[dict] = None) -> str:
     Raises:
         ValueError: any other value.
     """
-    e = os.environ if env is None else env
-    raw = e.get(TRANSPORT_ENV, "").strip().lower() or "auto"
-    if raw not in _MODES:
-        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(_MODES)}, got "
-                         f"{e.get(TRANSPORT_ENV)!r}")
-    return raw
+    return environment.choice(TRANSPORT_ENV, _MODES, env)
 
 
 def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float,

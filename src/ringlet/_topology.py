@@ -24,6 +24,8 @@ import os
 import socket
 from typing import Dict, List, Optional, Sequence
 
+from .environment import choice
+
 __all__ = ["host_id", "host_groups", "HOST_ID_ENV", "BIND_ENV", "bind_mode", "cpu_digest",
            "plan_binding", "bind_process"]
 
@@ -98,12 +100,7 @@ def bind_mode(env: Optional[Dict[str, str]] = None) -> str:
     Raises:
         ValueError: any other value.
     """
-    e = os.environ if env is None else env
-    raw = e.get(BIND_ENV, "").strip().lower() or "auto"
-    if raw not in _BIND_MODES:
-        raise ValueError(f"{BIND_ENV} must be one of {', '.join(_BIND_MODES)}, got "
-                         f"{e.get(BIND_ENV)!r}")
-    return raw
+    return choice(BIND_ENV, _BIND_MODES, env)
 
 
 def cpu_digest(cpus: Sequence[int]) -> str:
