@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LAYER_OF = {
     "ringlet.errors": "base", "ringlet._timeout": "base", "ringlet._dtypes": "base",
     "ringlet._version": "base", "ringlet._buffers": "base",
-    "ringlet._topology": "base", "ringlet._costmodel": "base",
+    "ringlet._topology": "base", "ringlet._costmodel": "base", "ringlet._envvars": "base",
     "ringlet._core": "binding",
     "ringlet._auth": "wire", "ringlet.store": "wire", "ringlet.environment": "wire",
     "ringlet._wire": "wire",

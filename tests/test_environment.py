@@ -426,11 +426,3 @@ def test_same_host_connections_use_reno(reno, monkeypatch):
         default = f.read().strip()
     assert set(ours.values()) == {"reno" if reno else default}, (ours, default)
 
-
-def test_choice_reads_one_of_its_values_and_names_the_variable_otherwise():
-    modes = ("auto", "shm", "tcp")
-    assert envmod.choice("RINGLET_X", modes, {}) == "auto"
-    assert envmod.choice("RINGLET_X", modes, {"RINGLET_X": "  "}) == "auto"
-    assert envmod.choice("RINGLET_X", modes, {"RINGLET_X": " TCP "}) == "tcp"
-    with pytest.raises(ValueError, match=r"RINGLET_X must be one of auto, shm, tcp, got 'udp'"):
-        envmod.choice("RINGLET_X", modes, {"RINGLET_X": "udp"})

@@ -28,7 +28,8 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from . import _auth, _core, environment
+from . import _auth, _core
+from ._envvars import choice
 from .errors import AuthenticationError, RendezvousError
 
 __all__ = ["TRANSPORT_ENV", "transport_mode", "setup"]
@@ -50,7 +51,7 @@ def transport_mode(env: Optional[dict] = None) -> str:
     Raises:
         ValueError: any other value.
     """
-    return environment.choice(TRANSPORT_ENV, _MODES, env)
+    return choice(TRANSPORT_ENV, _MODES, env)
 
 
 def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float,

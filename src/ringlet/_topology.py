@@ -24,7 +24,7 @@ import os
 import socket
 from typing import Dict, List, Optional, Sequence
 
-from .environment import choice
+from ._envvars import choice
 
 __all__ = ["host_id", "host_groups", "HOST_ID_ENV", "BIND_ENV", "bind_mode", "cpu_digest",
            "plan_binding", "bind_process"]

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .store import StoreServer
 
 __all__ = ["LaunchEnv", "detect", "torchrun_agent_store", "is_loopback", "select_bind_address", "list_interfaces",
-           "parse_nodelist", "load_secret", "choice", "mpi_bootstrap", "own_session_note",
+           "parse_nodelist", "load_secret", "mpi_bootstrap", "own_session_note",
            "MIN_SECRET_BYTES"]
 
 MIN_SECRET_BYTES = 16
@@ -97,21 +97,6 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> Optional[int
     if n < minimum:
         raise ValueError(f"environment variable {name}={n} must be >= {minimum}")
     return n
-
-
-def choice(name: str, choices: Tuple[str, ...],
-           environ: Optional[Mapping[str, str]] = None) -> str:
-    """The environment variable ``name`` as one of ``choices`` (case and
-    surrounding blanks ignored); unset or blank means ``choices[0]``.
-
-    Raises:
-        ValueError: any other value, naming the variable and the choices.
-    """
-    env = os.environ if environ is None else environ
-    raw = (_get(env, name) or choices[0]).lower()
-    if raw not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {env.get(name)!r}")
-    return raw
 
 
 def _first_int(env: Mapping[str, str], names: Tuple[str, ...], minimum: int = 0
