@@ -127,21 +127,21 @@ def _two_cpus():
     return cpus
 
 
-@pytest.mark.parametrize("mode", ["auto", "none"])
-def test_ringlet_run_binds_each_rank_to_its_block_and_restores_it(tmp_path, mode):
+@pytest.mark.parametrize("mode,transport", [("auto", "auto"), ("none", "auto"), ("auto", "tcp")])
+def test_ringlet_run_binds_each_rank_to_its_block_and_restores_it(tmp_path, mode, transport):
     cpus = _two_cpus()
     script = tmp_path / "job.py"
     script.write_text(_AFFINITY_JOB)
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
-                         env=clean_env(RINGLET_BIND=mode), capture_output=True, text=True,
-                         timeout=120)
+                         env=clean_env(RINGLET_BIND=mode, RINGLET_TRANSPORT=transport),
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = _affinities(out.stdout)
     assert sorted(rows) == [0, 1], out.stdout
     half = len(cpus) // 2
     for r, (before, during, after) in rows.items():
         assert before == after == cpus, (r, rows)
-        if mode == "auto":
+        if mode == "auto" and transport != "tcp":  # ranks over TCP alone stay unbound
             assert during == (cpus[:half] if r == 0 else cpus[half:]), (r, rows)
         else:
             assert during == cpus, (r, rows)
@@ -167,3 +167,14 @@ def test_ranks_a_launcher_bound_keep_their_cpus(tmp_path):
     rows = _affinities("".join(outs))
     assert rows[0] == (cpus, cpus, cpus), rows
     assert rows[1] == ([cpus[-1]],) * 3, rows
+
+
+def test_env_choice_reads_one_of_its_values_and_names_the_variable_otherwise():
+    from ringlet._envvars import choice
+
+    modes = ("auto", "shm", "tcp")
+    assert choice("RINGLET_X", modes, {}) == "auto"
+    assert choice("RINGLET_X", modes, {"RINGLET_X": "  "}) == "auto"
+    assert choice("RINGLET_X", modes, {"RINGLET_X": " TCP "}) == "tcp"
+    with pytest.raises(ValueError, match=r"RINGLET_X must be one of auto, shm, tcp, got 'udp'"):
+        choice("RINGLET_X", modes, {"RINGLET_X": "udp"})

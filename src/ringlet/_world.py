@@ -755,6 +755,7 @@ def _size_mismatch(rank: int, size: int, other: int, other_size: int) -> str:
 
 
 def _exchange_endpoints(world: World, timeout: float) -> None:
+    from ._shm import transport_mode
     from ._topology import bind_mode, cpu_digest
 
     store, ctx, p = world.store, world.ctx, world.prefix
@@ -812,7 +813,11 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     # not that of this host's ranks (ranks may be threads of one process).
     mine = sorted({pid for pid, h in zip(pids, hosts) if h == hosts[world.rank] and pid > 0})
     _core.set_host_pids(mine or [os.getpid()])
-    if bind == "auto" and my_cpus and len(pids) == len(digests) == world.size:
+    # Binding serves the shared-memory hand-over; over loopback TCP a rank that
+    # shares its peer's CPU is woken locally, which beside busy processes beats
+    # a bound peer's wake-up on another CPU (docs/launching.md, "CPU binding").
+    if (bind == "auto" and transport_mode() != "tcp" and my_cpus
+            and len(pids) == len(digests) == world.size):
         _bind_cpus(world, hosts, pids, digests, my_cpus)
 
 
