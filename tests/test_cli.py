@@ -4,6 +4,7 @@ the one-line notice ``init()`` prints when no launcher is detected."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -69,6 +70,22 @@ def test_info_json(capsys, monkeypatch):
     assert d["env"]["RANK"] == "1"
     assert d["core"]["protocol_version"] == ringlet._core.build_info()["protocol_version"]
     assert "simd" in d["core"]
+    assert d["binding"] == {"mode": "auto", "cpus": sorted(os.sched_getaffinity(0))}
+
+
+def test_info_names_the_binding_and_refuses_a_bad_one(capsys, monkeypatch):
+    clear_launcher(monkeypatch)
+    monkeypatch.setenv("RINGLET_BIND", "none")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu binding: none (CPUs left as the launcher set them)" in out
+    assert f"this process may run on {cli._cpu_ranges(sorted(os.sched_getaffinity(0)))}" in out
+    assert cli._cpu_ranges([0, 1, 2, 5, 7, 8]) == "CPUs 0-2,5,7-8"
+    assert cli._cpu_ranges([3]) == "CPUs 3"
+    monkeypatch.setenv("RINGLET_BIND", "cores")
+    assert cli.main(["info", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "RINGLET_BIND must be one of auto, none, got 'cores'" in d["binding"]["error"]
 
 
 def test_info_json_without_launcher_and_invalid(capsys, monkeypatch):

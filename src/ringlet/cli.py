@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -91,12 +92,30 @@ def info_dict() -> Dict[str, Any]:
     except (ValueError, ImportError) as exc:
         d["transport"] = {"error": str(exc)}
     try:
+        from ._topology import bind_mode
+
+        d["binding"] = {"mode": bind_mode(), "cpus": sorted(os.sched_getaffinity(0))}
+    except (ValueError, AttributeError, OSError) as exc:
+        d["binding"] = {"error": str(exc)}
+    try:
         from . import _core
 
         d["core"] = dict(_core.build_info())
     except Exception as exc:  # noqa: BLE001 - ImportError or a broken build
         d["core"] = {"error": f"{type(exc).__name__}: {exc}"}
     return d
+
+
+def _cpu_ranges(cpus: Sequence[int]) -> str:
+    """0,1,2,5 -> "CPUs 0-2,5"."""
+    if not cpus:
+        return "no CPUs it can name"
+    parts, start = [], cpus[0]
+    for prev, cur in zip(cpus, list(cpus[1:]) + [None]):
+        if cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return "CPUs " + ",".join(parts)
 
 
 def info_lines() -> List[str]:
@@ -125,6 +144,14 @@ def info_lines() -> List[str]:
                "shm": "shared memory only (a group spanning hosts fails)",
                "tcp": "TCP only"}[t["mode"]]
         lines.append(f"transport: {t['mode']} ({how}); host id {t['host_id']}")
+    b = d["binding"]
+    if "error" in b:
+        lines.append(f"cpu binding: invalid ({b['error']})")
+    else:
+        how = ("each rank of a host that talks over shared memory takes a block of the CPUs "
+               "below" if b["mode"] == "auto" else "CPUs left as the launcher set them")
+        lines.append(f"cpu binding: {b['mode']} ({how}); this process may run on "
+                     f"{_cpu_ranges(b['cpus'])}")
     for k, v in d["env"].items():
         lines.append(f"env {k}={v}")
     if set(d["core"]) == {"error"}:
