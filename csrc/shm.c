@@ -1576,17 +1576,19 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     /* A 2-rank gather beyond one chunk from a leaf in huge pages: the root
      * reads the leaf's block straight from it, which the kernel does faster
      * than the staged copy pair; from 4 KiB pages the staged leaf, which runs
-     * ahead, wins at every size (docs/experiments.md).  Only the leaf knows
-     * its pages: the root follows the size of the leaf's first descriptor
-     * (blk here, one chunk staged). */
+     * ahead, wins at every size on an idle host, while beside other
+     * processes the single copy needs only the root to run (as a
+     * point-to-point message's does; docs/experiments.md).  Only the leaf
+     * knows its pages: the root follows the size of the leaf's first
+     * descriptor (blk here, one chunk staged). */
     if (r == root && gather && mine != (char *)one) {
         if (rl_overlap(mine, blk, one, blk)) memmove(mine, one, blk);
         else copy_own(mine, one, blk, RL_STREAM_COPY_MIN);
     }
     if (gather && lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min && blk > s->chunk) {
         int leaf = 1 - root, direct;
-        if ((st = follow_decider(c, op, leaf, r == leaf && mostly_huge(one, blk), blk, &direct)) !=
-            RL_OK)
+        int says = r == leaf && (rl_host_contended(rl_now_ns()) || mostly_huge(one, blk));
+        if ((st = follow_decider(c, op, leaf, says, blk, &direct)) != RL_OK)
             return st;
         if (direct && r == leaf) return cma_scatter(c, op, one, one, blk, leaf, 0);
         if (direct) return cma_scatter(c, op, many, (char *)many + (size_t)leaf * blk, blk, leaf, 0);

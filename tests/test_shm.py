@@ -262,6 +262,7 @@ def _rooted_by_pages(rank, P, op, n):
 @pytest.mark.parametrize("op,n", [("broadcast", 16 << 20), ("gather", 8 << 20)])
 def test_two_rank_rooted_op_beyond_its_window_reads_huge_pages_directly(monkeypatch, op, n):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_BUSY_BLOCK", "0")  # a busy host sends a gather direct anyway
     (ok0, huge0, algo0), (ok1, huge1, algo1) = run_world(
         _rooted_by_pages, 2, mode="process", timeout=120, args=(op, n))
     assert all(ok0 + ok1) and len(ok0 + ok1) == (8 if op == "broadcast" else 4), (ok0, ok1)
@@ -1213,6 +1214,48 @@ def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
     for verdict, algos in res:
         assert verdict == "direct", res
         assert algos[:2] == ["shm_ring", "shm_ring"], res  # idle: through the ring
+
+
+def _gather_direct_once_busy(rank, P):
+    # 2-rank gathers of 1 MiB blocks in 4 KiB pages until one goes straight
+    # from the leaf's buffer: the first on the idle host (staged), then beside
+    # busy loops that rank 0 starts (and stops on every exit).
+    g = _world._current().group
+    n = 1 << 20
+    mine = _paged(n, False)
+    mine[:] = (np.arange(n) * 3 + rank).astype(np.uint8)
+    want = np.concatenate([(np.arange(n) * 3 + q).astype(np.uint8) for q in range(P)])
+    out = np.zeros(P * n, np.uint8) if rank == 0 else None
+    loops = []
+    try:
+        deadline = time.monotonic() + 90  # the busy test reads windows of 100 ms
+        while True:
+            if out is not None:
+                out[:] = 0
+            ringlet.gather(out, mine, dst=0)
+            if out is not None and not np.array_equal(out, want):
+                return "wrong data", []
+            algos = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
+            if rank == 0 and not loops:
+                loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
+                         for _ in range((os.cpu_count() or 1) + 2)]
+            done = np.array([int("shm_single_copy" in algos), int(time.monotonic() > deadline)])
+            ringlet.all_reduce(done, ringlet.ReduceOp.MAX)
+            if done.any():
+                return ("direct" if done[0] else "never direct"), algos
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+
+
+def test_a_two_rank_gather_goes_direct_while_the_host_is_busy(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    res = run_world(_gather_direct_once_busy, 2, mode="process", timeout=120)
+    for verdict, algos in res:
+        assert verdict == "direct", res
+        assert algos[0] == "shm_copy", res  # idle, from 4 KiB pages: staged
+    assert res[0][1] == res[1][1], res  # the root followed the leaf's choice every time
 
 
 def _idle_sends_by_pages(rank, P, n):
