@@ -171,7 +171,8 @@ int rl_random_bytes(void *buf, size_t n);
       "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "        \
       "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "      \
       "from twice this up to two chunks, beyond as shm_cma_any_bytes allows; a 2-rank gather: "     \
-      "beyond one chunk from a leaf in huge pages; reduce_scatter and reduce: blocks larger than "   \
+      "beyond one chunk from a leaf in huge pages, or while the host is busy; "                     \
+      "reduce_scatter and reduce: blocks larger than "                                              \
       "shm_chunk_bytes, when every rank's input lies in huge pages or within shm_cma_any_bytes, "   \
       "a reduce's leaves writing their results into the root's buffer; "                            \
       "a point-to-point message: also larger than its ring, as shm_p2p_direct allows) "             \
