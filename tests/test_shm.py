@@ -1172,27 +1172,18 @@ def _paged(nbytes, huge):
     return a
 
 
-def _direct_once_busy(rank, P):
-    # Ping-pong 1 MiB until a message goes straight from the sender's buffer.
-    # The first exchange runs on the idle host and goes through the ring; then
-    # rank 0 starts busy loops beside the job (and stops them on every exit).
-    g = _world._current().group
-    x = _paged(1 << 20, False).view(np.float64)
-    x[:] = np.arange(1 << 17)
-    y = _paged(1 << 20, False).view(np.float64)
+def _until_direct_beside_busy_loops(rank, step):
+    # Run step() (one operation; it returns the algorithms traced so far, or
+    # None for wrong data) until one went straight from a peer's buffer.  The
+    # first runs on the idle host; then rank 0 starts busy loops beside the job
+    # (and stops them on every exit).
     loops = []
     try:
         deadline = time.monotonic() + 90  # the busy test reads windows of 100 ms
         while True:
-            if rank == 0:
-                ringlet.send(x, 1)
-                ringlet.recv(y, 1)
-            else:
-                ringlet.recv(y, 0)
-                ringlet.send(y, 0)
-            if not np.array_equal(y, x):
+            algos = step()
+            if algos is None:
                 return "wrong data", []
-            algos = [e["algorithm"] for e in g._p2pc.trace()[2]]
             if rank == 0 and not loops:
                 loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
                          for _ in range((os.cpu_count() or 1) + 2)]
@@ -1204,6 +1195,26 @@ def _direct_once_busy(rank, P):
         for p in loops:
             p.kill()
             p.wait()
+
+
+def _direct_once_busy(rank, P):
+    # Ping-pong 1 MiB until a message goes straight from the sender's buffer
+    # (through the ring while the host is idle).
+    g = _world._current().group
+    x = _paged(1 << 20, False).view(np.float64)
+    x[:] = np.arange(1 << 17)
+    y = _paged(1 << 20, False).view(np.float64)
+
+    def step():
+        if rank == 0:
+            ringlet.send(x, 1)
+            ringlet.recv(y, 1)
+        else:
+            ringlet.recv(y, 0)
+            ringlet.send(y, 0)
+        return [e["algorithm"] for e in g._p2pc.trace()[2]] if np.array_equal(y, x) else None
+
+    return _until_direct_beside_busy_loops(rank, step)
 
 
 def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
@@ -1218,35 +1229,23 @@ def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
 
 def _gather_direct_once_busy(rank, P):
     # 2-rank gathers of 1 MiB blocks in 4 KiB pages until one goes straight
-    # from the leaf's buffer: the first on the idle host (staged), then beside
-    # busy loops that rank 0 starts (and stops on every exit).
+    # from the leaf's buffer (staged while the host is idle).
     g = _world._current().group
     n = 1 << 20
     mine = _paged(n, False)
     mine[:] = (np.arange(n) * 3 + rank).astype(np.uint8)
     want = np.concatenate([(np.arange(n) * 3 + q).astype(np.uint8) for q in range(P)])
     out = np.zeros(P * n, np.uint8) if rank == 0 else None
-    loops = []
-    try:
-        deadline = time.monotonic() + 90  # the busy test reads windows of 100 ms
-        while True:
-            if out is not None:
-                out[:] = 0
-            ringlet.gather(out, mine, dst=0)
-            if out is not None and not np.array_equal(out, want):
-                return "wrong data", []
-            algos = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
-            if rank == 0 and not loops:
-                loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
-                         for _ in range((os.cpu_count() or 1) + 2)]
-            done = np.array([int("shm_single_copy" in algos), int(time.monotonic() > deadline)])
-            ringlet.all_reduce(done, ringlet.ReduceOp.MAX)
-            if done.any():
-                return ("direct" if done[0] else "never direct"), algos
-    finally:
-        for p in loops:
-            p.kill()
-            p.wait()
+
+    def step():
+        if out is not None:
+            out[:] = 0
+        ringlet.gather(out, mine, dst=0)
+        if out is not None and not np.array_equal(out, want):
+            return None
+        return [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
+
+    return _until_direct_beside_busy_loops(rank, step)
 
 
 def test_a_two_rank_gather_goes_direct_while_the_host_is_busy(monkeypatch):
