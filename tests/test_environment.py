@@ -425,4 +425,3 @@ def test_same_host_connections_use_reno(reno, monkeypatch):
     with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
         default = f.read().strip()
     assert set(ours.values()) == {"reno" if reno else default}, (ours, default)
-
