@@ -178,6 +178,10 @@ int rl_random_bytes(void *buf, size_t n);
       "a point-to-point message: also larger than its ring, as shm_p2p_direct allows) "             \
       "are read straight from the peer's buffer "                                                   \
       "(process_vm_readv, one copy instead of two); 0: never")                                      \
+    X(shm_busy_cma_bytes, 160 << 10, "RINGLET_SHM_BUSY_CMA_BYTES",                                  \
+      "shared memory: while other processes want this host's CPUs (the busy_block test), a 2-rank " \
+      "broadcast of at most one chunk is read straight from the root only up to this; beyond, it "  \
+      "goes through the medium slots, whose root runs ahead instead of sleeping through the copy")  \
     X(shm_cma_any_bytes, 4 << 20, "RINGLET_SHM_CMA_ANY_BYTES",                                      \
       "shared memory: up to this, a 2-rank broadcast beyond two chunks, an idle point-to-point "    \
       "message beyond twice its ring and a reduce_scatter's input are read straight from the "      \

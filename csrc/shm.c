@@ -1217,6 +1217,18 @@ static int follow_decider(rl_comm *c, const rl_opdesc *op, int decider, int mine
     return st;
 }
 
+/* The decider's verdict "staged" where its staged copies go in another lane
+ * than the big one: an empty big-lane step (follow_decider reads its size). */
+static int stage_note(rl_comm *c, const rl_opdesc *op, int decider) {
+    uint32_t step;
+    int st = step_begin(c, op, BIG, c->rank == decider, &step);
+    if (st != RL_OK) return st;
+    if (c->rank == decider) publish_in(c, op, BIG, step, 0, 0);
+    else if ((st = wait_in(c, op, BIG, decider, step, 0, 0)) != RL_OK) return st;
+    step_ack(c, BIG, step);
+    return RL_OK;
+}
+
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
     rl_shm *s = c->shm;
     int r = c->rank, lane = lane_for(s, len);
@@ -1233,12 +1245,21 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
      * the readers tell the two apart by the size in its first descriptor. */
     if (lane == BIG && s->cma_min && len >= 2 * s->cma_min &&
         (c->size == 2 || len > 2 * s->chunk)) {
-        int direct = c->size == 2 && len <= 2 * s->chunk;
-        if (!direct) {
-            int mine = r == root && (c->size == 2 ? reads_fast(buf, len) : mostly_huge(buf, len));
+        int window = c->size == 2 && len <= 2 * s->chunk, direct = window;
+        /* On a busy host a root that waits out a reader's copy longer than
+         * its hot polls sleeps and costs a wake-up per op, where the medium
+         * lane lets it run ahead (docs/experiments.md); the root says so with
+         * an empty big-lane step. */
+        int may_stage = window && len <= s->chunk && lane_rooted(s, len, s->chunk, 2) == MID;
+        if (!window || may_stage) {
+            int mine = r != root ? 0
+                       : window ? len <= (uint64_t)rl_tune.shm_busy_cma_bytes ||
+                                      !rl_host_contended(rl_now_ns())
+                       : c->size == 2 ? reads_fast(buf, len) : mostly_huge(buf, len);
             if ((st = follow_decider(c, op, root, mine, len, &direct)) != RL_OK) return st;
         }
         if (direct) return cma_scatter(c, op, buf, buf, len, root, 0);
+        if (window && (st = stage_note(c, op, root)) != RL_OK) return st;
     }
     lane = lane_rooted(s, len, s->chunk, c->size);
     size_t piece = lane_bytes(s, lane);

@@ -1172,11 +1172,11 @@ def _paged(nbytes, huge):
     return a
 
 
-def _until_direct_beside_busy_loops(rank, step):
+def _until_beside_busy_loops(rank, step, want="shm_single_copy"):
     # Run step() (one operation; it returns the algorithms traced so far, or
-    # None for wrong data) until one went straight from a peer's buffer.  The
-    # first runs on the idle host; then rank 0 starts busy loops beside the job
-    # (and stops them on every exit).
+    # None for wrong data) until one took the algorithm `want` (by default
+    # straight from a peer's buffer).  The first runs on the idle host; then
+    # rank 0 starts busy loops beside the job (and stops them on every exit).
     loops = []
     try:
         deadline = time.monotonic() + 90  # the busy test reads windows of 100 ms
@@ -1187,10 +1187,10 @@ def _until_direct_beside_busy_loops(rank, step):
             if rank == 0 and not loops:
                 loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
                          for _ in range((os.cpu_count() or 1) + 2)]
-            done = np.array([int("shm_single_copy" in algos), int(time.monotonic() > deadline)])
+            done = np.array([int(want in algos), int(time.monotonic() > deadline)])
             ringlet.all_reduce(done, ringlet.ReduceOp.MAX)
             if done.any():
-                return ("direct" if done[0] else "never direct"), algos
+                return ("switched" if done[0] else "never switched"), algos
     finally:
         for p in loops:
             p.kill()
@@ -1214,7 +1214,7 @@ def _direct_once_busy(rank, P):
             ringlet.send(y, 0)
         return [e["algorithm"] for e in g._p2pc.trace()[2]] if np.array_equal(y, x) else None
 
-    return _until_direct_beside_busy_loops(rank, step)
+    return _until_beside_busy_loops(rank, step)
 
 
 def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
@@ -1223,7 +1223,7 @@ def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
     monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", "0")  # else 1 MiB goes direct idle too
     res = run_world(_direct_once_busy, 2, mode="process", timeout=120)
     for verdict, algos in res:
-        assert verdict == "direct", res
+        assert verdict == "switched", res
         assert algos[:2] == ["shm_ring", "shm_ring"], res  # idle: through the ring
 
 
@@ -1245,16 +1245,44 @@ def _gather_direct_once_busy(rank, P):
             return None
         return [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
 
-    return _until_direct_beside_busy_loops(rank, step)
+    return _until_beside_busy_loops(rank, step)
 
 
 def test_a_two_rank_gather_goes_direct_while_the_host_is_busy(monkeypatch):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     res = run_world(_gather_direct_once_busy, 2, mode="process", timeout=120)
     for verdict, algos in res:
-        assert verdict == "direct", res
+        assert verdict == "switched", res
         assert algos[0] == "shm_copy", res  # idle, from 4 KiB pages: staged
     assert res[0][1] == res[1][1], res  # the root followed the leaf's choice every time
+
+
+def _broadcast_staged_once_busy(rank, P):
+    # 2-rank broadcasts of 256 KiB until one goes through the medium slots
+    # (read straight from the root while the host is idle).
+    g = _world._current().group
+    n = 256 << 10
+    want = (np.arange(n) * 5 + 3).astype(np.uint8)
+    buf = _paged(n, False)
+
+    def step():
+        buf[:] = want if rank == 0 else 0
+        ringlet.broadcast(buf, src=0)
+        if not np.array_equal(buf, want):
+            return None
+        return [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "broadcast"]
+
+    return _until_beside_busy_loops(rank, step, want="shm_mid_slot")
+
+
+def test_a_two_rank_broadcast_of_one_chunk_is_staged_while_the_host_is_busy(monkeypatch):
+    # Beyond shm_busy_cma_bytes the root would sleep through the reader's copy.
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    res = run_world(_broadcast_staged_once_busy, 2, mode="process", timeout=120)
+    for verdict, algos in res:
+        assert verdict == "switched", res
+        assert algos[0] == "shm_single_copy", res  # idle: straight from the root
+    assert res[0][1] == res[1][1], res  # the reader followed the root's choice every time
 
 
 def _idle_sends_by_pages(rank, P, n):
