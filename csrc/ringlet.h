@@ -170,7 +170,7 @@ int rl_random_bytes(void *buf, size_t n);
     X(shm_cma_bytes, 64 << 10, "RINGLET_SHM_CMA_BYTES",                                             \
       "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "        \
       "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "      \
-      "from twice this up to two chunks, beyond as shm_cma_any_bytes allows; a 2-rank gather: "     \
+      "from twice this, the root writing half into the reader; a 2-rank gather: "                   \
       "beyond one chunk from a leaf in huge pages, or while the host is busy; "                     \
       "reduce_scatter and reduce: blocks larger than "                                              \
       "shm_chunk_bytes, when every rank's input lies in huge pages or within shm_cma_any_bytes, "   \
@@ -178,12 +178,8 @@ int rl_random_bytes(void *buf, size_t n);
       "a point-to-point message: also larger than its ring, as shm_p2p_direct allows) "             \
       "are read straight from the peer's buffer "                                                   \
       "(process_vm_readv, one copy instead of two); 0: never")                                      \
-    X(shm_busy_cma_bytes, 160 << 10, "RINGLET_SHM_BUSY_CMA_BYTES",                                  \
-      "shared memory: while other processes want this host's CPUs (the busy_block test), a 2-rank " \
-      "broadcast of at most one chunk is read straight from the root only up to this; beyond, it "  \
-      "goes through the medium slots, whose root runs ahead instead of sleeping through the copy")  \
     X(shm_cma_any_bytes, 4 << 20, "RINGLET_SHM_CMA_ANY_BYTES",                                      \
-      "shared memory: up to this, a 2-rank broadcast beyond two chunks, an idle point-to-point "    \
+      "shared memory: up to this, an idle point-to-point "                                          \
       "message beyond twice its ring and a reduce_scatter's input are read straight from the "      \
       "peer's buffer "                                                                              \
       "whatever its pages; beyond, only from huge pages; 0: only from huge pages")                  \

@@ -1181,8 +1181,9 @@ static void copy_own(void *dst, const void *src, size_t n, size_t min) {
  * other rank checks the root's descriptor and copies the chunk out, all at
  * once.  The root writes N, each other rank reads N.  A message that fits a
  * slot goes in the small lane, one up to a chunk in the medium lane: the root
- * runs ahead of its readers.  Two ranks, 2*cma_min up to two chunks: single
- * copy (cma_scatter with stride 0). */
+ * runs ahead of its readers.  Two ranks from 2*cma_min: each copies half
+ * (cma_split).  More ranks beyond two chunks, from a root in huge pages:
+ * every reader reads it directly (cma_scatter with stride 0). */
 static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root,
                        size_t stride);
 
@@ -1192,7 +1193,7 @@ static int mostly_huge(const void *buf, size_t len) {
 }
 
 /* Whether a reader's single copy of this buffer beats the staged copy pair
- * of a broadcast, a point-to-point message or a reduce_scatter's input: from
+ * of a point-to-point message or a reduce_scatter's input: from
  * huge pages always; from 4 KiB pages up to shm_cma_any_bytes, beyond which
  * the kernel's page-by-page pinning costs more than the second copy
  * (docs/experiments.md).  Only the rank that owns the buffer can ask. */
@@ -1217,16 +1218,29 @@ static int follow_decider(rl_comm *c, const rl_opdesc *op, int decider, int mine
     return st;
 }
 
-/* The decider's verdict "staged" where its staged copies go in another lane
- * than the big one: an empty big-lane step (follow_decider reads its size). */
-static int stage_note(rl_comm *c, const rl_opdesc *op, int decider) {
+/* A 2-rank broadcast split between its two ranks: the reader reads the first
+ * half of the root's buffer (process_vm_readv) while the root writes the rest
+ * into the reader's (process_vm_writev); each publishes its buffer's address
+ * in one big-lane step.  Both cores copy, each half the bytes, so the root
+ * neither idles nor sleeps through a long copy on a busy host. */
+static int cma_split(rl_comm *c, rl_opdesc *op, char *buf, size_t len, int root) {
+    rl_shm *s = c->shm;
+    int r = c->rank, q = 1 - r;
+    size_t h = (len / 2 + 4095) & ~(size_t)4095; /* whole pages to each side */
     uint32_t step;
-    int st = step_begin(c, op, BIG, c->rank == decider, &step);
+    int st;
+    op->algo = "shm_split_copy";
+    if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
+    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)buf;
+    publish_in(c, op, BIG, step, 0, len);
+    if ((st = wait_in(c, op, BIG, q, step, 0, len)) != RL_OK) return st;
+    uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+    if (r == root) st = cma_write(c, op, q, at + h, buf + h, len - h);
+    else st = cma_read(c, op, q, buf, at, h);
     if (st != RL_OK) return st;
-    if (c->rank == decider) publish_in(c, op, BIG, step, 0, 0);
-    else if ((st = wait_in(c, op, BIG, decider, step, 0, 0)) != RL_OK) return st;
     step_ack(c, BIG, step);
-    return RL_OK;
+    /* Each buffer stays in use until the peer is done with it. */
+    return wait_peers_ack(c, op, step, len / 2);
 }
 
 int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root) {
@@ -1235,31 +1249,18 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
     uint32_t step;
     int st;
     note_op(c, op);
-    /* Either way a 2-rank broadcast costs the reader's copy of N bytes from
-     * the other core: read directly, its lines are not ones the root has just
-     * written; from two chunks the staged root's copy-in overlaps it and wins
-     * where the kernel reads the root's buffer slowly (reads_fast).  With
+    /* Two ranks from 2 * cma_min: the split copy, which beat the reader's
+     * single copy and the staged copies at every size, idle and busy.  With
      * more ranks, beyond two chunks, every reader reads the root's buffer in
      * huge pages directly, which beat the staged copies up to 16 MiB and ran
      * level beyond (docs/experiments.md).  Only the root knows its buffer:
      * the readers tell the two apart by the size in its first descriptor. */
-    if (lane == BIG && s->cma_min && len >= 2 * s->cma_min &&
-        (c->size == 2 || len > 2 * s->chunk)) {
-        int window = c->size == 2 && len <= 2 * s->chunk, direct = window;
-        /* On a busy host a root that waits out a reader's copy longer than
-         * its hot polls sleeps and costs a wake-up per op, where the medium
-         * lane lets it run ahead (docs/experiments.md); the root says so with
-         * an empty big-lane step. */
-        int may_stage = window && len <= s->chunk && lane_rooted(s, len, s->chunk, 2) == MID;
-        if (!window || may_stage) {
-            int mine = r != root ? 0
-                       : window ? len <= (uint64_t)rl_tune.shm_busy_cma_bytes ||
-                                      !rl_host_contended(rl_now_ns())
-                       : c->size == 2 ? reads_fast(buf, len) : mostly_huge(buf, len);
-            if ((st = follow_decider(c, op, root, mine, len, &direct)) != RL_OK) return st;
-        }
+    if (lane == BIG && s->cma_min && c->size == 2 && len >= 2 * s->cma_min)
+        return cma_split(c, op, buf, len, root);
+    if (lane == BIG && s->cma_min && c->size > 2 && len > 2 * s->chunk) {
+        int direct, mine = r == root && mostly_huge(buf, len);
+        if ((st = follow_decider(c, op, root, mine, len, &direct)) != RL_OK) return st;
         if (direct) return cma_scatter(c, op, buf, buf, len, root, 0);
-        if (window && (st = stage_note(c, op, root)) != RL_OK) return st;
     }
     lane = lane_rooted(s, len, s->chunk, c->size);
     size_t piece = lane_bytes(s, lane);

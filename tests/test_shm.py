@@ -200,75 +200,55 @@ def _two_rank_broadcasts(rank, P, sizes):
 
 
 @pytest.mark.parametrize("cma", ["65536", "0"])
-def test_two_rank_broadcast_reads_the_root_directly_within_its_window(monkeypatch, cma):
-    # From 2 * shm_cma_bytes to two chunks (256 KiB each): one copy by the reader,
-    # straight from the root's buffer; around the window the staged copies.
+def test_two_rank_broadcast_splits_its_copy_from_twice_shm_cma_bytes(monkeypatch, cma):
+    # From 2 * shm_cma_bytes the reader reads the first half of the root's buffer
+    # and the root writes the rest into the reader's, whatever the pages (odd
+    # sizes too); without single copy: up to one chunk (256 KiB) the medium
+    # slots, beyond the big buffers.
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
-    monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", "0")  # beyond the window: huge pages only
-    sizes = [(128 << 10) - 1, 128 << 10, 300_001, 512 << 10, (512 << 10) + 1]
+    monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", "0")  # no say in a broadcast
+    sizes = [(128 << 10) - 1, 128 << 10, 300_001, (512 << 10) + 1, (16 << 20) + 3]
     res = run_world(_two_rank_broadcasts, 2, mode="process", timeout=60, args=(sizes,))
-    # Staged: up to one chunk in the medium slots, beyond in the big buffers.
     staged = ["shm_mid_slot" if n <= 256 << 10 else "shm_copy" for n in sizes]
-    direct = [staged[0], "shm_single_copy", "shm_single_copy", "shm_single_copy", staged[4]]
-    want = direct if cma != "0" else staged
+    split = [staged[0]] + ["shm_split_copy"] * 4
+    want = split if cma != "0" else staged
     assert res == [([True] * 2 * len(sizes), want * 2)] * 2, res
 
 
-def test_two_rank_broadcast_reads_small_pages_directly_up_to_shm_cma_any_bytes(monkeypatch):
-    # Beyond two chunks, a root in 4 KiB pages is read directly up to the
-    # knob's size and staged above it; the reader follows the root.
-    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
-    monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", str(2 << 20))
-    sizes = [1 << 20, 2 << 20, (2 << 20) + 1]
-    res = run_world(_two_rank_broadcasts, 2, mode="process", timeout=60, args=(sizes,))
-    want = ["shm_single_copy", "shm_single_copy", "shm_copy"] * 2
-    assert res == [([True] * 2 * len(sizes), want)] * 2, res
-
-
-def _rooted_by_pages(rank, P, op, n):
-    # Beyond its staged window a 2-rank broadcast (gather) is read straight
-    # from the root's buffer (the leaf's block) when that lies in huge pages;
-    # the other rank follows the one whose pages decide.
+def _gather_by_pages(rank, P, n):
+    # Beyond its staged window a 2-rank gather is read straight from the
+    # leaf's block when that lies in huge pages; the root follows the leaf.
     g = _world._current().group
     ok, huge = [], []
     for root in (0, 1):
-        decides = rank == root if op == "broadcast" else rank != root
         for want_huge in (True, False):
-            buf = _paged(n, want_huge if decides else not want_huge)
+            buf = _paged(n, want_huge if rank != root else not want_huge)
 
             def pattern(q):
                 return (np.arange(n) * 5 + q + 7 * want_huge).astype(np.uint8)
 
-            if op == "broadcast":
-                if rank == root:
-                    buf[:] = pattern(root)
-                if decides:
-                    huge.append(_core.huge_page_bytes(buf))
-                ringlet.broadcast(buf, src=root)
-                ok.append(bool(np.array_equal(buf, pattern(root))))
-                continue
             buf[:] = pattern(rank)
-            if decides:
+            if rank != root:
                 huge.append(_core.huge_page_bytes(buf))
             out = np.zeros(2 * n, np.uint8) if rank == root else None
             ringlet.gather(out, buf, dst=root)
             if rank == root:
                 ok.append(bool(np.array_equal(out, np.concatenate([pattern(0), pattern(1)]))))
-    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == op]
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
     return ok, huge, algo
 
 
-@pytest.mark.parametrize("op,n", [("broadcast", 16 << 20), ("gather", 8 << 20)])
-def test_two_rank_rooted_op_beyond_its_window_reads_huge_pages_directly(monkeypatch, op, n):
+def test_two_rank_gather_beyond_its_window_reads_huge_pages_directly(monkeypatch):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_BUSY_BLOCK", "0")  # a busy host sends a gather direct anyway
+    n = 8 << 20
     (ok0, huge0, algo0), (ok1, huge1, algo1) = run_world(
-        _rooted_by_pages, 2, mode="process", timeout=120, args=(op, n))
-    assert all(ok0 + ok1) and len(ok0 + ok1) == (8 if op == "broadcast" else 4), (ok0, ok1)
-    # the deciding rank for root 0, then for root 1: huge pages asked for, then
-    # 4 KiB pages (-1: a kernel that cannot tell)
-    first, second = (huge0, huge1) if op == "broadcast" else (huge1, huge0)
+        _gather_by_pages, 2, mode="process", timeout=120, args=(n,))
+    assert all(ok0 + ok1) and len(ok0 + ok1) == 4, (ok0, ok1)
+    # the leaf for root 0 (rank 1), then for root 1 (rank 0): huge pages asked
+    # for, then 4 KiB pages (-1: a kernel that cannot tell)
+    first, second = huge1, huge0
     assert first[1] in (0, -1) and second[1] in (0, -1), (huge0, huge1)
     way = ["shm_single_copy" if h >= n // 2 else "shm_copy" for h in (first[0], -1, second[0], -1)]
     assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
@@ -522,11 +502,12 @@ def test_desync_over_shm_names_both_sides():
         assert "total=40 bytes" in msg and "total=48 bytes" in msg, msg
 
 
-def _desync_across_lanes(rank, P):
+def _desync_across_lanes(rank, P, counts):
     # Rank 0's 8 bytes fit a slot, rank 1's 64 KiB do not: they wait in
     # different lanes and never meet at a flag; the op record still meets.
     # The root only writes and may return; its next op reads the reader's abort.
-    n = 1 if rank == 0 else 8192
+    # (1 and 2 MiB: both take the split copy and meet at each other's address.)
+    n = counts[rank]
     try:
         ringlet.broadcast(np.ones(n, np.float64), src=0, timeout=30)
         ringlet.barrier(timeout=30)
@@ -537,11 +518,12 @@ def _desync_across_lanes(rank, P):
     return "no error"
 
 
-def test_desync_across_lanes_names_both_sides():
-    res = run_world(_desync_across_lanes, 2, mode="thread", timeout=60)
+@pytest.mark.parametrize("counts", [(1, 8192), (1 << 17, 1 << 18)])
+def test_desync_across_lanes_names_both_sides(counts):
+    res = run_world(_desync_across_lanes, 2, mode="thread", timeout=60, args=(counts,))
     for msg in res:
         assert "this rank expects broadcast(seq=1" in msg, msg
-        assert "total=8 bytes" in msg and "total=65536 bytes" in msg, msg
+        assert all(f"total={8 * n} bytes" in msg for n in counts), msg
 
 
 def _run_ahead(rank, P, gate):
@@ -1172,11 +1154,11 @@ def _paged(nbytes, huge):
     return a
 
 
-def _until_beside_busy_loops(rank, step, want="shm_single_copy"):
+def _until_direct_beside_busy_loops(rank, step):
     # Run step() (one operation; it returns the algorithms traced so far, or
-    # None for wrong data) until one took the algorithm `want` (by default
-    # straight from a peer's buffer).  The first runs on the idle host; then
-    # rank 0 starts busy loops beside the job (and stops them on every exit).
+    # None for wrong data) until one went straight from a peer's buffer.  The
+    # first runs on the idle host; then rank 0 starts busy loops beside the job
+    # (and stops them on every exit).
     loops = []
     try:
         deadline = time.monotonic() + 90  # the busy test reads windows of 100 ms
@@ -1187,10 +1169,10 @@ def _until_beside_busy_loops(rank, step, want="shm_single_copy"):
             if rank == 0 and not loops:
                 loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
                          for _ in range((os.cpu_count() or 1) + 2)]
-            done = np.array([int(want in algos), int(time.monotonic() > deadline)])
+            done = np.array([int("shm_single_copy" in algos), int(time.monotonic() > deadline)])
             ringlet.all_reduce(done, ringlet.ReduceOp.MAX)
             if done.any():
-                return ("switched" if done[0] else "never switched"), algos
+                return ("direct" if done[0] else "never direct"), algos
     finally:
         for p in loops:
             p.kill()
@@ -1214,7 +1196,7 @@ def _direct_once_busy(rank, P):
             ringlet.send(y, 0)
         return [e["algorithm"] for e in g._p2pc.trace()[2]] if np.array_equal(y, x) else None
 
-    return _until_beside_busy_loops(rank, step)
+    return _until_direct_beside_busy_loops(rank, step)
 
 
 def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
@@ -1223,7 +1205,7 @@ def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
     monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", "0")  # else 1 MiB goes direct idle too
     res = run_world(_direct_once_busy, 2, mode="process", timeout=120)
     for verdict, algos in res:
-        assert verdict == "switched", res
+        assert verdict == "direct", res
         assert algos[:2] == ["shm_ring", "shm_ring"], res  # idle: through the ring
 
 
@@ -1245,44 +1227,16 @@ def _gather_direct_once_busy(rank, P):
             return None
         return [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
 
-    return _until_beside_busy_loops(rank, step)
+    return _until_direct_beside_busy_loops(rank, step)
 
 
 def test_a_two_rank_gather_goes_direct_while_the_host_is_busy(monkeypatch):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     res = run_world(_gather_direct_once_busy, 2, mode="process", timeout=120)
     for verdict, algos in res:
-        assert verdict == "switched", res
+        assert verdict == "direct", res
         assert algos[0] == "shm_copy", res  # idle, from 4 KiB pages: staged
     assert res[0][1] == res[1][1], res  # the root followed the leaf's choice every time
-
-
-def _broadcast_staged_once_busy(rank, P):
-    # 2-rank broadcasts of 256 KiB until one goes through the medium slots
-    # (read straight from the root while the host is idle).
-    g = _world._current().group
-    n = 256 << 10
-    want = (np.arange(n) * 5 + 3).astype(np.uint8)
-    buf = _paged(n, False)
-
-    def step():
-        buf[:] = want if rank == 0 else 0
-        ringlet.broadcast(buf, src=0)
-        if not np.array_equal(buf, want):
-            return None
-        return [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "broadcast"]
-
-    return _until_beside_busy_loops(rank, step, want="shm_mid_slot")
-
-
-def test_a_two_rank_broadcast_of_one_chunk_is_staged_while_the_host_is_busy(monkeypatch):
-    # Beyond shm_busy_cma_bytes the root would sleep through the reader's copy.
-    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
-    res = run_world(_broadcast_staged_once_busy, 2, mode="process", timeout=120)
-    for verdict, algos in res:
-        assert verdict == "switched", res
-        assert algos[0] == "shm_single_copy", res  # idle: straight from the root
-    assert res[0][1] == res[1][1], res  # the reader followed the root's choice every time
 
 
 def _idle_sends_by_pages(rank, P, n):
