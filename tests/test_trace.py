@@ -297,7 +297,7 @@ def test_debug_info_and_detail_logs(monkeypatch, capfd):
         assert f"ringlet[rank {r}] DETAIL: comm 0: all_reduce seq=1 bytes=16 " \
                f"algorithm=shm_slot" in err
         assert f"ringlet[rank {r}] DETAIL: comm 0: broadcast seq=2 bytes=131072 " \
-               f"algorithm=shm_single_copy" in err
+               f"algorithm=shm_split_copy" in err
     assert "connected to peer" not in err
 
     monkeypatch.delenv("RINGLET_DEBUG")
