@@ -170,8 +170,8 @@ int rl_random_bytes(void *buf, size_t n);
     X(shm_cma_bytes, 64 << 10, "RINGLET_SHM_CMA_BYTES",                                             \
       "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "        \
       "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "      \
-      "from twice this, the root writing half into the reader; a 2-rank gather: "                   \
-      "beyond one chunk from a leaf in huge pages, or while the host is busy; "                     \
+      "from twice this, the root writing half into the reader; gather: also larger than "           \
+      "shm_chunk_bytes beyond 2 ranks, each leaf writing its block into the root's output; "        \
       "reduce_scatter and reduce: blocks larger than "                                              \
       "shm_chunk_bytes, when every rank's input lies in huge pages or within shm_cma_any_bytes, "   \
       "a reduce's leaves writing their results into the root's buffer; "                            \

@@ -1546,10 +1546,9 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
  * ranks): the root publishes its buffer's address in one big-lane step, moves
  * its own block while the leaves read theirs straight from it, and returns
  * once every leaf has.  Leaf r's block starts at r * stride: blk for a
- * scatter, 0 for a broadcast (every leaf reads the whole buffer).  (Below one chunk the staged scatter takes one step
- * and its root runs ahead of its 3 or more leaves; a gather's root would read
- * every block alone, where staged leaves copy in parallel: both measured
- * slower single-copy, docs/experiments.md.) */
+ * scatter, 0 for a broadcast (every leaf reads the whole buffer).  (Below one
+ * chunk the staged scatter takes one step and its root runs ahead of its 3 or
+ * more leaves: measured slower single-copy, docs/experiments.md.) */
 static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t blk, int root,
                        size_t stride) {
     rl_shm *s = c->shm;
@@ -1578,6 +1577,38 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
     return RL_OK;
 }
 
+/* A gather whose leaves write their blocks straight into the root's output
+ * (process_vm_writev) while the root moves its own: one big-lane step in
+ * which the root publishes its output's address, then waits until every leaf
+ * has acknowledged its write.  Every rank copies one block, in parallel,
+ * where the staged root copies P blocks out of the segment and a root
+ * reading the leaves directly copies them all itself.  An input that
+ * overlaps the output anywhere moves before the leaves may write. */
+static int cma_gather(rl_comm *c, rl_opdesc *op, char *many, const char *one, size_t blk,
+                      int root) {
+    rl_shm *s = c->shm;
+    int r = c->rank;
+    char *mine = many + (size_t)root * blk;
+    uint32_t step;
+    int st;
+    op->algo = "shm_leaf_write";
+    if ((st = step_begin(c, op, BIG, r == root, &step)) != RL_OK) return st;
+    if (r == root) {
+        int early = mine != one && rl_overlap(one, blk, many, blk * (size_t)c->size);
+        if (early) memmove(mine, one, blk);
+        s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)many;
+        publish_in(c, op, BIG, step, 0, blk);
+        step_ack(c, BIG, step);
+        if (mine != one && !early) copy_own(mine, one, blk, RL_STREAM_COPY_MIN);
+        return wait_peers_ack(c, op, step, blk);
+    }
+    if ((st = wait_in(c, op, BIG, root, step, 0, blk)) != RL_OK) return st;
+    uint64_t at = __atomic_load_n(&s->ctrl[root].xaddr[step & 1], __ATOMIC_RELAXED);
+    if ((st = cma_write(c, op, root, at + (uint64_t)r * blk, one, blk)) != RL_OK) return st;
+    step_ack(c, BIG, step);
+    return RL_OK;
+}
+
 int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,
                   int root) {
     rl_shm *s = c->shm;
@@ -1595,25 +1626,15 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     note_op(c, op);
     if (!gather && lane != SMALL && s->cma_min && blk >= s->cma_min && (blk > s->chunk || P == 2))
         return cma_scatter(c, op, many, one, blk, root, blk);
-    /* A 2-rank gather beyond one chunk from a leaf in huge pages: the root
-     * reads the leaf's block straight from it, which the kernel does faster
-     * than the staged copy pair; from 4 KiB pages the staged leaf, which runs
-     * ahead, wins at every size on an idle host, while beside other
-     * processes the single copy needs only the root to run (as a
-     * point-to-point message's does; docs/experiments.md).  Only the leaf
-     * knows its pages: the root follows the size of the leaf's first
-     * descriptor (blk here, one chunk staged). */
+    /* A gather's leaves write their blocks straight into the root's output
+     * (cma_gather): at 2 ranks from cma_min, beyond only above one chunk,
+     * where leaves that wait for the root's address no longer lose to staged
+     * leaves running ahead on a busy host (docs/experiments.md). */
+    if (gather && lane == BIG && s->cma_min && blk >= s->cma_min && (P == 2 || blk > s->chunk))
+        return cma_gather(c, op, many, one, blk, root);
     if (r == root && gather && mine != (char *)one) {
         if (rl_overlap(mine, blk, one, blk)) memmove(mine, one, blk);
         else copy_own(mine, one, blk, RL_STREAM_COPY_MIN);
-    }
-    if (gather && lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min && blk > s->chunk) {
-        int leaf = 1 - root, direct;
-        int says = r == leaf && (rl_host_contended(rl_now_ns()) || mostly_huge(one, blk));
-        if ((st = follow_decider(c, op, leaf, says, blk, &direct)) != RL_OK)
-            return st;
-        if (direct && r == leaf) return cma_scatter(c, op, one, one, blk, leaf, 0);
-        if (direct) return cma_scatter(c, op, many, (char *)many + (size_t)leaf * blk, blk, leaf, 0);
     }
     op->algo = lane_algo(lane);
     int writes = gather ? r != root : r == root;

@@ -174,13 +174,14 @@ def test_large_blocks_are_read_from_the_peer_across_processes(monkeypatch, cma):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
     res = run_world(_single_copy_ops, 3, mode="process", timeout=60, args=(100_000,))
-    # 400 KB blocks: above the staging chunk, where scatter reads directly too;
-    # a gather's root always collects staged blocks (leaves copy in parallel).
-    # 2 ranks (all_gather's single copy): the matrix above.
+    # 400 KB blocks: above the staging chunk, where scatter reads directly too
+    # and a gather's leaves write into the root's output.  2 ranks
+    # (all_gather's single copy): the matrix above.
     want = "shm_single_copy" if cma != "0" else "shm_copy"
     ops = ("all_to_all", "all_gather", "gather", "scatter")
     algos = {o: want for o in ops}
-    algos["gather"] = algos["all_gather"] = "shm_copy"  # all_gather: only at 2 ranks
+    algos["all_gather"] = "shm_copy"  # single copy only at 2 ranks
+    algos["gather"] = "shm_leaf_write" if cma != "0" else "shm_copy"
     assert res == [({o: True for o in ops}, algos)] * 3, res
 
 
@@ -216,42 +217,53 @@ def test_two_rank_broadcast_splits_its_copy_from_twice_shm_cma_bytes(monkeypatch
     assert res == [([True] * 2 * len(sizes), want * 2)] * 2, res
 
 
-def _gather_by_pages(rank, P, n):
-    # Beyond its staged window a 2-rank gather is read straight from the
-    # leaf's block when that lies in huge pages; the root follows the leaf.
+def _gathers(rank, P, sizes):
+    # Gathers of each block size from every root, in 4 KiB and huge pages,
+    # then in place (the root's input is its block of the output) and with
+    # the root's input lying across another block of the output.
     g = _world._current().group
-    ok, huge = [], []
-    for root in (0, 1):
-        for want_huge in (True, False):
-            buf = _paged(n, want_huge if rank != root else not want_huge)
-
-            def pattern(q):
-                return (np.arange(n) * 5 + q + 7 * want_huge).astype(np.uint8)
-
-            buf[:] = pattern(rank)
-            if rank != root:
-                huge.append(_core.huge_page_bytes(buf))
-            out = np.zeros(2 * n, np.uint8) if rank == root else None
-            ringlet.gather(out, buf, dst=root)
+    ok = []
+    for blk in sizes:
+        for root in range(P):
+            for huge in (False, True):
+                def pattern(q):
+                    return (np.arange(blk) * 5 + q + 7 * huge + 3 * root).astype(np.uint8)
+                want = np.concatenate([pattern(q) for q in range(P)])
+                mine = _paged(blk, huge)
+                mine[:] = pattern(rank)
+                out = _paged(P * blk, huge) if rank == root else None
+                ringlet.gather(out, mine, dst=root)
+                if rank == root:
+                    ok.append(bool(np.array_equal(out, want)))
             if rank == root:
-                ok.append(bool(np.array_equal(out, np.concatenate([pattern(0), pattern(1)]))))
+                out = np.zeros(P * blk, np.uint8)
+                out[root * blk:(root + 1) * blk] = pattern(root)
+                ringlet.gather(out, out[root * blk:(root + 1) * blk], dst=root)
+                ok.append(bool(np.array_equal(out, want)))
+                other = (root + 1) % P  # the input lies across the next block
+                out = np.zeros(P * blk, np.uint8)
+                out[other * blk:(other + 1) * blk] = pattern(root)
+                ringlet.gather(out, out[other * blk:(other + 1) * blk], dst=root)
+                ok.append(bool(np.array_equal(out, want)))
+            else:
+                ringlet.gather(None, pattern(rank), dst=root)
+                ringlet.gather(None, pattern(rank), dst=root)
     algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
-    return ok, huge, algo
+    return ok, algo
 
 
-def test_two_rank_gather_beyond_its_window_reads_huge_pages_directly(monkeypatch):
+@pytest.mark.parametrize("P", [2, 3])
+def test_gather_leaves_write_into_the_root_from_shm_cma_bytes(monkeypatch, P):
+    # At 2 ranks from shm_cma_bytes (64 KiB), beyond only above one chunk
+    # (256 KiB); below, and without single copy, the staged big lane.
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
-    monkeypatch.setenv("RINGLET_BUSY_BLOCK", "0")  # a busy host sends a gather direct anyway
-    n = 8 << 20
-    (ok0, huge0, algo0), (ok1, huge1, algo1) = run_world(
-        _gather_by_pages, 2, mode="process", timeout=120, args=(n,))
-    assert all(ok0 + ok1) and len(ok0 + ok1) == 4, (ok0, ok1)
-    # the leaf for root 0 (rank 1), then for root 1 (rank 0): huge pages asked
-    # for, then 4 KiB pages (-1: a kernel that cannot tell)
-    first, second = huge1, huge0
-    assert first[1] in (0, -1) and second[1] in (0, -1), (huge0, huge1)
-    way = ["shm_single_copy" if h >= n // 2 else "shm_copy" for h in (first[0], -1, second[0], -1)]
-    assert algo0 == algo1 == way, (huge0, huge1, algo0, algo1)
+    sizes = [(64 << 10) - 1, 64 << 10, 256 << 10, (256 << 10) + 1, 3 << 20]
+    res = run_world(_gathers, P, mode="process", timeout=120, args=(sizes,))
+    first = 64 << 10 if P == 2 else (256 << 10) + 1
+    way = ["shm_leaf_write" if n >= first else "shm_copy" for n in sizes]
+    for rank, (ok, algo) in enumerate(res):
+        assert ok == [True] * (len(sizes) * 4), (rank, ok)  # a root's view: 4 per size
+        assert algo == [a for a in way for _ in range(P) for _ in range(4)], (rank, algo)
 
 
 def _broadcast_by_root_pages(rank, P, n):
@@ -1207,36 +1219,6 @@ def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
     for verdict, algos in res:
         assert verdict == "direct", res
         assert algos[:2] == ["shm_ring", "shm_ring"], res  # idle: through the ring
-
-
-def _gather_direct_once_busy(rank, P):
-    # 2-rank gathers of 1 MiB blocks in 4 KiB pages until one goes straight
-    # from the leaf's buffer (staged while the host is idle).
-    g = _world._current().group
-    n = 1 << 20
-    mine = _paged(n, False)
-    mine[:] = (np.arange(n) * 3 + rank).astype(np.uint8)
-    want = np.concatenate([(np.arange(n) * 3 + q).astype(np.uint8) for q in range(P)])
-    out = np.zeros(P * n, np.uint8) if rank == 0 else None
-
-    def step():
-        if out is not None:
-            out[:] = 0
-        ringlet.gather(out, mine, dst=0)
-        if out is not None and not np.array_equal(out, want):
-            return None
-        return [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "gather"]
-
-    return _until_direct_beside_busy_loops(rank, step)
-
-
-def test_a_two_rank_gather_goes_direct_while_the_host_is_busy(monkeypatch):
-    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
-    res = run_world(_gather_direct_once_busy, 2, mode="process", timeout=120)
-    for verdict, algos in res:
-        assert verdict == "direct", res
-        assert algos[0] == "shm_copy", res  # idle, from 4 KiB pages: staged
-    assert res[0][1] == res[1][1], res  # the root followed the leaf's choice every time
 
 
 def _idle_sends_by_pages(rank, P, n):
