@@ -178,6 +178,10 @@ int rl_random_bytes(void *buf, size_t n);
       "a point-to-point message: also larger than its ring, as shm_p2p_direct allows) "             \
       "are read straight from the peer's buffer "                                                   \
       "(process_vm_readv, one copy instead of two); 0: never")                                      \
+    X(shm_cma_all_reduce_bytes, 32 << 20, "RINGLET_SHM_CMA_ALL_REDUCE_BYTES",                      \
+      "shared memory: an all_reduce of at most this many bytes (any size while the host "          \
+      "is busy, by the busy_block test) whose blocks a reduce would read straight from the "       \
+      "peers does so too, each rank writing its block's result into every peer; 0: never")         \
     X(shm_cma_any_bytes, 4 << 20, "RINGLET_SHM_CMA_ANY_BYTES",                                      \
       "shared memory: up to this, an idle point-to-point "                                          \
       "message beyond twice its ring and a reduce_scatter's input are read straight from the "      \

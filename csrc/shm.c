@@ -1133,8 +1133,9 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
         step_ack(c, lane, step);
         return RL_OK;
     }
-    if (root >= 0 && P > 1 && s->cma_min && (count / (size_t)P) * esz > s->chunk &&
-        (count / (size_t)P) * esz >= s->cma_min) {
+    size_t blk = (count / (size_t)P) * esz;
+    if (P > 1 && s->cma_min && blk > s->chunk && blk >= s->cma_min &&
+        (root >= 0 || rl_tune.shm_cma_all_reduce_bytes)) {
         int done;
         if ((st = cma_reduce(c, op, buf, count, dt, rop, root, &done)) != RL_OK || done) return st;
     }
@@ -1383,13 +1384,16 @@ static int agree_direct(rl_comm *c, rl_opdesc *op, uint32_t step, const void *in
  * piece is read whole, then reduced in sub-blocks; from 4 MiB the result is
  * streamed out of L1 (its lines are not read first).  dst may be this
  * rank's own block of `in` (in place): the last pass writes it.  to: the
- * rank whose memory dst is; another rank's (a reduce's root) receives each
+ * rank whose memory dst is, or -1 for an all_reduce: dst is this rank's own
+ * block, and each piece's result is written into every peer at the same
+ * offset too (no peer reads that block of any buffer but this rank); another
+ * rank's (a reduce's root) receives each
  * piece's result with one write (cma_write). */
 static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const char *in,
                                size_t off, char *dst, int to, size_t count, rl_dtype dt,
                                rl_redop rop) {
     rl_shm *s = c->shm;
-    int P = c->size, r = c->rank, st, away = to != r;
+    int P = c->size, r = c->rank, st, away = to >= 0 && to != r, all = to < 0;
     size_t esz = rl_dtype_size(dt);
     size_t pe = RD_PIECES / (size_t)(P - 1) / 4096 * 4096 / esz, se = RD_SUB / esz;
     if (pe < se) pe = se;
@@ -1400,7 +1404,8 @@ static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const c
         return st;
     char *acc = tmp + (size_t)(P - 1) * pe * esz, *res = acc + se * esz;
     const char *src[SHM_MAX_RANKS];
-    int stream = !away && count * esz >= RL_STREAM_COPY_MIN;
+    /* An all_reduce's pieces are read back for its peers: kept in the cache. */
+    int stream = !away && !all && count * esz >= RL_STREAM_COPY_MIN;
     for (size_t k = 0; k < count; k += pe) {
         size_t m = count - k < pe ? count - k : pe, at_k = off + k * esz;
         char *to_k = away ? res : dst + k * esz;
@@ -1428,6 +1433,11 @@ static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const c
         if (away && (st = cma_write(c, op, to, (uint64_t)(uintptr_t)dst + k * esz, res,
                                     m * esz)) != RL_OK)
             return st;
+        for (int i = 1; all && i < P; i++) {
+            int q = (r + i) % P;
+            uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+            if ((st = cma_write(c, op, q, at + at_k, to_k, m * esz)) != RL_OK) return st;
+        }
     }
     return RL_OK;
 }
@@ -1462,14 +1472,18 @@ static int cma_reduce_scatter(rl_comm *c, rl_opdesc *op, char *out, const char *
     return wait_peers_ack(c, op, step, blk);
 }
 
-/* ---- reduce, single copy ------------------------------------------------------
+/* ---- reduce and all_reduce, single copy -----------------------------------------
  * The reduce_scatter above with the root's buffer as everyone's output:
  * rank r reads block r of every peer's buffer directly, reduces it with its
  * own in rank order, and writes the result into block r of the root's buffer
  * (the root in place, a leaf with one process_vm_writev per piece).  Only
  * leaf r touches block r of the root's buffer, reading it before writing it.
  * No copy-in and no copy-out: every rank reads n and writes n / P; one step
- * to agree, one acknowledgement at the end (docs/algorithms.md). */
+ * to agree, one acknowledgement at the end (docs/algorithms.md).  An
+ * all_reduce (root -1) writes block r into its own buffer and every peer's:
+ * it writes (P-1) n / P more.  Idle, the staged pipeline caught up from
+ * shm_cma_all_reduce_bytes, where its reads and writes hit the caches; beside
+ * busy loops its hand-overs lost at every size (docs/experiments.md). */
 static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dtype dt,
                       rl_redop rop, int root, int *done) {
     rl_shm *s = c->shm;
@@ -1479,10 +1493,12 @@ static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dty
     int st;
     *done = 0;
     if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
-    if ((st = agree_direct(c, op, step, buf, count * esz, 1, done)) != RL_OK || !*done) return st;
+    int ok = root >= 0 || count * esz <= (uint64_t)rl_tune.shm_cma_all_reduce_bytes ||
+             rl_host_contended(rl_now_ns());
+    if ((st = agree_direct(c, op, step, buf, count * esz, ok, done)) != RL_OK || !*done) return st;
     op->algo = "shm_single_copy";
     char *dst = buf + bs;
-    if (r != root)
+    if (root >= 0 && r != root)
         dst = (char *)(uintptr_t)(__atomic_load_n(&s->ctrl[root].xaddr[step & 1],
                                                   __ATOMIC_RELAXED) + bs);
     if ((st = direct_reduce_block(c, op, step, buf, bs, dst, root, rl_block_count(count, P, r),

@@ -301,7 +301,7 @@ def _reductions_by_pages(rank, P, blks):
     # reads its block of the others' buffers directly when all of them may
     # (huge pages, or a total within shm_cma_any_bytes), else every rank
     # stages; the same bits either way.  An all_reduce of the same buffers
-    # (staged) alongside.
+    # alongside (within shm_cma_all_reduce_bytes, where it goes as a reduce).
     g = _world._current().group
     ok, huge, avg = [], [], []
     for blk in blks:
@@ -363,11 +363,50 @@ def test_reductions_read_their_block_of_the_peers_directly(monkeypatch, P):
             way += ["shm_single_copy" if direct else "shm_flat"] * 2
             staged = "shm_pair" if P == 2 else "shm_chunked"
             way += ["shm_single_copy" if direct else staged] * 2
-            way += [staged] * 2  # an all_reduce stays staged (docs/experiments.md)
+            way += ["shm_single_copy" if direct else staged] * 2  # all_reduce: 12-24 MB
     assert all(algo == way for _, _, algo, _ in res), (way, [r[1] for r in res],
                                                      [r[2] for r in res])
     # 4 KiB pages on one rank send every rank to the staged path
     assert way[6] != "shm_single_copy" or res[0][1][1] >= blks[0] * P * 2, (way, res[0][1])
+
+
+def _all_reduces_of(rank, P, n):
+    x = (np.arange(n, dtype=np.float32) % 1000) * (rank + 1)
+    ringlet.all_reduce(x, ReduceOp.SUM)
+    ok = bool(np.array_equal(x, (np.arange(n, dtype=np.float32) % 1000) * (P * (P + 1) // 2)))
+    algo = [e["algorithm"] for e in _world._current().group._coll.trace()[2]
+            if e["op"] == "all_reduce"]
+    return ok, algo
+
+
+@pytest.mark.parametrize("bound,want", [("4194304", "shm_single_copy"), ("1048576", "shm_pair"),
+                                        ("0", "shm_pair")])
+def test_an_idle_all_reduce_reads_its_block_directly_up_to_its_bound(monkeypatch, bound, want):
+    # 2 MiB, blocks of one MiB: beyond the bound (or with it 0) the staged pair.
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_ALL_REDUCE_BYTES", bound)
+    monkeypatch.setenv("RINGLET_BUSY_BLOCK", "0")  # the host's load must not decide here
+    res = run_world(_all_reduces_of, 2, mode="process", timeout=60, args=(1 << 19,))
+    assert res == [(True, [want])] * 2, res
+
+
+def _all_reduce_direct_once_busy(rank, P):
+    # 2 MiB all_reduces beyond the bound until one reads its block directly.
+    def step():
+        ok, algo = _all_reduces_of(rank, P, 1 << 19)
+        return algo if ok else None
+
+    return _until_direct_beside_busy_loops(rank, step)
+
+
+def test_an_all_reduce_beyond_its_bound_reads_directly_while_the_host_is_busy(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_ALL_REDUCE_BYTES", "1048576")
+    res = run_world(_all_reduce_direct_once_busy, 2, mode="process", timeout=120)
+    for verdict, algos in res:
+        assert verdict == "direct", res
+        assert algos[0] == "shm_pair", res  # idle: staged
+    assert res[0][1] == res[1][1], res  # every rank took the same way every time
 
 
 def _own_blocks_streamed(rank, P, blk):
