@@ -169,7 +169,9 @@ int rl_random_bytes(void *buf, size_t n);
       "of two; below 2: point-to-point stays on TCP)")                                              \
     X(shm_cma_bytes, 64 << 10, "RINGLET_SHM_CMA_BYTES",                                             \
       "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "        \
-      "groups; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank broadcast: "      \
+      "groups, beyond 2 ranks blocks larger than two chunks, each rank writing its block into "     \
+      "its peers' outputs; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank "     \
+      "broadcast: "                                                                                 \
       "from twice this, the root writing half into the reader; gather: also larger than "           \
       "shm_chunk_bytes beyond 2 ranks, each leaf writing its block into the root's output; "        \
       "reduce_scatter and reduce: blocks larger than "                                              \

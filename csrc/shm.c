@@ -1302,6 +1302,39 @@ int rl_shm_barrier(rl_comm *c, rl_opdesc *op) {
 static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, size_t blk,
                         size_t at_off);
 
+/* All_gather by writes: each rank publishes its output's address, moves its
+ * own block, then writes its block into block r of every peer's output
+ * (process_vm_writev), piece by piece so that each piece is read from memory
+ * once for all peers; it returns once every peer has written into its
+ * output.  `in` must not overlap `out` but as its own block. */
+#define WP_PIECE ((size_t)1 << 20)
+static int cma_write_peers(rl_comm *c, rl_opdesc *op, char *out, const char *in, size_t blk) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    uint32_t step;
+    int st;
+    op->algo = "shm_write_peers";
+    if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
+    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)out;
+    publish_in(c, op, BIG, step, 0, blk);
+    char *mine = out + (size_t)r * blk;
+    if (in != mine) copy_own(mine, in, blk, RL_STREAM_COPY_MIN);
+    for (int i = 1; i < P; i++)
+        if ((st = wait_in(c, op, BIG, (r + i) % P, step, 0, blk)) != RL_OK) return st;
+    for (size_t k = 0; k < blk; k += WP_PIECE) {
+        size_t n = blk - k < WP_PIECE ? blk - k : WP_PIECE;
+        for (int i = 1; i < P; i++) {
+            int q = (r + i) % P;
+            uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+            if ((st = cma_write(c, op, q, at + (uint64_t)r * blk + k, in + k, n)) != RL_OK)
+                return st;
+        }
+    }
+    step_ack(c, BIG, step);
+    /* Peers write into this rank's output until each has acknowledged. */
+    return wait_peers_ack(c, op, step, blk);
+}
+
 int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t count,
                       rl_dtype dt) {
     rl_shm *s = c->shm;
@@ -1319,10 +1352,15 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
         memmove(mine, in, blk);
         in = mine;
     }
-    /* Single copy reads every block once per peer from memory, where the
-     * staged copy-out reads the segment's cached piece: only 2 ranks gain. */
+    /* Reading every peer's block directly reads each block once per peer
+     * from memory, where the staged copy-out reads the segment's cached
+     * piece: only 2 ranks gain.  Beyond, blocks of more than two chunks are
+     * written into the peers instead, each piece once from memory for all of
+     * them (docs/experiments.md). */
     if (lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min)
         return cma_exchange(c, op, (char *)out, (const char *)in, blk, 0);
+    if (lane == BIG && P > 2 && s->cma_min && blk > 2 * s->chunk)
+        return cma_write_peers(c, op, (char *)out, (const char *)in, blk);
     for (size_t k = 0, part = 0; k < count; k += ce, part++) {
         size_t n = count - k < ce ? count - k : ce;
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;

@@ -266,6 +266,37 @@ def test_gather_leaves_write_into_the_root_from_shm_cma_bytes(monkeypatch, P):
         assert algo == [a for a in way for _ in range(P) for _ in range(4)], (rank, algo)
 
 
+def _all_gathers(rank, P, sizes):
+    # All_gathers of each block size: from a separate input, in place (the
+    # input is this rank's block of the output) and from an input lying in
+    # the next rank's block of the output.
+    g = _world._current().group
+    ok = []
+    for blk in sizes:
+        def pattern(q):
+            return (np.arange(blk) * 3 + 11 * q).astype(np.uint8)
+        want = np.concatenate([pattern(q) for q in range(P)])
+        out = np.zeros(P * blk, np.uint8)
+        ringlet.all_gather(out, pattern(rank))
+        ok.append(bool(np.array_equal(out, want)))
+        for at in (rank, (rank + 1) % P):
+            out = np.zeros(P * blk, np.uint8)
+            out[at * blk:(at + 1) * blk] = pattern(rank)
+            ringlet.all_gather(out, out[at * blk:(at + 1) * blk])
+            ok.append(bool(np.array_equal(out, want)))
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "all_gather"]
+    return ok, algo
+
+
+@pytest.mark.parametrize("P", [3, 4])
+def test_all_gather_beyond_two_ranks_writes_blocks_of_more_than_two_chunks(monkeypatch, P):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    sizes = [512 << 10, (512 << 10) + 1, 3 << 20]
+    res = run_world(_all_gathers, P, mode="process", timeout=120, args=(sizes,))
+    way = [a for n in sizes for a in ["shm_write_peers" if n > 512 << 10 else "shm_copy"] * 3]
+    assert res == [([True] * 3 * len(sizes), way)] * P, res
+
+
 def _broadcast_by_root_pages(rank, P, n):
     # Beyond two chunks, more than 2 ranks read the root's buffer directly
     # when it lies in huge pages, and stage it through the segment otherwise.
