@@ -998,6 +998,27 @@ static void publish_in(rl_comm *c, const rl_opdesc *op, int lane, uint32_t step,
     publish(s, c->rank, lane_in(s, c->rank, lane, step), step);
 }
 
+/* In big step `step`, begun as a writer: publish this rank's buffer at
+ * `addr` for its peers' direct reads or writes, n in the descriptor. */
+static void publish_addr(rl_comm *c, const rl_opdesc *op, uint32_t step, const void *addr,
+                         uint64_t n) {
+    c->shm->ctrl[c->rank].xaddr[step & 1] = (uint64_t)(uintptr_t)addr;
+    publish_in(c, op, BIG, step, 0, n);
+}
+
+/* The next big step, begun as a writer, publishing `addr` (publish_addr). */
+static int open_addr(rl_comm *c, const rl_opdesc *op, const void *addr, uint64_t n,
+                     uint32_t *step) {
+    int st = step_begin(c, op, BIG, 1, step);
+    if (st == RL_OK) publish_addr(c, op, *step, addr, n);
+    return st;
+}
+
+/* The buffer address peer q published in big step `step`. */
+static inline uint64_t peer_addr(const rl_shm *s, int q, uint32_t step) {
+    return __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+}
+
 /* Wait for q's input of this step; its descriptor into *got. */
 static int peek_in(rl_comm *c, const rl_opdesc *op, int lane, int q, uint32_t step,
                    rl_hdr *got) {
@@ -1231,11 +1252,9 @@ static int cma_split(rl_comm *c, rl_opdesc *op, char *buf, size_t len, int root)
     uint32_t step;
     int st;
     op->algo = "shm_split_copy";
-    if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
-    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)buf;
-    publish_in(c, op, BIG, step, 0, len);
+    if ((st = open_addr(c, op, buf, len, &step)) != RL_OK) return st;
     if ((st = wait_in(c, op, BIG, q, step, 0, len)) != RL_OK) return st;
-    uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+    uint64_t at = peer_addr(s, q, step);
     if (r == root) st = cma_write(c, op, q, at + h, buf + h, len - h);
     else st = cma_read(c, op, q, buf, at, h);
     if (st != RL_OK) return st;
@@ -1314,9 +1333,7 @@ static int cma_write_peers(rl_comm *c, rl_opdesc *op, char *out, const char *in,
     uint32_t step;
     int st;
     op->algo = "shm_write_peers";
-    if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
-    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)out;
-    publish_in(c, op, BIG, step, 0, blk);
+    if ((st = open_addr(c, op, out, blk, &step)) != RL_OK) return st;
     char *mine = out + (size_t)r * blk;
     if (in != mine) copy_own(mine, in, blk, RL_STREAM_COPY_MIN);
     for (int i = 1; i < P; i++)
@@ -1325,7 +1342,7 @@ static int cma_write_peers(rl_comm *c, rl_opdesc *op, char *out, const char *in,
         size_t n = blk - k < WP_PIECE ? blk - k : WP_PIECE;
         for (int i = 1; i < P; i++) {
             int q = (r + i) % P;
-            uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+            uint64_t at = peer_addr(s, q, step);
             if ((st = cma_write(c, op, q, at + (uint64_t)r * blk + k, in + k, n)) != RL_OK)
                 return st;
         }
@@ -1394,11 +1411,9 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
  * the descriptor carries the verdict: n or 0. */
 static int agree_direct(rl_comm *c, rl_opdesc *op, uint32_t step, const void *in, uint64_t n,
                         int ok, int *direct) {
-    rl_shm *s = c->shm;
     int r = c->rank, st;
     *direct = ok && reads_fast(in, n);
-    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)in;
-    publish_in(c, op, BIG, step, 0, *direct ? n : 0);
+    publish_addr(c, op, step, in, *direct ? n : 0);
     for (int i = 1; i < c->size; i++) {
         int q = (r + i) % c->size;
         rl_hdr got, want;
@@ -1453,7 +1468,7 @@ static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const c
                 continue;
             }
             char *into = tmp + (size_t)(t++) * pe * esz;
-            uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+            uint64_t at = peer_addr(s, q, step);
             if ((st = cma_read(c, op, q, into, at + at_k, m * esz)) != RL_OK) return st;
             src[q] = into;
         }
@@ -1473,7 +1488,7 @@ static int direct_reduce_block(rl_comm *c, rl_opdesc *op, uint32_t step, const c
             return st;
         for (int i = 1; all && i < P; i++) {
             int q = (r + i) % P;
-            uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+            uint64_t at = peer_addr(s, q, step);
             if ((st = cma_write(c, op, q, at + at_k, to_k, m * esz)) != RL_OK) return st;
         }
     }
@@ -1537,8 +1552,7 @@ static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dty
     op->algo = "shm_single_copy";
     char *dst = buf + bs;
     if (root >= 0 && r != root)
-        dst = (char *)(uintptr_t)(__atomic_load_n(&s->ctrl[root].xaddr[step & 1],
-                                                  __ATOMIC_RELAXED) + bs);
+        dst = (char *)(uintptr_t)(peer_addr(s, root, step) + bs);
     if ((st = direct_reduce_block(c, op, step, buf, bs, dst, root, rl_block_count(count, P, r),
                                   dt, rop)) != RL_OK)
         return st;
@@ -1613,8 +1627,7 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
     op->algo = "shm_single_copy";
     if ((st = step_begin(c, op, BIG, r == root, &step)) != RL_OK) return st;
     if (r == root) {
-        s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)many;
-        publish_in(c, op, BIG, step, 0, blk);
+        publish_addr(c, op, step, many, blk);
         step_ack(c, BIG, step);
         /* The root's own block moves while the leaves read theirs, unless its
          * output lies in the buffer they read. */
@@ -1625,7 +1638,7 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
         return RL_OK;
     }
     if ((st = wait_in(c, op, BIG, root, step, 0, blk)) != RL_OK) return st;
-    uint64_t at = __atomic_load_n(&s->ctrl[root].xaddr[step & 1], __ATOMIC_RELAXED);
+    uint64_t at = peer_addr(s, root, step);
     if ((st = cma_read(c, op, root, one, at + (uint64_t)r * stride, blk)) != RL_OK) return st;
     step_ack(c, BIG, step);
     return RL_OK;
@@ -1650,14 +1663,13 @@ static int cma_gather(rl_comm *c, rl_opdesc *op, char *many, const char *one, si
     if (r == root) {
         int early = mine != one && rl_overlap(one, blk, many, blk * (size_t)c->size);
         if (early) memmove(mine, one, blk);
-        s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)many;
-        publish_in(c, op, BIG, step, 0, blk);
+        publish_addr(c, op, step, many, blk);
         step_ack(c, BIG, step);
         if (mine != one && !early) copy_own(mine, one, blk, RL_STREAM_COPY_MIN);
         return wait_peers_ack(c, op, step, blk);
     }
     if ((st = wait_in(c, op, BIG, root, step, 0, blk)) != RL_OK) return st;
-    uint64_t at = __atomic_load_n(&s->ctrl[root].xaddr[step & 1], __ATOMIC_RELAXED);
+    uint64_t at = peer_addr(s, root, step);
     if ((st = cma_write(c, op, root, at + (uint64_t)r * blk, one, blk)) != RL_OK) return st;
     step_ack(c, BIG, step);
     return RL_OK;
@@ -1735,9 +1747,7 @@ static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, s
     uint32_t step;
     int st;
     op->algo = "shm_single_copy";
-    if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
-    s->ctrl[r].xaddr[step & 1] = (uint64_t)(uintptr_t)src;
-    publish_in(c, op, BIG, step, 0, blk);
+    if ((st = open_addr(c, op, src, blk, &step)) != RL_OK) return st;
     /* The own block: at 2 ranks beside the peer's read of ours; beyond, after
      * this rank's ack, which then frees sooner the peers waiting to reuse
      * their input (docs/experiments.md). */
@@ -1746,7 +1756,7 @@ static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, s
     for (int i = 1; i < P; i++) {
         int q = (r + i) % P;
         if ((st = wait_in(c, op, BIG, q, step, 0, blk)) != RL_OK) return st;
-        uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[step & 1], __ATOMIC_RELAXED);
+        uint64_t at = peer_addr(s, q, step);
         st = cma_read(c, op, q, out + (size_t)q * blk, at + (uint64_t)at_off, blk);
         if (st != RL_OK) return st;
     }
