@@ -168,9 +168,10 @@ int rl_random_bytes(void *buf, size_t n);
       "shared memory: 8 KiB cells per ordered pair of ranks for point-to-point messages (a power "  \
       "of two; below 2: point-to-point stays on TCP)")                                              \
     X(shm_cma_bytes, 64 << 10, "RINGLET_SHM_CMA_BYTES",                                             \
-      "shared memory: all_to_all blocks of at least this many bytes (all_gather: in 2-rank "        \
-      "groups, beyond 2 ranks blocks larger than two chunks, each rank writing its block into "     \
-      "its peers' outputs; scatter: beyond 2 ranks also larger than shm_chunk_bytes; a 2-rank "     \
+      "shared memory: all_to_all blocks of at least this many bytes beyond 2 ranks (2 ranks: "      \
+      "shm_cma_pair_bytes; all_gather: beyond 2 ranks blocks larger than two chunks, each rank "    \
+      "writing its block into its peers' outputs; scatter: beyond 2 ranks also larger than "        \
+      "shm_chunk_bytes; a 2-rank "                                                                  \
       "broadcast: "                                                                                 \
       "from twice this, the root writing half into the reader; gather: also larger than "           \
       "shm_chunk_bytes beyond 2 ranks, each leaf writing its block into the root's output; "        \
@@ -180,6 +181,10 @@ int rl_random_bytes(void *buf, size_t n);
       "a point-to-point message: also larger than its ring, as shm_p2p_direct allows) "             \
       "are read straight from the peer's buffer "                                                   \
       "(process_vm_readv, one copy instead of two); 0: never")                                      \
+    X(shm_cma_pair_bytes, 8 << 10, "RINGLET_SHM_CMA_PAIR_BYTES",                                    \
+      "shared memory: in 2-rank groups all_gather and all_to_all blocks of at least this many "     \
+      "bytes (and of more than one small slot) are read straight from the peer, when "              \
+      "shm_cma_bytes is not 0; 0: from shm_cma_bytes as in larger groups")                          \
     X(shm_cma_all_reduce_bytes, 32 << 20, "RINGLET_SHM_CMA_ALL_REDUCE_BYTES",                      \
       "shared memory: an all_reduce of at most this many bytes (any size while the host "          \
       "is busy, by the busy_block test) whose blocks a reduce would read straight from the "       \

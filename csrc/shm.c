@@ -58,7 +58,7 @@
 #include "internal.h"
 
 #define SHM_MAGIC 0x4d48534cu /* "LSHM" */
-#define SHM_VERSION 5u
+#define SHM_VERSION 6u
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
@@ -96,6 +96,8 @@ typedef struct {
     uint32_t cma_bytes;  /* single copy (process_vm_readv) from blocks of this
                             many bytes (shm_cma_bytes of rank 0); 0: never */
     uint32_t mid_slots;  /* medium slots per rank, a power of two; 0: none  */
+    uint32_t cma_pair;   /* 2 ranks: all_gather and all_to_all single copy from
+                            blocks of this many bytes (shm_cma_pair_bytes of rank 0) */
     uint64_t mid_bytes;  /* payload of one medium slot                     */
     uint64_t mid_off;    /* offset of rank 0's first medium slot           */
     /* The one futex word: every event a sleeper may wait for (a flag that a
@@ -185,6 +187,7 @@ struct rl_shm {
     int npidfds;
     uint64_t probe;  /* what a peer's process_vm_readv must find at xaddr[0] */
     size_t cma_min;  /* single copy from this many bytes per block; 0: off  */
+    size_t cma_pair; /* 2 ranks' all_gather and all_to_all: from this many; 0: off */
 };
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -630,6 +633,8 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
         }
         int64_t cma = rl_tune.shm_cma_bytes;
         h->cma_bytes = cma <= 0 ? 0 : (cma > UINT32_MAX ? UINT32_MAX : (uint32_t)cma);
+        int64_t pair = rl_tune.shm_cma_pair_bytes;
+        h->cma_pair = pair <= 0 ? h->cma_bytes : (pair > UINT32_MAX ? UINT32_MAX : (uint32_t)pair);
         __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
     } else {
         int ok = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == SHM_MAGIC &&
@@ -845,6 +850,7 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
     s->cma_min = s->hdr->cma_bytes;
     for (int q = 0; q < c->size && s->cma_min; q++)
         if (__atomic_load_n(&s->ctrl[q].cma_ok, __ATOMIC_ACQUIRE) != 1) s->cma_min = 0;
+    s->cma_pair = s->cma_min ? s->hdr->cma_pair : 0;
     return RL_OK;
 }
 
@@ -1371,10 +1377,10 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     }
     /* Reading every peer's block directly reads each block once per peer
      * from memory, where the staged copy-out reads the segment's cached
-     * piece: only 2 ranks gain.  Beyond, blocks of more than two chunks are
+     * piece: only 2 ranks gain, from blocks of a few KiB (shm_cma_pair_bytes).  Beyond, blocks of more than two chunks are
      * written into the peers instead, each piece once from memory for all of
      * them (docs/experiments.md). */
-    if (lane == BIG && P == 2 && s->cma_min && blk >= s->cma_min)
+    if (lane == BIG && P == 2 && s->cma_pair && blk >= s->cma_pair)
         return cma_exchange(c, op, (char *)out, (const char *)in, blk, 0);
     if (lane == BIG && P > 2 && s->cma_min && blk > 2 * s->chunk)
         return cma_write_peers(c, op, (char *)out, (const char *)in, blk);
@@ -1788,7 +1794,8 @@ int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     uint32_t step;
     int st;
     note_op(c, op);
-    if (lane == BIG && s->cma_min && blk >= s->cma_min) return cma_all_to_all(c, op, out, in, blk);
+    size_t cma_from = P == 2 ? s->cma_pair : s->cma_min;
+    if (lane == BIG && cma_from && blk >= cma_from) return cma_all_to_all(c, op, out, in, blk);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     char *dst = out;
     size_t span = blk * (size_t)P;
@@ -1800,12 +1807,16 @@ int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
         char *area = in_area(s, r, lane, step);
         for (int q = 0; q < P; q++)
-            memcpy(area + (size_t)q * n, (const char *)in + (size_t)q * blk + k, n);
+            if (q != r) memcpy(area + (size_t)q * n, (const char *)in + (size_t)q * blk + k, n);
         publish_in(c, op, lane, step, (uint32_t)part, n);
-        for (int i = 0; i < P; i++) {
+        /* The own block skips the segment; an input that overlaps the output
+         * (one piece: a larger one went to scratch) is all staged by now. */
+        char *own = dst + (size_t)r * blk + k;
+        const char *from = (const char *)in + (size_t)r * blk + k;
+        if (own != from) memmove(own, from, n);
+        for (int i = 1; i < P; i++) {
             int q = (r + i) % P;
-            if (q != r && (st = wait_in(c, op, lane, q, step, (uint32_t)part, n)) != RL_OK)
-                return st;
+            if ((st = wait_in(c, op, lane, q, step, (uint32_t)part, n)) != RL_OK) return st;
             memcpy(dst + (size_t)q * blk + k, in_area(s, q, lane, step) + (size_t)r * n, n);
         }
         step_ack(c, lane, step);

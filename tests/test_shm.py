@@ -297,6 +297,45 @@ def test_all_gather_beyond_two_ranks_writes_blocks_of_more_than_two_chunks(monke
     assert res == [([True] * 3 * len(sizes), way)] * P, res
 
 
+def _pair_exchanges(rank, P, sizes, pair_by_rank):
+    # Every rank sets its own shm_cma_pair_bytes before the group's segment is
+    # made: rank 0's (in the segment) decides for both.
+    _core.set_tuning(shm_cma_pair_bytes=pair_by_rank[rank])
+    g = ringlet.new_group(list(range(P)))
+    assert g.transport == "shm", g.transport
+    ok = []
+    for blk in sizes:
+        def pattern(q, n):
+            return (np.arange(n) * 3 + 11 * q).astype(np.uint8)
+        out = np.zeros(P * blk, np.uint8)
+        g.all_gather(out, pattern(rank, blk))
+        ok.append(bool(np.array_equal(out, np.concatenate([pattern(q, blk) for q in range(P)]))))
+        out = np.zeros(P * blk, np.uint8)
+        g.all_to_all(out, pattern(rank, P * blk))
+        ok.append(bool(np.array_equal(out, np.concatenate(
+            [pattern(q, P * blk)[rank * blk:(rank + 1) * blk] for q in range(P)]))))
+    algo = [e["algorithm"] for e in g._coll.trace()[2] if e["op"] in ("all_gather", "all_to_all")]
+    return ok, algo
+
+
+@pytest.mark.parametrize("pair", [8192, 0])
+def test_two_rank_exchanges_read_the_peer_from_shm_cma_pair_bytes(monkeypatch, pair):
+    # 2 ranks: all_gather and all_to_all read blocks from shm_cma_pair_bytes
+    # straight from the peer (0: from shm_cma_bytes, 64 KiB), blocks of one
+    # small slot (4 KiB) staying in the slots.  Rank 1's knob is ignored.
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", "65536")
+    sizes = [4096, 8191, 8192, 3 * 8192 + 5, 65535, 65536]
+    res = run_world(_pair_exchanges, 2, mode="process", timeout=120,
+                    args=(sizes, [pair, 1 << 20]))
+    from_ = pair or 65536
+
+    def way(staged, n):  # staged: what one rank stages per op (all_to_all: all P blocks)
+        return "shm_slot" if staged <= 4096 else "shm_single_copy" if n >= from_ else "shm_copy"
+    want = [a for n in sizes for a in (way(n, n), way(2 * n, n))]
+    assert res == [([True] * 2 * len(sizes), want)] * 2, res
+
+
 def _broadcast_by_root_pages(rank, P, n):
     # Beyond two chunks, more than 2 ranks read the root's buffer directly
     # when it lies in huge pages, and stage it through the segment otherwise.
