@@ -1377,9 +1377,10 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     }
     /* Reading every peer's block directly reads each block once per peer
      * from memory, where the staged copy-out reads the segment's cached
-     * piece: only 2 ranks gain, from blocks of a few KiB (shm_cma_pair_bytes).  Beyond, blocks of more than two chunks are
-     * written into the peers instead, each piece once from memory for all of
-     * them (docs/experiments.md). */
+     * piece: only 2 ranks gain, from blocks of a few KiB (shm_cma_pair_bytes).
+     * Beyond, blocks of more than two chunks are written into the peers
+     * instead, each piece once from memory for all of them
+     * (docs/experiments.md). */
     if (lane == BIG && P == 2 && s->cma_pair && blk >= s->cma_pair)
         return cma_exchange(c, op, (char *)out, (const char *)in, blk, 0);
     if (lane == BIG && P > 2 && s->cma_min && blk > 2 * s->chunk)
