@@ -695,6 +695,25 @@ def test_manifest_that_leaves_a_hole_is_caught(tmp_path):
         load({"w": np.zeros(100)}, path)
 
 
+@pytest.mark.parametrize("offset", [1 << 63, 10 ** 30, None])
+def test_a_piece_beyond_its_file_is_caught(tmp_path, offset):
+    # A resealed manifest whose piece starts past its file (past 2^63 once
+    # raised OverflowError from os.preadv; found by fuzz/py/fuzz_checkpoint.py).
+    path = str(tmp_path / "ck")
+    save({"w": np.arange(100.0)}, path)
+    mpath = os.path.join(path, "manifest.json")
+    m = json.load(open(mpath))
+    piece = m["tensors"]["w"]["pieces"][0]
+    size = m["files"][piece["file"]]["size"]
+    piece["offset"] = size - piece["nbytes"] + 1 if offset is None else offset
+    with open(mpath, "wb") as fh:
+        fh.write(ckfmt.manifest_bytes(m))
+    with pytest.raises(CheckpointError, match="beyond the end of file"):
+        load({"w": np.zeros(100)}, path)
+    with pytest.raises(CheckpointError, match="beyond the end of file"):
+        verify(path)
+
+
 def test_damage_seen_by_one_rank_fails_every_rank(tmp_path):
     path = str(tmp_path / "ck")
     save_world("rows", 2, path)

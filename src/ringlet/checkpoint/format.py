@@ -270,7 +270,7 @@ def _manifest_entries_error(m: Dict[str, Any]) -> str:
     for name, meta in m["files"].items():
         if not (name and os.path.basename(name) == name and name not in (".", "..")):
             return f"file name {name!r} is not a plain file name"
-        if not (isinstance(meta, dict) and _nat(meta.get("size"))
+        if not (isinstance(meta, dict) and _nat(meta.get("size")) and meta["size"] < 1 << 63
                 and isinstance(meta.get("sha256_tree"), str)):
             return f"entry of file {name!r} is malformed"
     for key, t in m["tensors"].items():
@@ -283,6 +283,11 @@ def _manifest_entries_error(m: Dict[str, Any]) -> str:
                     and isinstance(p.get("chunks"), list)
                     and all(isinstance(c, str) for c in p["chunks"]) and _region_ok(p, t)):
                 return f"a piece of tensor {key!r} is malformed"
+            # Within its file: an offset past any file is no read, and past 2^63 no C long.
+            if p["offset"] + p["nbytes"] > m["files"][p["file"]]["size"]:
+                return (f"a piece of tensor {key!r} lies beyond the end of file {p['file']!r} "
+                        f"(offset {p['offset']} + {p['nbytes']} bytes > "
+                        f"{m['files'][p['file']]['size']})")
     return ""
 
 
