@@ -199,7 +199,11 @@ int rl_random_bytes(void *buf, size_t n);
       "the sender (single copy): 0 never, 1 while other processes want this host's CPUs (the "      \
       "busy_block test), when most of the sender's buffer lies in huge pages or when it is at "     \
       "most shm_cma_any_bytes (else an idle host copies through the ring on both cores), 2 "        \
-      "always")
+      "always")                                                                                     \
+    X(shm_p2p_split, 1, "RINGLET_SHM_P2P_SPLIT",                                                    \
+      "shared memory: a point-to-point message read straight from the sender is split: 1 the "      \
+      "receiver reads chunks of the sender's buffer while the sender writes others into the "       \
+      "receiver's (both cores copy), 0 the receiver reads it all (the sender's choice)")
 
 typedef struct {
 #define RL_KNOB_FIELD(name, def, env, doc) int64_t name;

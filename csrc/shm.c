@@ -58,7 +58,7 @@
 #include "internal.h"
 
 #define SHM_MAGIC 0x4d48534cu /* "LSHM" */
-#define SHM_VERSION 6u
+#define SHM_VERSION 7u
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
@@ -75,6 +75,7 @@
 #define SHM_CELL ((size_t)8192)    /* payload of one point-to-point cell */
 #define SHM_P2P_MAX_RANKS 8        /* rings grow with P^2 */
 #define SHM_FRAME_DIRECT 1u        /* rl_hdr.flags of a point-to-point frame: read the sender's buffer */
+#define SHM_FRAME_SPLIT 2u         /* ... and the sender copies chunks of it too (send_direct) */
 
 typedef struct {
     uint32_t magic, version;
@@ -249,8 +250,15 @@ static size_t knob_mid_slots(void) {
  * looks full by the last value it saw. */
 typedef struct {
     uint32_t tail;
-    uint32_t pad[31]; /* two lines: the adjacent-line prefetcher fetches pairs */
+    uint32_t pad0[15]; /* two lines: the adjacent-line prefetcher fetches pairs */
+    /* A split message (send_direct): the receiver posts its buffer for the
+     * message whose stamp is `posted`; both sides claim chunks of it. */
+    uint32_t posted, copied;
+    uint64_t claims; /* pieces taken: the receiver's from the front (high half), the sender's from the back */
+    uint64_t dst;
+    uint32_t pad1[10];
 } shm_ring;
+_Static_assert(sizeof(shm_ring) == 128, "a ring's header is two cache lines");
 
 #define CELL_STAMP 48  /* offsets in a cell's 64-byte header line, after the rl_hdr */
 #define CELL_INLINE 56
@@ -1849,31 +1857,84 @@ static int ring_room(rl_comm *c, const rl_opdesc *op, shm_ring *rg, int dst, uin
     return st;
 }
 
+/* The pieces of a split message: enough that a side that starts late, or
+ * gets less of a core, leaves the rest to the other; whole huge pages when
+ * they are large. */
+static inline size_t split_piece(size_t len) {
+    size_t ch = round_up(len / 16, (size_t)64 << 10);
+    if (ch < ((size_t)128 << 10)) ch = (size_t)128 << 10;
+    if (ch >= ((size_t)2 << 20)) ch = round_up(ch, (size_t)2 << 20);
+    return ch > ((size_t)4 << 20) ? (size_t)4 << 20 : ch;
+}
+
+/* Take pieces of a split message until none is left and copy each: the
+ * receiver from the front, reading the sender's buffer (process_vm_readv),
+ * the sender from the back, writing into the receiver's (process_vm_writev).
+ * Each side's copies stay contiguous, which interleaved pieces were not
+ * (docs/experiments.md).  Copied pieces are counted; the receiver returns
+ * once all are.  Only the sender's counts can end a wait (the receiver's),
+ * so only the sender rings the bell. */
+static int split_copy(rl_comm *c, rl_opdesc *op, shm_ring *rg, int peer, int sender,
+                      char *mine, uint64_t theirs, size_t len) {
+    rl_shm *s = c->shm;
+    size_t ch = split_piece(len);
+    uint64_t n = (len + ch - 1) / ch, mine_inc = sender ? 1 : (uint64_t)1 << 32;
+    for (;;) {
+        uint64_t v = __atomic_load_n(&rg->claims, __ATOMIC_ACQUIRE), k;
+        do {
+            if ((v >> 32) + (v & 0xffffffffu) >= n) return RL_OK;
+        } while (!__atomic_compare_exchange_n(&rg->claims, &v, v + mine_inc, 0, __ATOMIC_ACQ_REL,
+                                              __ATOMIC_ACQUIRE));
+        k = sender ? n - 1 - (v & 0xffffffffu) : v >> 32;
+        size_t off = (size_t)k * ch, m = len - off < ch ? len - off : ch;
+        int st = sender ? cma_write(c, op, peer, theirs + off, mine + off, m)
+                        : cma_read(c, op, peer, mine + off, theirs + off, m);
+        if (st != RL_OK) return st;
+        __atomic_fetch_add(&rg->copied, 1, __ATOMIC_SEQ_CST);
+        if (sender && __atomic_load_n(&s->ctrl[c->rank].waiters, __ATOMIC_SEQ_CST))
+            ring_bell(s->hdr);
+    }
+}
+
 /* A message larger than the ring (and than shm_cma_bytes) goes as one cell
  * that holds its header and the address of the sender's buffer: the
  * receiver reads the buffer straight into its own (process_vm_readv) and
  * then consumes the cell, which tells the sender it may return.  A send
  * that large already waited for the receiver to drain the ring, so no
  * program that worked before blocks now; the bytes move once instead of
- * twice, and only the receiver needs a core to move them. */
+ * twice.  Split (shm_p2p_split): the receiver posts its buffer's address
+ * and both sides copy, chunk by chunk, whichever chunk is next, so the
+ * sender's core works instead of waiting, and a side that gets no core
+ * leaves the chunks to the other. */
 static int send_direct(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                        const void *buf) {
     rl_shm *s = c->shm;
-    op->algo = "shm_single_copy";
+    int split = rl_tune.shm_p2p_split > 0;
+    op->algo = split ? "shm_split_copy" : "shm_single_copy";
     shm_ring *rg = ring_of(s, c->rank, dst, c->size);
     uint32_t head = s->tx_head[dst];
     int st = ring_room(c, op, rg, dst, head);
     if (st != RL_OK) return st;
     char *cell = cell_of(s, rg, head);
     rl_hdr d = *h;
-    d.flags |= SHM_FRAME_DIRECT;
+    d.flags |= SHM_FRAME_DIRECT | (split ? SHM_FRAME_SPLIT : 0u);
     memcpy(cell, &d, sizeof d);
     uint64_t at = (uint64_t)(uintptr_t)buf;
     memcpy(cell + CELL_INLINE, &at, sizeof at);
+    /* `posted` still names an older message, perhaps 2^31 stamps old: one
+     * stamp behind this one, it can only mean "not yet". */
+    if (split) __atomic_store_n(&rg->posted, head, __ATOMIC_RELAXED);
     publish(s, c->rank, stamp_of(cell), ++head);
     s->tx_head[dst] = head;
+    uint64_t spin = h->nbytes;
+    if (split) {
+        if ((st = wait_flag(c, op, &rg->posted, head, dst)) != RL_OK) return st;
+        uint64_t to = __atomic_load_n(&rg->dst, __ATOMIC_ACQUIRE);
+        if ((st = split_copy(c, op, rg, dst, 1, (char *)buf, to, h->nbytes)) != RL_OK) return st;
+        spin = split_piece(h->nbytes);
+    }
     /* Return only once the receiver has read the buffer (or the job failed). */
-    st = wait_copy(c, op, &rg->tail, head, dst, h->nbytes);
+    st = wait_copy(c, op, &rg->tail, head, dst, spin);
     if (st == RL_OK) s->tx_seen[dst] = head;
     return st;
 }
@@ -2000,8 +2061,22 @@ int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len) 
                            "not use for that size (shared memory)", len);
         uint64_t at;
         memcpy(&at, first + CELL_INLINE, sizeof at);
-        op->algo = "shm_single_copy";
-        int st = cma_read(c, op, src, buf, at, len);
+        int st;
+        if (flags & SHM_FRAME_SPLIT) {
+            /* The sender is past its last message's claims: they restart here. */
+            op->algo = "shm_split_copy";
+            __atomic_store_n(&rg->claims, 0, __ATOMIC_RELAXED);
+            __atomic_store_n(&rg->copied, 0, __ATOMIC_RELAXED);
+            __atomic_store_n(&rg->dst, (uint64_t)(uintptr_t)buf, __ATOMIC_RELAXED);
+            publish(s, c->rank, &rg->posted, tail + 1);
+            if ((st = split_copy(c, op, rg, src, 0, buf, at, len)) != RL_OK) return st;
+            /* The sender may still be writing its last piece. */
+            size_t ch = split_piece(len);
+            st = wait_copy(c, op, &rg->copied, (uint32_t)((len + ch - 1) / ch), src, ch);
+        } else {
+            op->algo = "shm_single_copy";
+            st = cma_read(c, op, src, buf, at, len);
+        }
         if (st != RL_OK) return st;
         publish(s, c->rank, &rg->tail, ++tail);
         s->rx_tail[src] = tail;

@@ -1147,14 +1147,18 @@ def _big_p2p(rank, P, n):
     return ok, algo
 
 
-@pytest.mark.parametrize("cma,direct", [("65536", "2"), ("0", "2"), ("65536", "0")])
-def test_large_messages_are_read_from_the_sender_across_processes(monkeypatch, cma, direct):
+@pytest.mark.parametrize("cma,direct,split", [("65536", "2", "1"), ("65536", "2", "0"),
+                                               ("0", "2", "1"), ("65536", "0", "1")])
+def test_large_messages_are_read_from_the_sender_across_processes(monkeypatch, cma, direct,
+                                                                 split):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", cma)
     monkeypatch.setenv("RINGLET_SHM_P2P_DIRECT", direct)  # 2: always, not only on a busy host
+    monkeypatch.setenv("RINGLET_SHM_P2P_SPLIT", split)
     n = 40_000  # 320 KB: one cell's worth more than the ring holds
     r0, r1 = run_world(_big_p2p, 2, mode="process", timeout=60, args=(n,))
-    big = "shm_single_copy" if cma != "0" and direct != "0" else "shm_ring"
+    big = ("shm_ring" if cma == "0" or direct == "0"
+           else "shm_split_copy" if split != "0" else "shm_single_copy")
     assert r0[0] == [True] and r1[0] == [True, True, True], (r0, r1)
     assert sorted(r0[1]) == sorted([(False, 5, big), (True, 5, big), (False, 2, big),
                                     (False, 1, "shm_ring")]), r0
@@ -1290,7 +1294,8 @@ def _until_direct_beside_busy_loops(rank, step):
             if rank == 0 and not loops:
                 loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
                          for _ in range((os.cpu_count() or 1) + 2)]
-            done = np.array([int("shm_single_copy" in algos), int(time.monotonic() > deadline)])
+            direct = any(a in ("shm_single_copy", "shm_split_copy") for a in algos)
+            done = np.array([int(direct), int(time.monotonic() > deadline)])
             ringlet.all_reduce(done, ringlet.ReduceOp.MAX)
             if done.any():
                 return ("direct" if done[0] else "never direct"), algos
@@ -1356,11 +1361,11 @@ def test_an_idle_sender_reads_directly_only_from_huge_pages(monkeypatch):
                                               timeout=120, args=(n,))
     assert ok == [True, True], ok
     assert huge[1] in (0, -1), huge  # 4 KiB pages (-1: a kernel before 6.7 cannot tell)
-    first = "shm_single_copy" if huge[0] >= n // 2 else "shm_ring"
+    first = "shm_split_copy" if huge[0] >= n // 2 else "shm_ring"
     assert sent == got == [first, "shm_ring"], (huge, sent, got)
 
 
-@pytest.mark.parametrize("any_bytes,want", [("4194304", "shm_single_copy"), ("0", "shm_ring")])
+@pytest.mark.parametrize("any_bytes,want", [("4194304", "shm_split_copy"), ("0", "shm_ring")])
 def test_an_idle_sender_reads_small_pages_directly_up_to_shm_cma_any_bytes(monkeypatch,
                                                                           any_bytes, want):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
@@ -1373,6 +1378,74 @@ def test_an_idle_sender_reads_small_pages_directly_up_to_shm_cma_any_bytes(monke
     assert ok == [True, True], ok
     assert all(h in (0, -1) for h in huge), huge
     assert sent == got == [want, want], (sent, got)
+
+
+def _split_messages(rank, P, sizes, splits):
+    # Messages read straight from the sender, both ways at once (isend beside
+    # recv), fresh data in each, at sizes off every chunk and page boundary;
+    # each rank's sends split or not as its own shm_p2p_split says.
+    _core.set_tuning(shm_p2p_split=int(splits[rank]))
+    g = _world._current().group
+    peer, ok = 1 - rank, []
+    for i, n in enumerate(sizes):
+        x = ((np.arange(n, dtype=np.int64) * 2654435761 + 97 * i + rank) % 251).astype(np.uint8)
+        y = np.full(n, 7, np.uint8)
+        w = ringlet.isend(x, peer, tag=i)
+        ringlet.recv(y, peer, tag=i, timeout=60)
+        w.wait(timeout=60)
+        want = ((np.arange(n, dtype=np.int64) * 2654435761 + 97 * i + peer) % 251).astype(np.uint8)
+        ok.append(bool(np.array_equal(y, want)))
+    trace = g._p2pc.trace()[2]
+    return ok, sorted({(e["recv"], e["algorithm"]) for e in trace if e["bytes"] > (1 << 19)})
+
+
+@pytest.mark.parametrize("splits", [("1", "1"), ("1", "0")])
+def test_split_messages_arrive_whole_whichever_side_copies(monkeypatch, splits):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_P2P_DIRECT", "2")  # always straight from the sender
+    sizes = [(512 << 10) + 8192 + 3, (3 << 20) + 5, 17 << 20, (1 << 20) + 4096, 700_001] * 2
+    res = run_world(_split_messages, 2, mode="process", timeout=120, args=(sizes, splits))
+    way = {"1": "shm_split_copy", "0": "shm_single_copy"}
+    for rank, (ok, algos) in enumerate(res):
+        assert ok == [True] * len(sizes), (rank, ok)
+        # a message goes as its sender chose, and both sides name it alike
+        assert algos == sorted([(False, way[splits[rank]]), (True, way[splits[1 - rank]])]), \
+            (rank, algos)
+
+
+def _kill_mid_split(rank, P, victim):
+    # Ping-pong of 64 MiB split messages; the victim kills itself while they run.
+    import threading
+
+    x = np.ones(8 << 20)
+    if rank == victim:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(5000):
+            t0 = time.monotonic()
+            if rank == 0:
+                ringlet.send(x, 1, timeout=60)
+                ringlet.recv(x, 1, timeout=60)
+            else:
+                ringlet.recv(x, 0, timeout=60)
+                ringlet.send(x, 0, timeout=60)
+    except PeerClosedError as exc:
+        return ("closed", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+    return ("completed", time.monotonic() - t0, "")
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_peer_killed_during_split_messages_is_detected_fast(monkeypatch, victim):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_P2P_DIRECT", "2")
+    with pytest.raises(WorldError) as ei:
+        run_world(_kill_mid_split, 2, mode="process", timeout=120, args=(victim,))
+    kind, took, msg = ei.value.results[1 - victim]
+    assert kind == "closed" and f"peer {victim}" in msg, (kind, msg)
+    assert took < 3.0, f"the survivor needed {took:.2f}s to notice the SIGKILL"
 
 
 def test_core_roundtrip_bounces_a_line_between_two_cpus():
