@@ -75,7 +75,7 @@
 #define SHM_CELL ((size_t)8192)    /* payload of one point-to-point cell */
 #define SHM_P2P_MAX_RANKS 8        /* rings grow with P^2 */
 #define SHM_FRAME_DIRECT 1u        /* rl_hdr.flags of a point-to-point frame: read the sender's buffer */
-#define SHM_FRAME_SPLIT 2u         /* ... and the sender copies chunks of it too (send_direct) */
+#define SHM_FRAME_SPLIT 2u         /* ... and the sender copies pieces of it too (send_direct) */
 
 typedef struct {
     uint32_t magic, version;
@@ -252,9 +252,11 @@ typedef struct {
     uint32_t tail;
     uint32_t pad0[15]; /* two lines: the adjacent-line prefetcher fetches pairs */
     /* A split message (send_direct): the receiver posts its buffer for the
-     * message whose stamp is `posted`; both sides claim chunks of it. */
+     * message whose stamp is `posted`; both sides take pieces of it, counted
+     * in `claims` (the receiver's from the front in the high half, the
+     * sender's from the back in the low) and, once copied, in `copied`. */
     uint32_t posted, copied;
-    uint64_t claims; /* pieces taken: the receiver's from the front (high half), the sender's from the back */
+    uint64_t claims;
     uint64_t dst;
     uint32_t pad1[10];
 } shm_ring;
@@ -1903,9 +1905,9 @@ static int split_copy(rl_comm *c, rl_opdesc *op, shm_ring *rg, int peer, int sen
  * that large already waited for the receiver to drain the ring, so no
  * program that worked before blocks now; the bytes move once instead of
  * twice.  Split (shm_p2p_split): the receiver posts its buffer's address
- * and both sides copy, chunk by chunk, whichever chunk is next, so the
- * sender's core works instead of waiting, and a side that gets no core
- * leaves the chunks to the other. */
+ * and both sides copy pieces (split_copy), so the sender's core works
+ * instead of waiting, and a side that gets no core leaves the pieces to the
+ * other. */
 static int send_direct(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                        const void *buf) {
     rl_shm *s = c->shm;
