@@ -1869,6 +1869,11 @@ static inline size_t split_piece(size_t len) {
     return ch > ((size_t)4 << 20) ? (size_t)4 << 20 : ch;
 }
 
+static inline uint32_t split_pieces(size_t len) {
+    size_t ch = split_piece(len);
+    return (uint32_t)((len + ch - 1) / ch);
+}
+
 /* Take pieces of a split message until none is left and copy each: the
  * receiver from the front, reading the sender's buffer (process_vm_readv),
  * the sender from the back, writing into the receiver's (process_vm_writev).
@@ -1880,7 +1885,7 @@ static int split_copy(rl_comm *c, rl_opdesc *op, shm_ring *rg, int peer, int sen
                       char *mine, uint64_t theirs, size_t len) {
     rl_shm *s = c->shm;
     size_t ch = split_piece(len);
-    uint64_t n = (len + ch - 1) / ch, mine_inc = sender ? 1 : (uint64_t)1 << 32;
+    uint64_t n = split_pieces(len), mine_inc = sender ? 1 : (uint64_t)1 << 32;
     for (;;) {
         uint64_t v = __atomic_load_n(&rg->claims, __ATOMIC_ACQUIRE), k;
         do {
@@ -2073,8 +2078,7 @@ int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len) 
             publish(s, c->rank, &rg->posted, tail + 1);
             if ((st = split_copy(c, op, rg, src, 0, buf, at, len)) != RL_OK) return st;
             /* The sender may still be writing its last piece. */
-            size_t ch = split_piece(len);
-            st = wait_copy(c, op, &rg->copied, (uint32_t)((len + ch - 1) / ch), src, ch);
+            st = wait_copy(c, op, &rg->copied, split_pieces(len), src, split_piece(len));
         } else {
             op->algo = "shm_single_copy";
             st = cma_read(c, op, src, buf, at, len);
