@@ -1554,11 +1554,28 @@ static int cma_reduce_scatter(rl_comm *c, rl_opdesc *op, char *out, const char *
  * it writes (P-1) n / P more.  Idle, the staged pipeline caught up from
  * shm_cma_all_reduce_bytes, where its reads and writes hit the caches; beside
  * busy loops its hand-overs lost at every size (docs/experiments.md). */
+/* Block i of a reduce's single copy.  While the blocks stay in the caches a
+ * leaf, which also writes its result into the root (2P - 1 passes over its
+ * block: P - 1 reads, P - 1 reductions, one write, where the root makes
+ * 2P - 2), spends more CPU time per byte: the root's block is larger by that
+ * ratio so that both finish together.  Beyond RD_WEIGHTED_BYTES memory
+ * traffic decides and equal blocks were faster (docs/experiments.md); an
+ * all_reduce's blocks are equal. */
+#define RD_WEIGHTED_BYTES ((size_t)4 << 20)
+static size_t reduce_block_start(size_t count, size_t esz, int P, int i, int root) {
+    if (root < 0 || count * esz > RD_WEIGHTED_BYTES) return rl_block_start(count, P, i);
+    unsigned __int128 before = (unsigned __int128)(2 * P - 2) * (unsigned)i +
+                               (root < i ? 1u : 0u);
+    return (size_t)((unsigned __int128)count * before /
+                    ((unsigned __int128)(2 * P - 2) * (unsigned)P + 1u));
+}
+
 static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dtype dt,
                       rl_redop rop, int root, int *done) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
-    size_t esz = rl_dtype_size(dt), bs = rl_block_start(count, P, r) * esz;
+    size_t esz = rl_dtype_size(dt), b0 = reduce_block_start(count, esz, P, r, root);
+    size_t bn = reduce_block_start(count, esz, P, r + 1, root) - b0, bs = b0 * esz;
     uint32_t step;
     int st;
     *done = 0;
@@ -1570,8 +1587,7 @@ static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dty
     char *dst = buf + bs;
     if (root >= 0 && r != root)
         dst = (char *)(uintptr_t)(peer_addr(s, root, step) + bs);
-    if ((st = direct_reduce_block(c, op, step, buf, bs, dst, root, rl_block_count(count, P, r),
-                                  dt, rop)) != RL_OK)
+    if ((st = direct_reduce_block(c, op, step, buf, bs, dst, root, bn, dt, rop)) != RL_OK)
         return st;
     step_ack(c, BIG, step);
     /* Peers read this buffer (and the root's receives) until each has acked. */
