@@ -1542,18 +1542,7 @@ static int cma_reduce_scatter(rl_comm *c, rl_opdesc *op, char *out, const char *
     return wait_peers_ack(c, op, step, blk);
 }
 
-/* ---- reduce and all_reduce, single copy -----------------------------------------
- * The reduce_scatter above with the root's buffer as everyone's output:
- * rank r reads block r of every peer's buffer directly, reduces it with its
- * own in rank order, and writes the result into block r of the root's buffer
- * (the root in place, a leaf with one process_vm_writev per piece).  Only
- * leaf r touches block r of the root's buffer, reading it before writing it.
- * No copy-in and no copy-out: every rank reads n and writes n / P; one step
- * to agree, one acknowledgement at the end (docs/algorithms.md).  An
- * all_reduce (root -1) writes block r into its own buffer and every peer's:
- * it writes (P-1) n / P more.  Idle, the staged pipeline caught up from
- * shm_cma_all_reduce_bytes, where its reads and writes hit the caches; beside
- * busy loops its hand-overs lost at every size (docs/experiments.md). */
+/* ---- reduce and all_reduce, single copy ----------------------------------------- */
 /* Block i of a reduce's single copy.  While the blocks stay in the caches a
  * leaf, which also writes its result into the root (2P - 1 passes over its
  * block: P - 1 reads, P - 1 reductions, one write, where the root makes
@@ -1570,6 +1559,17 @@ static size_t reduce_block_start(size_t count, size_t esz, int P, int i, int roo
                     ((unsigned __int128)(2 * P - 2) * (unsigned)P + 1u));
 }
 
+/* The reduce_scatter above with the root's buffer as everyone's output:
+ * rank r reads block r of every peer's buffer directly, reduces it with its
+ * own in rank order, and writes the result into block r of the root's buffer
+ * (the root in place, a leaf with one process_vm_writev per piece).  Only
+ * leaf r touches block r of the root's buffer, reading it before writing it.
+ * No copy-in and no copy-out: every rank reads n and writes about n / P; one
+ * step to agree, one acknowledgement at the end (docs/algorithms.md).  An
+ * all_reduce (root -1) writes block r into its own buffer and every peer's:
+ * it writes (P-1) n / P more.  Idle, the staged pipeline caught up from
+ * shm_cma_all_reduce_bytes, where its reads and writes hit the caches; beside
+ * busy loops its hand-overs lost at every size (docs/experiments.md). */
 static int cma_reduce(rl_comm *c, rl_opdesc *op, char *buf, size_t count, rl_dtype dt,
                       rl_redop rop, int root, int *done) {
     rl_shm *s = c->shm;
