@@ -434,8 +434,18 @@ class ProcessGroup:
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
         """Return once every rank of the group has entered the barrier."""
-        ms = self._default_ms if timeout is None else _millis(timeout)
-        return self._call("barrier", async_op, _C.barrier, ms, None, None, None)
+        if async_op or timeout is not None or self._exec._busy or self._closed or self.rank < 0:
+            ms = self._default_ms if timeout is None else _millis(timeout)
+            return self._call("barrier", async_op, _C.barrier, ms, None, None, None)
+        # _call's synchronous path inlined: a barrier moves no data, and its
+        # Python layers were most of its time (docs/experiments.md).
+        if self._failure is not None:
+            self._raise_poisoned()
+        try:
+            return _C.barrier(self._coll, self._default_ms, None, None, None)
+        except (RingletError, KeyboardInterrupt) as exc:
+            self._record(exc)
+            raise
 
     # ---- point to point -----------------------------------------------------
     def _p2p(self, fn: Callable[..., Any], kind: str, array: Any, peer: Any, tag: Any,
