@@ -2,10 +2,13 @@
 
 ``ringlet bench --batch B`` times B operations after each barrier on every rank
 from that rank's own start and reports the slowest rank.  This script runs the
-same loop (barrier, then B broadcasts of 8 bytes from rank 0) and keeps each
-rank's clock after every operation, then prints per rank the median time per
-operation and how long after the first rank it left the barrier, and the
-timeline of the median and the slowest batch (µs since the first rank left).
+same loop (barrier, then B operations of 8 bytes rooted at rank 0: broadcasts
+unless ``--op`` names scatter, gather or reduce) and keeps each rank's clock
+after every operation, then prints per rank the median time per operation and
+how long after the first rank it left the barrier, the median wall-clock span
+of a batch (first rank out of the barrier to last rank done, which no order of
+leaving the barrier moves), and the timeline of the median and the slowest
+batch (µs since the first rank left).
 Run it under either launcher, 4 ranks on 2 cores (docs/experiments.md, "Where
 a 4-rank batch of small broadcasts waits"):
 
@@ -26,6 +29,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=20, help="operations per barrier")
     p.add_argument("--batches", type=int, default=300, help="timed batches")
     p.add_argument("--bytes", type=int, default=8, help="message size (a multiple of 4)")
+    p.add_argument("--op", default="broadcast", choices=("broadcast", "scatter", "gather",
+                                                         "reduce"),
+                   help="the operation, rooted at rank 0 (scatter, gather: --bytes per rank)")
     args = p.parse_args()
     a = np.zeros(max(1, args.bytes // 4), np.float32)
     if args.mpi:
@@ -33,9 +39,12 @@ def main() -> None:
 
         comm = MPI.COMM_WORLD
         rank, size = comm.rank, comm.size
-
-        def bcast() -> None:
-            comm.Bcast(a, root=0)
+        many = np.zeros(a.size * size, np.float32)
+        out = np.zeros_like(a)
+        fn = {"broadcast": lambda: comm.Bcast(a, root=0),
+              "scatter": lambda: comm.Scatter(many if rank == 0 else None, out, root=0),
+              "gather": lambda: comm.Gather(a, many if rank == 0 else None, root=0),
+              "reduce": lambda: comm.Reduce(a, out if rank == 0 else None, root=0)}[args.op]
 
         barrier = comm.Barrier
 
@@ -46,23 +55,24 @@ def main() -> None:
 
         ringlet.init()
         rank, size = ringlet.get_rank(), ringlet.get_world_size()
-        rl_bcast = ringlet.broadcast
-
-        def bcast() -> None:
-            rl_bcast(a, 0)
+        many = np.zeros(a.size * size, np.float32)
+        fn = {"broadcast": lambda: ringlet.broadcast(a, 0),
+              "scatter": lambda: ringlet.scatter(a, many if rank == 0 else None, 0),
+              "gather": lambda: ringlet.gather(many if rank == 0 else None, a, 0),
+              "reduce": lambda: ringlet.reduce(a, 0)}[args.op]
 
         barrier = ringlet.barrier
         gather = ringlet.all_gather_object
     clock, b = time.perf_counter, args.batch
     stamps = np.empty((args.batches, b + 1))
     for _ in range(100):
-        bcast()
+        fn()
     for i in range(args.batches):
         barrier()
         row = stamps[i]
         row[0] = clock()
         for k in range(b):
-            bcast()
+            fn()
             row[k + 1] = clock()
     every = np.array(gather(stamps.tolist()))  # rank x batch x (b + 1)
     if rank != 0:
@@ -70,11 +80,13 @@ def main() -> None:
     own = every[:, :, -1] - every[:, :, 0]
     slowest = own.max(axis=0)
     offsets = every[:, :, 0] - every[:, :, 0].min(axis=0)
+    span = every[:, :, -1].max(axis=0) - every[:, :, 0].min(axis=0)
     name = "Open MPI" if args.mpi else "ringlet"
-    print(f"{name}, {size} ranks, {args.batches} batches of {b} broadcasts of {a.nbytes} B")
+    print(f"{name}, {size} ranks, {args.batches} batches of {b} {args.op} of {a.nbytes} B")
     print("per rank, median us per op:  ", np.round(np.median(own, axis=1) / b * 1e6, 2))
     print("per rank, median start (us): ", np.round(np.median(offsets, axis=1) * 1e6, 1))
     print(f"slowest rank, median us per op: {np.median(slowest) / b * 1e6:.2f}")
+    print(f"median span, first out of the barrier to last done, us: {np.median(span) * 1e6:.1f}")
     order = np.argsort(slowest)
     for label, i in (("median", order[len(order) // 2]), ("slowest", order[-1])):
         base = every[:, i, 0].min()
