@@ -141,6 +141,8 @@ int rl_random_bytes(void *buf, size_t n);
       "1: skip the spin and block at once while other processes want this host's CPUs")             \
     X(host_ranks, 0, NULL,                                                                          \
       "ranks of the job on this host, which the busy test does not count as load (init() sets it)") \
+    X(own_cpus, 0, NULL,                                                                            \
+      "1: this rank runs on CPUs no other rank of its host runs on (init() sets it when it binds)") \
     X(bulk_recv_bytes, 16 << 20, "RINGLET_BULK_RECV_BYTES",                                         \
       "2-rank broadcast or p2p receive of at least this wakes once per segment; 0: never")          \
     X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                          \
@@ -153,6 +155,10 @@ int rl_random_bytes(void *buf, size_t n);
       "shared memory: up to this, all_reduce and reduce read every rank's whole slot")              \
     X(shm_spin, 4000, "RINGLET_SHM_SPIN",                                                           \
       "shared memory: polls of a flag before sleeping on its futex")                                \
+    X(shm_busy_poll_us, 250, "RINGLET_SHM_BUSY_POLL_US",                                            \
+      "shared memory: while other processes want this host's CPUs, a rank on CPUs of its own "      \
+      "(own_cpus) polls a flag this long, without yielding, before sleeping; 0: the first few "     \
+      "microseconds only, as ranks that share CPUs do")                                             \
     X(shm_slots, 64, "RINGLET_SHM_SLOTS",                                                           \
       "shared memory: small-message slots per rank (a power of two up to 128; below 2: none), so a "          \
       "broadcast root or reduce leaf runs that many ops ahead")                                     \

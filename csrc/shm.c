@@ -494,12 +494,16 @@ static int wait_flag_for(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32
      * core on a busy host gets it instead of waiting for our time slice. */
     int64_t spin = rl_tune.shm_spin, hot = rl_tune.spin_yield ? 0 : SHM_SPIN_HOT;
     if (spin <= 0 || rl_tune.spin_yield) spin_ns = 0;
-    /* Other processes want the cores (wait.c): a long spinner is charged a
-     * whole time slice for its polls, so only the hot polls (a peer running
-     * now answers within them), then sleep. */
+    /* Other processes want the cores (wait.c).  A rank that shares its CPU
+     * with a peer keeps only the hot polls (a peer running now answers within
+     * them), then sleeps: its polls would hold the core that peer needs.  A
+     * rank on CPUs of its own polls longer without yielding: it takes time only
+     * from the other processes, and each sleep costs a wake-up behind them and
+     * its caches (docs/experiments.md, "Polling longer on a busy host"). */
     if ((spin > hot || spin_ns > 0) && rl_host_contended(rl_now_ns())) {
         spin = spin < hot ? spin : hot;
-        spin_ns = 0;
+        spin_ns = rl_tune.own_cpus && !rl_tune.spin_yield ? rl_tune.shm_busy_poll_us * 1000 : 0;
+        if (spin_ns > 0) hot = INT64_MAX; /* no yield: it would hand the core to them */
     }
     int64_t until = spin_ns > 0 ? rl_now_ns() + spin_ns : 0;
     for (int64_t i = 0; i < spin || until; i++) {

@@ -99,14 +99,17 @@ def test_bind_process_reaches_threads_started_before():
 
 _AFFINITY_JOB = textwrap.dedent("""
     import json, os, ringlet
+    from ringlet import _core
     before = sorted(os.sched_getaffinity(0))
     ringlet.init(timeout=60)
     during = sorted(os.sched_getaffinity(0))
+    own = _core.get_tuning()["own_cpus"]
     rank = ringlet.get_rank()
     ringlet.barrier()
     ringlet.shutdown()
     after = sorted(os.sched_getaffinity(0))
     print("AFF", json.dumps([rank, before, during, after]), flush=True)
+    print("OWN", json.dumps([rank, own, _core.get_tuning()["own_cpus"]]), flush=True)
 """)
 
 
@@ -118,6 +121,12 @@ def _affinities(stdout):
             rank, *sets = json.loads(line[line.index("AFF ") + 4:])
             rows[rank] = tuple(sets)
     return rows
+
+
+def _own_cpus(stdout):
+    """{rank: (the own_cpus knob in the job, after shutdown)}"""
+    return {r: (a, b) for r, a, b in (json.loads(line[line.index("OWN ") + 4:])
+                                      for line in stdout.splitlines() if "OWN " in line)}
 
 
 def _two_cpus():
@@ -139,12 +148,15 @@ def test_ringlet_run_binds_each_rank_to_its_block_and_restores_it(tmp_path, mode
     rows = _affinities(out.stdout)
     assert sorted(rows) == [0, 1], out.stdout
     half = len(cpus) // 2
+    bound = mode == "auto" and transport != "tcp"  # ranks over TCP alone stay unbound
     for r, (before, during, after) in rows.items():
         assert before == after == cpus, (r, rows)
-        if mode == "auto" and transport != "tcp":  # ranks over TCP alone stay unbound
+        if bound:
             assert during == (cpus[:half] if r == 0 else cpus[half:]), (r, rows)
         else:
             assert during == cpus, (r, rows)
+    # The wait policy's own_cpus (longer polls on a busy host) follows the binding.
+    assert _own_cpus(out.stdout) == {0: (int(bound), 0), 1: (int(bound), 0)}, out.stdout
 
 
 def test_ranks_a_launcher_bound_keep_their_cpus(tmp_path):
@@ -167,6 +179,7 @@ def test_ranks_a_launcher_bound_keep_their_cpus(tmp_path):
     rows = _affinities("".join(outs))
     assert rows[0] == (cpus, cpus, cpus), rows
     assert rows[1] == ([cpus[-1]],) * 3, rows
+    assert _own_cpus("".join(outs)) == {0: (0, 0), 1: (0, 0)}, outs
 
 
 def test_env_choice_reads_one_of_its_values_and_names_the_variable_otherwise():

@@ -299,6 +299,7 @@ class World:
             except OSError:
                 pass
             self.unbind_cpus = None
+            _core.set_tuning(own_cpus=0)
         for st in (self.store, self._fail_store):
             if st:
                 try:
@@ -836,6 +837,9 @@ def _bind_cpus(world: World, hosts: List[str], pids: List[int], digests: List[st
         _log.debug("ringlet: rank %d could not bind to CPUs %s: %s", world.rank, want, exc)
         return
     world.unbind_cpus = my_cpus
+    # Its own CPUs: on a busy host its shared-memory waits may poll longer
+    # (shm_busy_poll_us) without holding a core that another rank needs.
+    _core.set_tuning(own_cpus=1)
     _log.debug("ringlet: rank %d bound to CPUs %s of %s (RINGLET_BIND=none leaves them)",
                world.rank, want, my_cpus)
 
