@@ -142,7 +142,8 @@ int rl_random_bytes(void *buf, size_t n);
     X(host_ranks, 0, NULL,                                                                          \
       "ranks of the job on this host, which the busy test does not count as load (init() sets it)") \
     X(own_cpus, 0, NULL,                                                                            \
-      "1: this rank runs on CPUs no other rank of its host runs on (init() sets it when it binds)") \
+      "1: this rank runs on CPUs no other rank of its host runs on (init() sets it when it binds "    \
+      "the rank, or finds that a launcher bound the host's ranks to disjoint CPUs)")                \
     X(bulk_recv_bytes, 16 << 20, "RINGLET_BULK_RECV_BYTES",                                         \
       "2-rank broadcast or p2p receive of at least this wakes once per segment; 0: never")          \
     X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                          \

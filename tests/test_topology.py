@@ -159,27 +159,60 @@ def test_ringlet_run_binds_each_rank_to_its_block_and_restores_it(tmp_path, mode
     assert _own_cpus(out.stdout) == {0: (int(bound), 0), 1: (int(bound), 0)}, out.stdout
 
 
-def test_ranks_a_launcher_bound_keep_their_cpus(tmp_path):
-    cpus = _two_cpus()
+def _launch_bound(tmp_path, masks):
+    """Run _AFFINITY_JOB as 2 ranks started with these CPU sets, as a launcher
+    that binds would; their combined stdout."""
     script = tmp_path / "job.py"
     script.write_text(_AFFINITY_JOB)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for r in range(2):
-        mask = {cpus[-1]} if r == 1 else set(cpus)  # rank 1 as a launcher's binding left it
+    for r, mask in enumerate(masks):
         env = clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port), RINGLET_SECRET="bind-test-secret-0123456789")
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      preexec_fn=lambda m=mask: os.sched_setaffinity(0, m)))
+                                      preexec_fn=lambda m=set(mask): os.sched_setaffinity(0, m)))
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    rows = _affinities("".join(outs))
+    return "".join(outs)
+
+
+def test_ranks_a_launcher_bound_keep_their_cpus(tmp_path):
+    cpus = _two_cpus()
+    out = _launch_bound(tmp_path, [cpus, [cpus[-1]]])  # rank 1 as a launcher's binding left it
+    rows = _affinities(out)
     assert rows[0] == (cpus, cpus, cpus), rows
     assert rows[1] == ([cpus[-1]],) * 3, rows
-    assert _own_cpus("".join(outs)) == {0: (0, 0), 1: (0, 0)}, outs
+    # Rank 0 may run on rank 1's CPU: neither owns its CPUs.
+    assert _own_cpus(out) == {0: (0, 0), 1: (0, 0)}, out
+
+
+def test_ranks_a_launcher_bound_apart_own_their_cpus(tmp_path):
+    cpus = _two_cpus()
+    out = _launch_bound(tmp_path, [[cpus[0]], [cpus[-1]]])  # mpirun --bind-to core
+    rows = _affinities(out)
+    assert rows == {0: ([cpus[0]],) * 3, 1: ([cpus[-1]],) * 3}, rows
+    # Disjoint sets: each rank's busy-host polls are its own, as after RINGLET_BIND's binding,
+    # and shutdown() resets the knob.
+    assert _own_cpus(out) == {0: (1, 0), 1: (1, 0)}, out
+
+
+def test_cpu_ranges_round_trip_and_ownership_needs_disjoint_known_sets():
+    from ringlet._topology import cpu_ranges, owns_cpus, parse_cpu_ranges
+
+    assert cpu_ranges([8, 0, 1, 2, 3, 10, 11]) == "0-3,8,10-11"
+    assert cpu_ranges([]) == ""
+    assert parse_cpu_ranges("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    for bad in ("", "a", "3-1", "-1", "0-99999999"):
+        assert parse_cpu_ranges(bad) is None, bad
+    hosts, pids = ["a", "a", "b"], [10, 11, 12]
+    assert owns_cpus(0, hosts, pids, ["0-1", "2-3", "0-3"])  # rank 2 is on another host
+    assert not owns_cpus(0, hosts, pids, ["0-2", "2-3", ""])  # CPU 2 shared
+    assert not owns_cpus(0, hosts, pids, ["0-1", "", ""])  # rank 1's set unknown
+    assert not owns_cpus(0, hosts, [10, 10, 12], ["0-1", "2-3", ""])  # threads of one process
+    assert not owns_cpus(2, hosts, pids, ["0-1", "2-3", "0-3"])  # alone on its host
 
 
 def test_env_choice_reads_one_of_its_values_and_names_the_variable_otherwise():

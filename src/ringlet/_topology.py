@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 from ._envvars import choice
 
 __all__ = ["host_id", "host_groups", "HOST_ID_ENV", "BIND_ENV", "bind_mode", "cpu_digest",
-           "plan_binding", "bind_process"]
+           "cpu_ranges", "parse_cpu_ranges", "plan_binding", "owns_cpus", "bind_process"]
 
 HOST_ID_ENV = "RINGLET_HOST_ID"
 BIND_ENV = "RINGLET_BIND"
@@ -107,6 +107,75 @@ def cpu_digest(cpus: Sequence[int]) -> str:
     """A short digest of a CPU set: ranks compare these, not the sets (a set
     can list a thousand CPUs, and rank 0 sends every rank's to every rank)."""
     return hashlib.sha256(",".join(map(str, sorted(cpus))).encode()).hexdigest()[:16]
+
+
+def cpu_ranges(cpus: Sequence[int]) -> str:
+    """A CPU set in the kernel's list format, ``"0-3,8"``: short for the sets
+    launchers bind ranks to, so ranks can send the sets themselves.
+
+    Example::
+
+        cpu_ranges([0, 1, 2, 3, 8])  # "0-3,8"
+    """
+    out: List[str] = []
+    run: List[int] = []
+    for c in sorted(set(cpus)):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [c]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(out)
+
+
+def parse_cpu_ranges(text: str) -> Optional[set]:
+    """The CPU set ``cpu_ranges`` wrote, or None if ``text`` is not one."""
+    cpus: set = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            a, b = int(lo), int(hi) if hi else int(lo)
+            if a < 0 or b < a or b - a > 1 << 16:
+                return None
+            cpus.update(range(a, b + 1))
+    except ValueError:
+        return None
+    return cpus or None
+
+
+def owns_cpus(rank: int, hosts: Sequence[str], pids: Sequence[int],
+              sets: Sequence[str]) -> bool:
+    """Whether ``rank`` runs on CPUs no other rank of its host may run on.
+
+    Args:
+        rank: this rank.
+        hosts, pids, sets: per rank, its ``host_id()``, process id and
+            ``cpu_ranges`` of the CPUs it may run on ("" when unknown).
+    Returns:
+        True when the host has other ranks, each a process of its own whose
+        set is known and shares no CPU with this rank's (a launcher bound
+        them apart: ``mpirun --bind-to core``, ``srun --cpu-bind``).
+
+    Example::
+
+        owns_cpus(0, ["a", "a"], [10, 11], ["0", "1"])  # True
+    """
+    local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    if len(local) < 2 or len({pids[r] for r in local}) != len(local):
+        return False
+    mine = parse_cpu_ranges(sets[rank])
+    if mine is None:
+        return False
+    for r in local:
+        if r == rank:
+            continue
+        theirs = parse_cpu_ranges(sets[r])
+        if theirs is None or pids[r] <= 0 or mine & theirs:
+            return False
+    return True
 
 
 def plan_binding(rank: int, hosts: Sequence[str], pids: Sequence[int],

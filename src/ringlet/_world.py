@@ -65,6 +65,7 @@ def _status_of(exc: BaseException) -> int:
 
 # Bound on a failed rank's last store requests (its failure record, its check-out).
 _AFTER_FAILURE_S = 5.0
+_CPUSET_CHARS = 256  # longest CPU list a rank sends at init (cpu_ranges' text)
 
 
 class World:
@@ -94,6 +95,7 @@ class World:
         # Per world rank: its same-host identity; and the algorithm choice and
         # cost model rank 0 handed out, so every rank's groups decide alike.
         self.host_ids: List[str] = []
+        self.own_cpus = False  # this world set the own_cpus knob (reset at close)
         self.unbind_cpus: Optional[List[int]] = None  # the CPU set before RINGLET_BIND's
         self.algo = "auto"
         self.model: Any = None
@@ -299,6 +301,8 @@ class World:
             except OSError:
                 pass
             self.unbind_cpus = None
+        if self.own_cpus:
+            self.own_cpus = False
             _core.set_tuning(own_cpus=0)
         for st in (self.store, self._fail_store):
             if st:
@@ -757,7 +761,7 @@ def _size_mismatch(rank: int, size: int, other: int, other_size: int) -> str:
 
 def _exchange_endpoints(world: World, timeout: float) -> None:
     from ._shm import transport_mode
-    from ._topology import bind_mode, cpu_digest
+    from ._topology import bind_mode, cpu_digest, cpu_ranges
 
     store, ctx, p = world.store, world.ctx, world.prefix
     bind = bind_mode()
@@ -765,15 +769,19 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
         my_cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         my_cpus = []
+    # The set itself only when short (a launcher's binding is): rank 0 sends
+    # every rank's to every rank.
+    ranges = cpu_ranges(my_cpus)
     store.set(f"{p}ep/{world.rank}",
               json.dumps({"ep": f"{world.host}:{ctx.port}", "size": world.size,
                           "host_id": world.host_ids[0], "pid": os.getpid(),
-                          "cpus": cpu_digest(my_cpus)}).encode())
+                          "cpus": cpu_digest(my_cpus),
+                          "cpuset": ranges if len(ranges) <= _CPUSET_CHARS else ""}).encode())
     join = _Joiner(world, timeout)
     if world.rank == 0:
         # In rank order: a rank with another world size is caught as soon as
         # the ranks below it have joined, never after the whole timeout.
-        table, hosts, pids, digests = [], [], [], []
+        table, hosts, pids, digests, sets = [], [], [], [], []
         for r in range(world.size):
             entry = json.loads(join.get(f"{p}ep/{r}").decode())
             if entry["size"] != world.size:
@@ -784,8 +792,10 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
             hosts.append(str(entry.get("host_id", "")))
             pids.append(int(entry.get("pid", 0)))
             digests.append(str(entry.get("cpus", "")))
+            sets.append(str(entry.get("cpuset", "")))
         store.set(f"{p}ep/all", json.dumps({"eps": table, "hosts": hosts, "pids": pids,
-                                            "cpus": digests, "algo": world.algo,
+                                            "cpus": digests, "cpusets": sets,
+                                            "algo": world.algo,
                                             "model": world.model.as_dict()}).encode())
     else:
         rec = json.loads(join.get(f"{p}ep/all").decode())
@@ -795,6 +805,7 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
         hosts = rec.get("hosts") or world.host_ids * len(table)
         pids = rec.get("pids") or []
         digests = rec.get("cpus") or []
+        sets = rec.get("cpusets") or []
         world.algo = rec.get("algo", world.algo)
         if "model" in rec:
             from ._costmodel import ModelParams
@@ -817,9 +828,11 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     # Binding serves the shared-memory hand-over; over loopback TCP a rank that
     # shares its peer's CPU is woken locally, which beside busy processes beats
     # a bound peer's wake-up on another CPU (docs/launching.md, "CPU binding").
-    if (bind == "auto" and transport_mode() != "tcp" and my_cpus
-            and len(pids) == len(digests) == world.size):
+    shm = transport_mode() != "tcp"
+    if bind == "auto" and shm and my_cpus and len(pids) == len(digests) == world.size:
         _bind_cpus(world, hosts, pids, digests, my_cpus)
+    if shm and not world.own_cpus and len(pids) == len(sets) == world.size:
+        _note_own_cpus(world, hosts, pids, sets)
 
 
 def _bind_cpus(world: World, hosts: List[str], pids: List[int], digests: List[str],
@@ -839,9 +852,22 @@ def _bind_cpus(world: World, hosts: List[str], pids: List[int], digests: List[st
     world.unbind_cpus = my_cpus
     # Its own CPUs: on a busy host its shared-memory waits may poll longer
     # (shm_busy_poll_us) without holding a core that another rank needs.
+    world.own_cpus = True
     _core.set_tuning(own_cpus=1)
     _log.debug("ringlet: rank %d bound to CPUs %s of %s (RINGLET_BIND=none leaves them)",
                world.rank, want, my_cpus)
+
+
+def _note_own_cpus(world: World, hosts: List[str], pids: List[int], sets: List[str]) -> None:
+    """Ranks a launcher bound to disjoint CPUs own them as much as ranks
+    RINGLET_BIND bound: their waits may poll longer on a busy host too."""
+    from ._topology import owns_cpus
+
+    if owns_cpus(world.rank, hosts, pids, sets):
+        world.own_cpus = True
+        _core.set_tuning(own_cpus=1)
+        _log.debug("ringlet: rank %d runs on CPUs %s, which no other rank of its host "
+                   "may run on", world.rank, sets[world.rank])
 
 
 def shutdown() -> None:
