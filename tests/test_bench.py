@@ -459,6 +459,13 @@ def test_busy_runs_beside_every_systems_job_and_stops_after(capsys, tmp_path, mo
     assert doc["environment"]["systems"]["ringlet-tcp"]["transport"] == "tcp"
     assert "beside 2 busy loops" in out
     assert {r["system"] for r in doc["rows"]} == {"ringlet", "ringlet-tcp"}
+    # The CPU-to-CPU round trip is probed before each job, busy loops not yet started.
+    probes = doc["core_rtt_rounds"]
+    assert [(p["round"], p["system"]) for p in probes] == [(0, "ringlet"), (0, "ringlet-tcp")]
+    # (None where the probe could not run: one CPU, or no progress within its deadline.)
+    assert all(p["ns"] is None or p["ns"] > 0 for p in probes), probes
+    if len(os.sched_getaffinity(0)) < 2:
+        assert all(p["ns"] is None for p in probes), probes
 
 
 def test_short_sweep_every_op_checks_and_writes_files(capsys, tmp_path):

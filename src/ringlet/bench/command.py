@@ -237,7 +237,8 @@ def _memory_column(rows: Sequence[Dict[str, Any]], median: Dict[str, Any],
                      + lines)
 
 
-def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=()) -> None:
+def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=(),
+             core_rtt=()) -> None:
     from .limits import ceilings, median_limits
 
     limits_res = median_limits(list(limit_samples)) if limit_samples else None
@@ -251,6 +252,7 @@ def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=(
             "systems": systems, "skipped": skipped, "environment": env,
             "limits": limits_res, "limits_rounds": list(limit_samples), "rows": list(rows),
             "round_rows": [{k: v for k, v in r.items() if k != "kind"} for r in round_rows],
+            "core_rtt_rounds": list(core_rtt),
             "summary": {s: {op: report.average_busbw([r for r in rows if r["system"] == s
                                                       and r["op"] == op])
                             for op in sorted({r["op"] for r in rows if r["system"] == s})}
@@ -269,7 +271,7 @@ def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=(
 def _run_launched(args: argparse.Namespace) -> int:
     from . import launch
     from .busy import BusyError, busy_loops
-    from .limits import format_limits, measure, median_limits
+    from .limits import LimitsError, core_roundtrip, format_limits, measure, median_limits
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -315,6 +317,10 @@ def _run_launched(args: argparse.Namespace) -> int:
         print(report.format_row(rec), flush=True)
 
     live_rows: List[Dict[str, Any]] = []
+    # Before each job: a VM's vCPUs can sit farther apart on the host for
+    # minutes, which slows every byte handed between ranks; this tells which
+    # rounds ran in such a stretch (docs/benchmarks.md, "Collectives: method").
+    core_rtt: List[Dict[str, Any]] = []
     payload = [c.to_json() for c in sweeps]
     for k in range(rounds):
         if args.limits:
@@ -329,6 +335,12 @@ def _run_launched(args: argparse.Namespace) -> int:
         for s in order:
             if s in skipped:
                 continue
+            try:
+                probe = core_roundtrip()
+            except LimitsError:
+                probe = None
+            rtt = round(probe["ns"], 1) if probe else None
+            core_rtt.append({"round": k, "system": s, "ns": rtt})
             t0 = time.monotonic()
             try:
                 # The same load beside every system's job, started afresh for each.
@@ -352,7 +364,8 @@ def _run_launched(args: argparse.Namespace) -> int:
                 op_skips.setdefault(s, {})[op] = why
             if not live:
                 say(f"ringlet bench: round {k + 1}/{rounds}: {s} done in "
-                    f"{time.monotonic() - t0:.1f} s")
+                    f"{time.monotonic() - t0:.1f} s"
+                    + (f" (CPU-to-CPU cache line round trip before it: {rtt} ns)" if rtt else ""))
     if live and state["op"] is not None:
         print(report.format_footer([r for r in live_rows if r["op"] == state["op"]]))
     systems = [s for s in systems if s not in skipped]
@@ -401,7 +414,7 @@ def _run_launched(args: argparse.Namespace) -> int:
             all_skips[f"{s}:{op}"] = why
     per_round_rows = [dict(r, round=k) for s in systems for k, rr in enumerate(per_round[s])
                       for r in rr]
-    _outputs(args, rows, systems, all_skips, env, limit_samples, say, per_round_rows)
+    _outputs(args, rows, systems, all_skips, env, limit_samples, say, per_round_rows, core_rtt)
     return _exit_code(ring_rows, args, say)
 
 
