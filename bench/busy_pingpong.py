@@ -20,26 +20,22 @@ import resource
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 
 def job(size: int, samples: int, batch: int) -> None:
     import ringlet
+    from ringlet.bench.sweep import ping_pong
 
     ringlet.init()
     r = ringlet.get_rank()
-    big = np.ones(size, np.uint8), np.empty(size, np.uint8)
-    small = np.ones(8, np.uint8), np.empty(8, np.uint8)
+    big = SimpleNamespace(buf=np.ones(size, np.uint8), out=np.empty(size, np.uint8))
+    small = SimpleNamespace(buf=np.ones(8, np.uint8), out=np.empty(8, np.uint8))
 
     def round_trip(bufs=big) -> None:
-        buf, out = bufs
-        if r == 0:
-            ringlet.send(buf, 1)
-            ringlet.recv(out, 1)
-        else:
-            ringlet.recv(out, 0)
-            ringlet.send(out, 0)
+        ping_pong(r, ringlet.send, ringlet.recv, bufs)  # the benchmark's own exchange
 
     for _ in range(50):
         round_trip()
@@ -70,7 +66,7 @@ def job(size: int, samples: int, batch: int) -> None:
         ringlet.barrier()
         t = clock()
         for _ in range(batch):
-            np.copyto(big[1], big[0])
+            np.copyto(big.out, big.buf)
         local[i] = (clock() - t) / batch
     cpu = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
     per_msg = np.median(rts.sum(axis=1)) / batch / 2 * 1e6
