@@ -117,18 +117,13 @@ def cpu_ranges(cpus: Sequence[int]) -> str:
 
         cpu_ranges([0, 1, 2, 3, 8])  # "0-3,8"
     """
-    out: List[str] = []
-    run: List[int] = []
+    runs: List[List[int]] = []
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [c]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(out)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def parse_cpu_ranges(text: str) -> Optional[set]:

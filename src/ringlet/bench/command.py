@@ -317,9 +317,9 @@ def _run_launched(args: argparse.Namespace) -> int:
         print(report.format_row(rec), flush=True)
 
     live_rows: List[Dict[str, Any]] = []
-    # Before each job: a VM's vCPUs can sit farther apart on the host for
-    # minutes, which slows every byte handed between ranks; this tells which
-    # rounds ran in such a stretch (docs/benchmarks.md, "Collectives: method").
+    # Before each job: a VM's host moves its vCPUs while they idle, near each
+    # other or far apart, and far apart every byte handed between ranks costs
+    # more; this tells which placement each job started with.
     core_rtt: List[Dict[str, Any]] = []
     payload = [c.to_json() for c in sweeps]
     for k in range(rounds):
