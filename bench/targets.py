@@ -21,7 +21,9 @@ A cell's ratio is the median over rounds of the paired ratio: round k of
 ringlet against round k of each peer.  Rounds are interleaved, so a slow
 phase of the machine, which lasts a whole round and slows every system
 alike, lands on both sides of a pair instead of deciding the cell by which
-system drew it.  The ratio of the overall medians is counted too.
+system drew it.  The ratio of the overall medians is counted too.  Under a
+missed cell, where the file has them, each round's times are listed with the
+CPU-to-CPU round trip probed before each job (a VM's placement of its vCPUs).
 
     python3 bench/targets.py .bench-out/batch_n4.json
 """
@@ -136,13 +138,38 @@ def _verdict(name: str, behind: List[tuple], ncells: int, what: str) -> str:
     return (f"{name}: **missed** in {len(behind)} of {ncells} cells; worst: {cells}")
 
 
+def round_detail(doc: dict, behind: List[tuple], peers: Sequence[str]) -> List[str]:
+    """Per missed cell, each round's time of ringlet and of ``peers`` with the
+    CPU-to-CPU round trip probed before that job (``core_rtt_rounds``): on a
+    virtual machine the vCPUs' placement, drawn per job, can decide a round.
+    Empty for a file without probes."""
+    probes = {(p["round"], p["system"]): p["ns"] for p in doc.get("core_rtt_rounds") or ()}
+    if not probes:
+        return []
+    out = []
+    for _, op, size, *_ in sorted(behind, reverse=True)[:SHOW_WORST]:
+        times = {(r["round"], r["system"]): r["time_us"] for r in doc.get("round_rows", ())
+                 if r["op"] == op and r["size"] == size}
+        parts = []
+        for system in ("ringlet",) + tuple(peers):
+            each = [f"{times[k, system]:.1f}"
+                    + (f" ({probes[k, system]:.0f})" if probes.get((k, system)) else "")
+                    for k in sorted({k for k, s in times if s == system})]
+            if each:
+                parts.append(f"{system} " + ", ".join(each))
+        out.append(f"- {op} {_fmt_size(size)}, us per round (ns of the CPU-to-CPU round trip "
+                   f"before the job): " + "; ".join(parts))
+    return out
+
+
 def target1(doc: dict) -> str:
     """Target 1: ringlet <= mpi-sm in every cell (an idle run)."""
     n = doc["nranks"]
     lines, behind, ncells = ratio_target(
         doc, ("mpi-sm",), f"Target 1, {n} ranks: ringlet time / mpi-sm time, median of the "
                           "per-round ratios (<= 1.00 meets it)")
-    return "\n".join(lines + ["", _verdict("Target 1", behind, ncells, "mpi-sm")])
+    return "\n".join(lines + ["", _verdict("Target 1", behind, ncells, "mpi-sm")]
+                     + round_detail(doc, behind, ("mpi-sm",)))
 
 
 def target2(doc: dict) -> str:
@@ -154,7 +181,7 @@ def target2(doc: dict) -> str:
         doc, ALL_PEERS, f"Target 2, {n} ranks beside {busy} busy loops: ringlet time / the "
                         "fastest peer's (mpi-tcp, mpi-sm, gloo), median of the per-round "
                         "ratios (<= 1.00 meets it)")
-    tail = [_verdict("Target 2", behind, ncells, "a peer")]
+    tail = [_verdict("Target 2", behind, ncells, "a peer")] + round_detail(doc, behind, ALL_PEERS)
     if busy != BUSY_LOOPS:
         tail.append(f"(target 2 is defined beside {BUSY_LOOPS} busy loops; this run had {busy})")
     ar = _rows(doc).get(("all_reduce", 8), {}).get("ringlet")

@@ -286,6 +286,18 @@ def test_targets_verdict_pairs_rounds():
     assert ("Target 1: **missed** in 1 of 1 cells; worst: broadcast 8 B 1.02 (11.0 against "
             "mpi-sm 10.8 us)") in text
     assert "Target 3: not judged (the run has no memcpy rates" in text
+    # With the probes before each job, the missed cell lists its rounds beside them.
+    doc["round_rows"] = rr
+    doc["rows"][0]["time_us"] = 13.0
+    for r in rr:
+        if r["system"] == "ringlet":
+            r["time_us"] += 10.0  # behind in every round now
+    doc["core_rtt_rounds"] = [{"round": k, "system": s, "ns": 100.0 + 380.0 * (k == 1)}
+                              for k in range(3) for s in ("ringlet", "mpi-sm", "gloo")]
+    text = t.summary(doc)
+    assert ("- broadcast 8 B, us per round (ns of the CPU-to-CPU round trip before the job): "
+            "ringlet 20.0 (100), 34.0 (480), 21.0 (100); mpi-sm 22.0 (100), 12.0 (480), "
+            "12.0 (100)") in text, text
 
 
 def _target_rows(system_times, rnd=None, op="all_reduce", size=8):
