@@ -52,28 +52,27 @@ def job(size: int, samples: int, batch: int) -> None:
             t2 = clock()
             rts[i, j], t = t2 - t, t2
     ru1, w1 = resource.getrusage(resource.RUSAGE_SELF), clock()
-    # 8-byte round trips: how fast a cache line crosses between the ranks' CPUs in this job.
-    tiny = np.empty(samples)
-    for i in range(samples):
-        ringlet.barrier()
-        t = clock()
-        for _ in range(batch):
-            round_trip(small)
-        tiny[i] = (clock() - t) / batch
-    # The same bytes copied within the rank: is this CPU slow, or the hand-over?
-    local = np.empty(samples)
-    for i in range(samples):
-        ringlet.barrier()
-        t = clock()
-        for _ in range(batch):
-            np.copyto(big.out, big.buf)
-        local[i] = (clock() - t) / batch
+    def per_op(step) -> float:
+        """Median over samples (a barrier, then `batch` steps) of one step's time."""
+        each = np.empty(samples)
+        for i in range(samples):
+            ringlet.barrier()
+            t = clock()
+            for _ in range(batch):
+                step()
+            each[i] = (clock() - t) / batch
+        return float(np.median(each))
+
+    # Controls: a small message's hand-over, and the same bytes copied within
+    # the rank (is this CPU slow, or the hand-over of the bytes?).
+    tiny = per_op(lambda: round_trip(small))
+    local = per_op(lambda: np.copyto(big.out, big.buf))
     cpu = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
     per_msg = np.median(rts.sum(axis=1)) / batch / 2 * 1e6
     if r == 0:
         print(f"{per_msg:9.1f} us/message  round trip {np.median(rts) * 1e6:8.1f} us  "
               f"barrier {np.median(bars) * 1e6:6.1f} us  8 B round trip "
-              f"{np.median(tiny) * 1e6:6.1f} us  local copy {np.median(local) * 1e6:6.1f} us  "
+              f"{tiny * 1e6:6.1f} us  local copy {local * 1e6:6.1f} us  "
               f"on CPU {cpu / (w1 - w0):.2f}  "
               f"sleeps/round trip {(ru1.ru_nvcsw - ru0.ru_nvcsw) / rts.size:.3f}", flush=True)
     ringlet.shutdown()
