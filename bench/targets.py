@@ -140,10 +140,17 @@ def _verdict(name: str, behind: List[tuple], ncells: int, what: str) -> str:
 
 def round_detail(doc: dict, behind: List[tuple], peers: Sequence[str]) -> List[str]:
     """Per missed cell, each round's time of ringlet and of ``peers`` with the
-    CPU-to-CPU round trip probed before that job (``core_rtt_rounds``): on a
-    virtual machine the vCPUs' placement, drawn per job, can decide a round.
-    Empty for a file without probes."""
-    probes = {(p["round"], p["system"]): p["ns"] for p in doc.get("core_rtt_rounds") or ()}
+    CPU-to-CPU round trip probed before that job (``core_rtt_rounds``), and
+    after it where the file has that too: on a virtual machine the vCPUs'
+    placement, drawn per job, can decide a round. Empty for a file without probes."""
+    recs = doc.get("core_rtt_rounds") or ()
+    after = any("ns_after" in p for p in recs)
+
+    def shown(p: dict) -> Optional[str]:
+        ns = [p["ns"]] + ([p.get("ns_after")] if after else [])
+        return "/".join("?" if v is None else f"{v:.0f}" for v in ns) if any(ns) else None
+
+    probes = {(p["round"], p["system"]): shown(p) for p in recs}
     if not probes:
         return []
     out = []
@@ -153,12 +160,12 @@ def round_detail(doc: dict, behind: List[tuple], peers: Sequence[str]) -> List[s
         parts = []
         for system in ("ringlet",) + tuple(peers):
             each = [f"{times[k, system]:.1f}"
-                    + (f" ({probes[k, system]:.0f})" if probes.get((k, system)) else "")
+                    + (f" ({probes[k, system]})" if probes.get((k, system)) else "")
                     for k in sorted({k for k, s in times if s == system})]
             if each:
                 parts.append(f"{system} " + ", ".join(each))
         out.append(f"- {op} {_fmt_size(size)}, us per round (ns of the CPU-to-CPU round trip "
-                   f"before the job): " + "; ".join(parts))
+                   f"before the job{', / after it' if after else ''}): " + "; ".join(parts))
     return out
 
 

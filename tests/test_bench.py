@@ -298,6 +298,13 @@ def test_targets_verdict_pairs_rounds():
     assert ("- broadcast 8 B, us per round (ns of the CPU-to-CPU round trip before the job): "
             "ringlet 20.0 (100), 34.0 (480), 21.0 (100); mpi-sm 22.0 (100), 12.0 (480), "
             "12.0 (100)") in text, text
+    # With a probe after each job too, both, and "?" where one of them could not run.
+    for p in doc["core_rtt_rounds"]:
+        p["ns_after"] = 480.0 if p["round"] == 0 else None
+    text = t.summary(doc)
+    assert ("- broadcast 8 B, us per round (ns of the CPU-to-CPU round trip before the job, "
+            "/ after it): ringlet 20.0 (100/480), 34.0 (480/?), 21.0 (100/?); "
+            "mpi-sm 22.0 (100/480)") in text, text
 
 
 def _target_rows(system_times, rnd=None, op="all_reduce", size=8):
@@ -471,13 +478,15 @@ def test_busy_runs_beside_every_systems_job_and_stops_after(capsys, tmp_path, mo
     assert doc["environment"]["systems"]["ringlet-tcp"]["transport"] == "tcp"
     assert "beside 2 busy loops" in out
     assert {r["system"] for r in doc["rows"]} == {"ringlet", "ringlet-tcp"}
-    # The CPU-to-CPU round trip is probed before each job, busy loops not yet started.
+    # The CPU-to-CPU round trip is probed before each job, busy loops not yet
+    # started, and after it, busy loops stopped.
     probes = doc["core_rtt_rounds"]
     assert [(p["round"], p["system"]) for p in probes] == [(0, "ringlet"), (0, "ringlet-tcp")]
     # (None where the probe could not run: one CPU, or no progress within its deadline.)
-    assert all(p["ns"] is None or p["ns"] > 0 for p in probes), probes
+    ns = [p[k] for p in probes for k in ("ns", "ns_after")]
+    assert all(v is None or v > 0 for v in ns), probes
     if len(os.sched_getaffinity(0)) < 2:
-        assert all(p["ns"] is None for p in probes), probes
+        assert all(v is None for v in ns), probes
 
 
 def test_short_sweep_every_op_checks_and_writes_files(capsys, tmp_path):

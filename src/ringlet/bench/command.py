@@ -317,10 +317,18 @@ def _run_launched(args: argparse.Namespace) -> int:
         print(report.format_row(rec), flush=True)
 
     live_rows: List[Dict[str, Any]] = []
-    # Before each job: a VM's host moves its vCPUs while they idle, near each
-    # other or far apart, and far apart every byte handed between ranks costs
-    # more; this tells which placement each job started with.
+    # Before and after each job: a VM's host moves its vCPUs while they idle,
+    # near each other or far apart, and far apart every byte handed between
+    # ranks costs more; this tells which placement each job started and ended with.
     core_rtt: List[Dict[str, Any]] = []
+
+    def probe_ns() -> Optional[float]:
+        try:
+            probe = core_roundtrip()
+        except LimitsError:
+            probe = None
+        return round(probe["ns"], 1) if probe else None
+
     payload = [c.to_json() for c in sweeps]
     for k in range(rounds):
         if args.limits:
@@ -335,12 +343,9 @@ def _run_launched(args: argparse.Namespace) -> int:
         for s in order:
             if s in skipped:
                 continue
-            try:
-                probe = core_roundtrip()
-            except LimitsError:
-                probe = None
-            rtt = round(probe["ns"], 1) if probe else None
-            core_rtt.append({"round": k, "system": s, "ns": rtt})
+            rtt = probe_ns()
+            probes = {"round": k, "system": s, "ns": rtt, "ns_after": None}
+            core_rtt.append(probes)
             t0 = time.monotonic()
             try:
                 # The same load beside every system's job, started afresh for each.
@@ -358,6 +363,7 @@ def _run_launched(args: argparse.Namespace) -> int:
                 say(f"ringlet bench: skipping {s}: its job failed:\n{exc}")
                 skipped[s] = f"job failed: {str(exc).splitlines()[0]}"
                 continue
+            probes["ns_after"] = after = probe_ns()
             per_round[s].append([dict(r, system=s) for r in res.rows])
             versions[s] = res.versions
             for op, why in res.skipped.items():
@@ -365,7 +371,8 @@ def _run_launched(args: argparse.Namespace) -> int:
             if not live:
                 say(f"ringlet bench: round {k + 1}/{rounds}: {s} done in "
                     f"{time.monotonic() - t0:.1f} s"
-                    + (f" (CPU-to-CPU cache line round trip before it: {rtt} ns)" if rtt else ""))
+                    + (f" (CPU-to-CPU cache line round trip before it: {rtt} ns, after it: "
+                       f"{after} ns)" if rtt or after else ""))
     if live and state["op"] is not None:
         print(report.format_footer([r for r in live_rows if r["op"] == state["op"]]))
     systems = [s for s in systems if s not in skipped]
