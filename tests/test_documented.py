@@ -64,7 +64,13 @@ def test_errors_carry_rank_peer_op_seq_and_the_peers_address():
     res = run_world(_desync_attrs, 2, mode="thread", timeout=60)
     for rank, (r, peer, op, seq, msg) in enumerate(res):
         assert (r, peer, op, seq) == (rank, 1 - rank, "all_reduce", 2), res
-        assert msg.startswith(f"rank {rank}: all_reduce seq=2 peer {1 - rank} (127.0.0.1:"), msg
+        # A rank finds the desync itself, or (when the peer found it first and its
+        # published failure stopped this rank before it read the peer's frame) quotes
+        # the peer's finding: the peer, whose peer is this rank, is then the one named.
+        own = f"rank {rank}: all_reduce seq=2 peer {1 - rank} (127.0.0.1:"
+        relayed = f"rank {rank}: rank {1 - rank} failed: rank {1 - rank}: all_reduce seq=2 peer {rank} (127.0.0.1:"
+        assert msg.startswith(own) or msg.startswith(relayed), msg
+        assert "desync: this rank expects all_reduce(seq=2" in msg, msg
         port = int(msg.split("(127.0.0.1:", 1)[1].split(")", 1)[0])
         assert 0 < port < 65536
 
@@ -438,8 +444,8 @@ def _watched(rank, P):
         else:  # ranks 0 and 1 wait on each other, with nothing to do with rank 2
             ringlet.recv(np.empty(1), src=1 - rank, timeout=120)
     except ringlet.RingletError as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    return "no error", "", time.monotonic() - t0
+        return type(exc).__name__, str(exc), time.monotonic() - t0, exc.peer
+    return "no error", "", time.monotonic() - t0, None
 
 
 def test_the_watcher_stops_ranks_not_connected_to_the_failed_one():
@@ -449,6 +455,8 @@ def test_the_watcher_stops_ranks_not_connected_to_the_failed_one():
     # ranks 0 and 1 to read it names rank 2; the other may instead see that one close.
     assert any("rank 2 failed" in res[r][1] and "timed out" in res[r][1] for r in (0, 1)), res
     for rank in (0, 1):
-        kind, msg, took = res[rank]
+        kind, msg, took, peer = res[rank]
         assert "rank 2 failed" in msg or (kind == "PeerClosedError" and f"peer {1 - rank}" in msg), res
         assert took < 100, res
+        # The error's peer is the rank whose failure stopped this one.
+        assert peer == (2 if msg.startswith(f"rank {rank}: rank 2 failed") else 1 - rank), res

@@ -224,11 +224,11 @@ class World:
                 self._fail_store = False
         return self._fail_store or None
 
-    def _cancel_all(self, status: int, reason: str) -> None:
+    def _cancel_all(self, status: int, reason: str, failed: Optional[int] = None) -> None:
         _trace.on_failure(self, None, reason)  # before the cancel: blocked ops show as started
         for g in list(self._groups):
             if g._failure is None and not g._closed:
-                g._cancel(status, reason)
+                g._cancel(status, reason, failed)
 
     def _watch(self, store) -> None:
         try:
@@ -249,7 +249,8 @@ class World:
                 if rec.get("rank") != self.rank:
                     self._failed = True
                     self._cancel_all(int(rec["status"]),
-                                     f"rank {rec['rank']} failed: {rec['message']}")
+                                     f"rank {rec['rank']} failed: {rec['message']}",
+                                     failed=rec.get("rank"))
                 return
         finally:
             store.close()

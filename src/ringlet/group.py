@@ -98,6 +98,7 @@ class ProcessGroup:
         self._coll = coll
         self._p2pc = p2p
         self._failure: Optional[BaseException] = None
+        self._failed_peer: Optional[int] = None  # set by _cancel
         self._lock = threading.Lock()
         self._exec = SerialExecutor(f"ringlet-group{comm_id}")
         self._p2p_exec: dict = {}
@@ -179,6 +180,8 @@ class ProcessGroup:
 
     def _record(self, exc: BaseException) -> None:
         """Remember the first failure and tell the other ranks about it."""
+        if isinstance(exc, RingletError) and exc.peer is None and self._failed_peer is not None:
+            exc.peer = self._failed_peer  # stopped by that rank's published failure
         if not isinstance(exc, GroupPoisonedError) and self._failure is None:
             self._failure = exc
             self._world._publish_failure(self, exc)
@@ -552,7 +555,11 @@ class ProcessGroup:
         deadline = time.monotonic() + timeout
         return all(ex.drain(max(0.0, deadline - time.monotonic())) for ex in self._executors())
 
-    def _cancel(self, status: int, reason: str) -> None:
+    def _cancel(self, status: int, reason: str, failed: Optional[int] = None) -> None:
+        """Poison and wake this group's calls; ``failed``: the world rank whose
+        published failure this is, the ``peer`` of the errors it causes here."""
+        if failed is not None and failed in self.ranks and self._failed_peer is None:
+            self._failed_peer = self.ranks.index(failed)
         for comm in (self._coll, self._p2pc):
             if comm is not None:
                 try:
