@@ -112,6 +112,12 @@ struct rl_comm {
     uint64_t *p2p_send_seq, *p2p_recv_seq;
     rl_unexpected **unexpected;
     uint64_t unexpected_bytes;
+    /* receives from any source (p2p.c): one at a time (any_lock); while one
+     * waits (any_waiting), a receive that releases a peer's lock wakes it
+     * through the segment's bell or, over TCP, any_efd (an eventfd, made by
+     * the first such receive) */
+    pthread_mutex_t any_lock;
+    int any_waiting, any_efd, any_next;
 
     /* scratch for algorithms that need a staging area (grown on demand;
      * page-aligned, scratch_len usable bytes after any in-page offset) */
@@ -200,6 +206,11 @@ const char *rl_peer_host(const rl_comm *c, int peer, int *port);
 
 /* ---- connections (transport.c) ---- */
 int rl_peer_fd(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out);
+/* The peer's socket if connected, or taken now from the listener's mailbox
+ * when the peer dialled; -1 otherwise.  Never waits. */
+int rl_peer_fd_try(rl_comm *c, int peer);
+/* Wake a receive from any source waiting on c (p2p.c). */
+void rl_p2p_wake_any(rl_comm *c);
 
 /* ---- engine (engine.c) ---- */
 int rl_run_streams(rl_comm *c, const rl_opdesc *op, rl_stream *s, int n,
@@ -295,6 +306,13 @@ int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                       const void *buf, size_t len);
 int rl_shm_recv_header(rl_comm *c, const rl_opdesc *op, int src, rl_hdr *h);
 int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len);
+/* Receives from any source: whether src's ring holds a message for this
+ * rank; the bell's count (read before looking at the rings); a wait until a
+ * ring not in skip may hold one or the bell moved past `bell`, bounded by
+ * the op's deadline; a failed or departed peer fails it. */
+int rl_shm_p2p_ready(rl_comm *c, int src);
+uint32_t rl_shm_bell(rl_comm *c);
+int rl_shm_wait_any(rl_comm *c, const rl_opdesc *op, const unsigned char *skip, uint32_t bell);
 /* Publish c's error in the segment and wake every waiter (rl_comm_abort);
  * wake this rank's waiters only (rl_comm_cancel); unmap (rl_comm_destroy). */
 void rl_shm_abort(rl_comm *c);

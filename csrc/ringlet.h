@@ -366,6 +366,11 @@ int rl_send(rl_comm *c, const void *buf, size_t count, rl_dtype dt, int dst,
             uint32_t tag, int64_t timeout_ms);
 int rl_recv(rl_comm *c, void *buf, size_t count, rl_dtype dt, int src,
             uint32_t tag, int64_t timeout_ms);
+/* The first message carrying tag from any peer; *src gets its sender.  Per
+ * sender, messages still match in send order.  A peer that closed or died
+ * fails it, as does any peer's abort.  One runs at a time per comm. */
+int rl_recv_any(rl_comm *c, void *buf, size_t count, rl_dtype dt, uint32_t tag,
+                int64_t timeout_ms, int *src);
 
 /* ---- flight recorder (flight.c) ------------------------------------- */
 /* Every comm keeps its last rl_tuning.trace_entries operations: written by

@@ -2125,3 +2125,60 @@ int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len) 
     }
     return RL_OK;
 }
+
+/* ---- receives from any source ------------------------------------------------ */
+int rl_shm_p2p_ready(rl_comm *c, int src) {
+    rl_shm *s = c->shm;
+    /* rx_tail is the receiving thread's; read without src's lock it is a hint,
+     * which the receive confirms under the lock. */
+    uint32_t tail = __atomic_load_n(&s->rx_tail[src], __ATOMIC_RELAXED);
+    char *cell = cell_of(s, ring_of(s, src, c->rank, c->size), tail);
+    return reached(__atomic_load_n(stamp_of(cell), __ATOMIC_ACQUIRE), tail + 1);
+}
+
+uint32_t rl_shm_bell(rl_comm *c) { return __atomic_load_n(&c->shm->hdr->bell, __ATOMIC_SEQ_CST); }
+
+static int any_ring_ready(rl_comm *c, const unsigned char *skip) {
+    for (int q = 0; q < c->size; q++)
+        if (q != c->rank && !skip[q] && rl_shm_p2p_ready(c, q)) return 1;
+    return 0;
+}
+
+/* As wait_flag_for, over every peer's ring at once: poll (hot polls, then
+ * yields), then sleep on the bell counted as a waiter of every peer, so that
+ * any peer's publish rings it. */
+int rl_shm_wait_any(rl_comm *c, const rl_opdesc *op, const unsigned char *skip, uint32_t bell) {
+    shm_header *h = c->shm->hdr;
+    int64_t spin = rl_tune.shm_spin, hot = rl_tune.spin_yield ? 0 : SHM_SPIN_HOT;
+    if (spin > hot && rl_host_contended(rl_now_ns())) spin = hot;
+    for (int64_t i = 0; i < spin; i++) {
+        cpu_relax();
+        if (__atomic_load_n(&h->bell, __ATOMIC_ACQUIRE) != bell || any_ring_ready(c, skip))
+            return RL_OK;
+        if ((i & 63) == 63) {
+            if (__atomic_load_n(&h->abort_set, __ATOMIC_RELAXED) || c->poisoned) break;
+            if (i >= hot) {
+                int64_t t0 = rl_now_ns();
+                sched_yield();
+                if (rl_now_ns() - t0 > SHM_YIELD_LOST_NS) break;
+            }
+        }
+    }
+    for (int q = 0; q < c->size; q++)
+        if (q != c->rank) __atomic_fetch_add(&c->shm->ctrl[q].waiters, 1, __ATOMIC_SEQ_CST);
+    uint32_t now_bell = __atomic_load_n(&h->bell, __ATOMIC_SEQ_CST);
+    int st = RL_OK;
+    if (now_bell == bell && !any_ring_ready(c, skip)) {
+        uint32_t never = 0; /* no flag of its own: only a failure ends the checks */
+        st = check_peers(c, op, &never, 1, -1);
+        if (st == RL_OK && c->poisoned) st = c->err.status ? c->err.status : RL_ERR_POISONED;
+        if (st == RL_OK) {
+            int64_t left = op->deadline_ns - rl_now_ns();
+            if (left > 0)
+                futex_wait(&h->bell, now_bell, left < SHM_SLICE_NS ? left : SHM_SLICE_NS);
+        }
+    }
+    for (int q = 0; q < c->size; q++)
+        if (q != c->rank) __atomic_fetch_sub(&c->shm->ctrl[q].waiters, 1, __ATOMIC_SEQ_CST);
+    return st;
+}

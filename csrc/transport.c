@@ -334,6 +334,7 @@ void rl_comm_cancel(rl_comm *c, int status, const char *reason) {
         if (fd >= 0) shutdown(fd, SHUT_RDWR);
     }
     rl_shm_wake_all(c); /* a waiter in shared memory then sees the poison */
+    rl_p2p_wake_any(c);
 }
 
 /* ------------------------------------------------------------------ */
@@ -710,6 +711,8 @@ int rl_comm_create(rl_comm **out, rl_ctx *ctx, uint32_t comm_id, int rank,
         snprintf(err->msg, sizeof err->msg, "out of memory");
         return RL_ERR_NOMEM;
     }
+    c->any_efd = -1;
+    pthread_mutex_init(&c->any_lock, NULL);
     for (int i = 0; i < size; i++) {
         c->world[i] = world_ranks[i];
         c->fds[i] = -1;
@@ -745,6 +748,8 @@ void rl_comm_destroy(rl_comm *c) {
     }
     pthread_mutex_destroy(&c->err_lock);
     pthread_mutex_destroy(&c->op_lock);
+    pthread_mutex_destroy(&c->any_lock);
+    if (c->any_efd >= 0) close(c->any_efd);
     free(c->world); free(c->fds); free(c->peer_locks); free(c->send_locks);
     free(c->recv_locks); free(c->p2p_send_seq); free(c->p2p_recv_seq);
     free(c->unexpected); free(c->scratch);
@@ -924,21 +929,32 @@ static int connect_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) 
     }
 }
 
+/* The connection the peer dialled for this comm, taken from the mailbox;
+ * -1 if none yet.  Called with ctx->lock held. */
+static int take_mailbox(rl_comm *c, int peer) {
+    int wr = c->world[peer];
+    for (rl_pending_conn **pp = &c->ctx->mailbox; *pp; pp = &(*pp)->next) {
+        if ((*pp)->comm_id == c->id && (*pp)->src == wr) {
+            rl_pending_conn *pc = *pp;
+            int fd = pc->fd;
+            *pp = pc->next;
+            free(pc);
+            return fd;
+        }
+    }
+    return -1;
+}
+
 /* Wait for the higher-ranked side of a pair: the peer connects to us. */
 static int await_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
     rl_ctx *ctx = c->ctx;
-    int wr = c->world[peer];
     pthread_mutex_lock(&ctx->lock);
     for (;;) {
-        for (rl_pending_conn **pp = &ctx->mailbox; *pp; pp = &(*pp)->next) {
-            if ((*pp)->comm_id == c->id && (*pp)->src == wr) {
-                rl_pending_conn *pc = *pp;
-                *pp = pc->next;
-                pthread_mutex_unlock(&ctx->lock);
-                *fd_out = pc->fd;
-                free(pc);
-                return RL_OK;
-            }
+        int got = take_mailbox(c, peer);
+        if (got >= 0) {
+            pthread_mutex_unlock(&ctx->lock);
+            *fd_out = got;
+            return RL_OK;
         }
         int64_t now = rl_now_ns();
         if (now >= op->deadline_ns) {
@@ -961,6 +977,31 @@ static int await_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
     }
 }
 
+static void note_connected(rl_comm *c, int peer, int fd) {
+    set_nonblock(fd);
+    __atomic_store_n(&c->fds[peer], fd, __ATOMIC_RELEASE);
+    int port;
+    const char *host = rl_peer_host(c, peer, &port);
+    rl_log(RL_LOG_INFO, c, "connected to peer %d (world rank %d, %s:%d): transport tcp, %s",
+           peer, c->world[peer], host, port, c->rank < peer ? "dialled" : "accepted");
+}
+
+int rl_peer_fd_try(rl_comm *c, int peer) {
+    int fd = __atomic_load_n(&c->fds[peer], __ATOMIC_ACQUIRE);
+    if (fd >= 0 || peer == c->rank || c->rank < peer) return fd;
+    /* Whoever holds the peer's lock is connecting: it will store the fd. */
+    if (pthread_mutex_trylock(&c->peer_locks[peer]) != 0) return -1;
+    fd = c->fds[peer];
+    if (fd < 0) {
+        pthread_mutex_lock(&c->ctx->lock);
+        fd = take_mailbox(c, peer);
+        pthread_mutex_unlock(&c->ctx->lock);
+        if (fd >= 0) note_connected(c, peer, fd);
+    }
+    pthread_mutex_unlock(&c->peer_locks[peer]);
+    return fd;
+}
+
 int rl_peer_fd(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
     int fd = __atomic_load_n(&c->fds[peer], __ATOMIC_ACQUIRE);
     if (fd >= 0) { *fd_out = fd; return RL_OK; }
@@ -971,14 +1012,7 @@ int rl_peer_fd(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
     fd = c->fds[peer];
     if (fd < 0) {
         st = c->rank < peer ? connect_peer(c, op, peer, &fd) : await_peer(c, op, peer, &fd);
-        if (st == RL_OK) {
-            set_nonblock(fd);
-            __atomic_store_n(&c->fds[peer], fd, __ATOMIC_RELEASE);
-            int port;
-            const char *host = rl_peer_host(c, peer, &port);
-            rl_log(RL_LOG_INFO, c, "connected to peer %d (world rank %d, %s:%d): transport tcp, %s",
-                   peer, c->world[peer], host, port, c->rank < peer ? "dialled" : "accepted");
-        }
+        if (st == RL_OK) note_connected(c, peer, fd);
     }
     pthread_mutex_unlock(&c->peer_locks[peer]);
     *fd_out = fd;

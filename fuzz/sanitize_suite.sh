@@ -18,7 +18,7 @@ PY=${PYTHON:-python}
 if [ $# -gt 0 ]; then TESTS=("$@"); else
     TESTS=(tests/test_c_units.py tests/test_bad_input.py tests/test_collectives.py
            tests/test_failures.py tests/test_concurrency.py tests/test_bulk_recv.py
-           tests/test_shm.py tests/test_fuzz.py)
+           tests/test_shm.py tests/test_fuzz.py tests/test_p2p_any.py)
 fi
 LOGS=build/sanitize/reports
 rm -rf "$LOGS" && mkdir -p "$LOGS"

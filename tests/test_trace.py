@@ -98,6 +98,30 @@ def test_skipped_collective_is_named_by_ringlet_trace(trace_dir, capsys):
     assert "p2p: rank 1 recv from rank 0 tag 0" in out.stdout
 
 
+# ---- a receive from any source that nobody answers -----------------------------
+def _any_source_unanswered(rank, P):
+    try:
+        if rank == 0:
+            ringlet.recv(np.empty(3, np.float32), None, tag=9, timeout=1)
+        else:
+            ringlet.barrier(timeout=60)  # ended by rank 0's failure
+    except RingletError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_an_unanswered_receive_from_any_source_is_reported_as_such(trace_dir):
+    res = run_world(_any_source_unanswered, 2, mode="process", timeout=120)
+    assert res[0] == "CollectiveTimeout" and res[1] != "no error", res
+    d0 = json.loads((trace_dir / "rank0.json").read_text())
+    p2p = next(c for c in d0["communicators"] if c["kind"] != "collective")
+    last = p2p["entries"][-1]
+    assert (last["peer"], last["tag"], last["recv"], last["state"]) == (-1, 9, True, "failed")
+    rep = _report(trace_dir)
+    assert [(p["rank"], p["peer"], p["tag"]) for p in rep["p2p_in_flight"]] == [(0, "any", 9)]
+    assert "p2p: rank 0 recv from any rank tag 9 (12 bytes): failed" in trace.format_report(rep)
+
+
 # ---- desync: the report shows both sides ---------------------------------------
 def _desync(rank, P):
     ringlet.barrier()

@@ -120,10 +120,11 @@ def send(array: np.ndarray, dst: int, tag: int = 0, *, group=None,
     _require(group)._p2p(_SEND, "send", array, dst, tag, timeout, False, "dst")
 
 
-def recv(array: np.ndarray, src: int, tag: int = 0, *, group=None,
-         timeout: Optional[float] = None) -> None:
-    """Blocking tagged receive; see ``ProcessGroup.recv``."""
-    _require(group)._p2p(_RECV, "recv", array, src, tag, timeout, False, "src")
+def recv(array: np.ndarray, src: Optional[int] = None, tag: int = 0, *, group=None,
+         timeout: Optional[float] = None) -> int:
+    """Blocking tagged receive (``src=None``: from any rank); returns the sender's
+    group rank.  See ``ProcessGroup.recv``."""
+    return _require(group)._p2p(_RECV, "recv", array, src, tag, timeout, False, "src")
 
 
 def isend(array: np.ndarray, dst: int, tag: int = 0, *, group=None,
@@ -132,9 +133,9 @@ def isend(array: np.ndarray, dst: int, tag: int = 0, *, group=None,
     return _require(group).isend(array, dst, tag, timeout=timeout)
 
 
-def irecv(array: np.ndarray, src: int, tag: int = 0, *, group=None,
+def irecv(array: np.ndarray, src: Optional[int] = None, tag: int = 0, *, group=None,
           timeout: Optional[float] = None) -> Work:
-    """Asynchronous tagged receive; returns a ``Work``."""
+    """Asynchronous tagged receive; returns a ``Work`` whose ``result()`` is the sender."""
     return _require(group).irecv(array, src, tag, timeout=timeout)
 
 

@@ -117,3 +117,5 @@ cdef extern from "ringlet.h" nogil:
                 int64_t timeout_ms)
     int rl_recv(rl_comm *c, void *buf, size_t count, rl_dtype dt, int src, uint32_t tag,
                 int64_t timeout_ms)
+    int rl_recv_any(rl_comm *c, void *buf, size_t count, rl_dtype dt, uint32_t tag,
+                    int64_t timeout_ms, int *src)

@@ -681,3 +681,15 @@ cdef class Comm:
         with nogil:
             st = rl_recv(c, p, n, <rl_dtype>dt, src, tag, timeout_ms)
         self._check(st, "recv")
+        return src
+
+    def recv_any(self, cnp.ndarray buf, int dt, int _src, unsigned int tag, int64_t timeout_ms):
+        # _src: unused, so that recv's call path can call it; returns the sender
+        cdef rl_comm *c = self._h()
+        cdef void *p = _wptr(buf, "array")
+        cdef size_t n = buf.size
+        cdef int st, src = -1
+        with nogil:
+            st = rl_recv_any(c, p, n, <rl_dtype>dt, tag, timeout_ms, &src)
+        self._check(st, "recv")
+        return src

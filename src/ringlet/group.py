@@ -457,7 +457,12 @@ class ProcessGroup:
             array = _as_array(array, "array", kind == "recv")
         code = _acode(array, "array", kind == "recv", dtype_code)
         a = array
-        if type(peer) is not int or not 0 <= peer < self.size or peer == self.rank:
+        if peer is None and kind == "recv":
+            # Any source: its own queue, beside those of the named sources.
+            if self.size < 2:
+                raise ValueError("recv from any source needs a group of at least 2 ranks")
+            fn, peer = _C.recv_any, -1
+        elif type(peer) is not int or not 0 <= peer < self.size or peer == self.rank:
             peer = self._peer(peer, what)
             if peer == self.rank:
                 raise ValueError(f"{what}={peer} is this rank; a rank cannot message itself")
@@ -491,21 +496,24 @@ class ProcessGroup:
         """Send ``array`` to group rank ``dst``; matched by the receiver on (source, tag)."""
         self._p2p(_C.send, "send", array, dst, tag, timeout, False, "dst")
 
-    def recv(self, array: np.ndarray, src: int, tag: int = 0, *,
-             timeout: Optional[float] = None) -> None:
+    def recv(self, array: np.ndarray, src: Optional[int] = None, tag: int = 0, *,
+             timeout: Optional[float] = None) -> int:
         """Receive into ``array`` the next message from ``src`` carrying ``tag``.
 
-        Size and dtype must match the sender's (else ``DesyncError``)."""
-        self._p2p(_C.recv, "recv", array, src, tag, timeout, False, "src")
+        ``src=None`` takes the first message carrying ``tag`` from any rank
+        of the group (per sender still in send order).  Returns the sender's
+        group rank.  Size and dtype must match the sender's (else
+        ``DesyncError``)."""
+        return self._p2p(_C.recv, "recv", array, src, tag, timeout, False, "src")
 
     def isend(self, array: np.ndarray, dst: int, tag: int = 0, *,
               timeout: Optional[float] = None) -> Work:
         """Asynchronous ``send``; the ``Work`` keeps ``array`` alive until sent."""
         return self._p2p(_C.send, "send", array, dst, tag, timeout, True, "dst")
 
-    def irecv(self, array: np.ndarray, src: int, tag: int = 0, *,
+    def irecv(self, array: np.ndarray, src: Optional[int] = None, tag: int = 0, *,
               timeout: Optional[float] = None) -> Work:
-        """Asynchronous ``recv``."""
+        """Asynchronous ``recv``; the ``Work``'s ``result()`` is the sender's group rank."""
         return self._p2p(_C.recv, "recv", array, src, tag, timeout, True, "src")
 
     # ---- small Python objects ----------------------------------------------

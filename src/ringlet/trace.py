@@ -307,7 +307,9 @@ def analyze(dumps: Sequence[Dict]) -> Dict:
                     if e["state"] != "completed":
                         p2p.append({"rank": wr, "comm_id": c["comm_id"],
                                     "op": "recv" if e["recv"] else "send",
-                                    "peer": c["ranks"][e["peer"]] if 0 <= e["peer"] < len(c["ranks"]) else e["peer"],
+                                    "peer": (c["ranks"][e["peer"]] if 0 <= e["peer"] < len(c["ranks"])
+                                             else "any" if e["peer"] == -1 and e["recv"]
+                                             else e["peer"]),
                                     "tag": e["tag"], "bytes": e["bytes"], "state": e["state"],
                                     "status": e["status"], "running_for_s": e["running_for_s"]})
     world = max(d["world_size"] for d in dumps)
@@ -355,8 +357,9 @@ def format_report(rep: Dict) -> str:
         if c["missing_dumps"]:
             lines.append("  unknown (no record): " + _ranks(c["missing_dumps"]))
     for p in rep["p2p_in_flight"]:
+        peer = "any rank" if p["peer"] == "any" else f"rank {p['peer']}"
         lines.append(f"p2p: rank {p['rank']} {p['op']} {'from' if p['op'] == 'recv' else 'to'} "
-                     f"rank {p['peer']} tag {p['tag']} ({p['bytes']} bytes): {p['state']}"
+                     f"{peer} tag {p['tag']} ({p['bytes']} bytes): {p['state']}"
                      + (f" ({p['status']})" if p["status"] else ""))
     return "\n".join(lines)
 

@@ -105,6 +105,23 @@ elif r == P - 1:
 dist.batch_isend_irecv([dist.P2POp(dist.isend, full(r * 2.0, 2), right),
                         dist.P2POp(dist.irecv, got_a[:2], left)])[-1].wait()
 assert torch.all(got_a[:2] == left * 2)
+# receive from any source: recv returns the sender's global rank, irecv's Work names it
+if r == 0:
+    senders = set()
+    for _ in range(P - 1):
+        x = torch.empty(2)
+        s = dist.recv(x, tag=11)
+        assert torch.all(x == s * 3.0), (s, x)
+        senders.add(s)
+    assert senders == set(range(1, P)), senders
+    x = torch.empty(1)
+    w = dist.irecv(x, tag=12)
+    w.wait()
+    assert w._source_rank() == P - 1 and x.item() == -1.0
+else:
+    dist.send(full(r * 3.0, 2), 0, tag=11)
+    if r == P - 1:
+        dist.send(torch.tensor([-1.0]), 0, tag=12)
 
 # async work and futures: wait(), get_future().then(), value is the list of tensors
 t = full(1.0, 1000)

@@ -337,8 +337,42 @@ class RingletProcessGroup(dist.ProcessGroup):
         return self._work(works, tensors)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
-        raise NotImplementedError("the ringlet backend has no receive from any source: name "
-                                  "the source rank")
+        if len(tensors) != 1:
+            raise ValueError(f"recv from any source takes one tensor, got {len(tensors)}")
+        w = self._g.irecv(tensors[0], None, tag, timeout=self._timeout)
+        return _SourceWork(self._work([w], tensors), w)
+
+
+class _SourceWork(dist.Work):
+    """A receive from any source: torch asks its Work for the sender
+    (``_source_rank``, in the group's numbering) once it is done."""
+
+    def __init__(self, inner: Any, work: ringlet.Work) -> None:
+        super().__init__()
+        self._inner, self._w = inner, work
+
+    def wait(self, timeout: Any = None) -> bool:
+        return self._inner.wait() if timeout is None else self._inner.wait(timeout)
+
+    def get_future(self) -> torch.futures.Future:
+        return self._inner.get_future()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def result(self) -> List[torch.Tensor]:
+        return self._inner.result()
+
+    def _source_rank(self) -> int:
+        return self._w.result()
+
+    source_rank = _source_rank
 
 
 # ---- creation ----------------------------------------------------------------------
