@@ -55,6 +55,10 @@ assert all(torch.all(o == q) for q, o in enumerate(outs))
 o = torch.empty(P * 3, dtype=torch.int64)
 dist.all_gather_into_tensor(o, torch.tensor([r, r, -r]))
 assert o.tolist() == [v for q in range(P) for v in (q, q, -q)]
+# uneven sizes in the list form (rank q sends q + 1 rows), as torch documents them
+outs = [torch.empty(q + 1, 2) for q in range(P)]
+dist.all_gather(outs, torch.full((r + 1, 2), float(r) + 0.5))
+assert all(o.shape == (q + 1, 2) and torch.all(o == q + 0.5) for q, o in enumerate(outs))
 
 # reduce_scatter_tensor and the list form
 o = torch.empty(2)
@@ -122,6 +126,30 @@ else:
     dist.send(full(r * 3.0, 2), 0, tag=11)
     if r == P - 1:
         dist.send(torch.tensor([-1.0]), 0, tag=12)
+
+# list forms whose sizes cannot work fail on the rank that passed them, before anything
+# is sent, and the group stays usable
+def refused(call, words):
+    try:
+        call()
+    except ValueError as exc:
+        assert words in str(exc), (words, str(exc))
+        return
+    raise AssertionError(f"no ValueError ({words})")
+
+
+refused(lambda: dist.all_gather([torch.empty(3) for _ in range(P)], torch.empty(2)),
+        f"rank {r}'s output tensor (index {r}) has 3 elements but its input has 2")
+refused(lambda: dist.reduce_scatter(torch.empty(2), [torch.empty(3) for _ in range(P)]),
+        "input tensor 0 has 3 elements but the output has 2")
+if r == 0:
+    refused(lambda: dist.gather(torch.empty(2), [torch.empty(2)] * (P - 1) + [torch.empty(1)]),
+            f"output tensor {P - 1} has 1 elements but the input has 2")
+    refused(lambda: dist.scatter(torch.empty(2), [torch.empty(3) for _ in range(P)]),
+            "input tensor 0 has 3 elements but the output has 2")
+t = full(1.0)
+dist.all_reduce(t)
+assert torch.all(t == P)
 
 # async work and futures: wait(), get_future().then(), value is the list of tensors
 t = full(1.0, 1000)

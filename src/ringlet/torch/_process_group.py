@@ -63,10 +63,25 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
-def _unflat_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+def _check_list(op: str, what: str, tensors: Sequence[torch.Tensor], P: int, n: int,
+                other: str) -> None:
+    # A list form's P tensors must each hold n elements (what the flat buffer assumes).
+    if len(tensors) != P:
+        raise ValueError(f"{op}: {len(tensors)} {what} tensors for a group of {P} ranks")
+    for i, x in enumerate(tensors):
+        if x.numel() != n:
+            raise ValueError(f"{op}: {what} tensor {i} has {x.numel()} elements but the "
+                             f"{other} has {n}")
+
+
+def _unflat_into(flat: torch.Tensor, outs: Sequence[torch.Tensor], stride: int = -1,
+                 sizes: Optional[Sequence[int]] = None) -> None:
+    # Block i of flat starts at i * stride (stride -1: right after block i - 1).
     off = 0
-    for t in outs:
-        n = t.numel()
+    for i, t in enumerate(outs):
+        n = t.numel() if sizes is None else sizes[i]
+        if stride >= 0:
+            off = i * stride
         t.copy_(flat[off:off + n].view_as(t))
         off += n
 
@@ -197,15 +212,27 @@ class RingletProcessGroup(dist.ProcessGroup):
         a = self._async(opts)
         t = self._t(opts)
         works, copies = [], []
+        P, me = self.size(), self.rank()
         for outs, x in zip(output_lists, inputs):
-            if len(outs) != self.size():
+            if len(outs) != P:
                 raise ValueError(f"allgather: {len(outs)} output tensors for a group of "
-                                 f"{self.size()} ranks")
-            flat = torch.empty(x.numel() * self.size(), dtype=x.dtype)
-            works.append(self._g.all_gather(flat, x.contiguous(), async_op=a, timeout=t))
-            copies.append((flat, outs))
+                                 f"{P} ranks")
+            sizes = [o.numel() for o in outs]
+            if sizes[me] != x.numel():
+                raise ValueError(f"allgather: rank {me}'s output tensor (index {me}) has "
+                                 f"{sizes[me]} elements but its input has {x.numel()}")
+            # Uneven outputs (as torch allows): every rank sends a block of the
+            # largest size, its own padded, and takes each rank's share of it.
+            m = max(sizes)
+            flat = torch.empty(m * P, dtype=x.dtype)
+            x = x.contiguous()
+            if x.numel() < m:
+                x = torch.cat([x.reshape(-1), x.new_zeros(m - x.numel())])
+            works.append(self._g.all_gather(flat, x, async_op=a, timeout=t))
+            copies.append((flat, outs, m, sizes))
         return self._work(works, [o for outs in output_lists for o in outs],
-                          lambda: [_unflat_into(f, outs) for f, outs in copies])
+                          lambda: [_unflat_into(f, outs, m, sizes)
+                                   for f, outs, m, sizes in copies])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Any:
@@ -239,9 +266,7 @@ class RingletProcessGroup(dist.ProcessGroup):
         op, t = _op(opts), self._t(opts)
         works = []
         for o, ins in zip(outputs, input_lists):
-            if len(ins) != self.size():
-                raise ValueError(f"reduce_scatter: {len(ins)} input tensors for a group of "
-                                 f"{self.size()} ranks")
+            _check_list("reduce_scatter", "input", ins, self.size(), o.numel(), "output")
             works.append(self._g.reduce_scatter(o, _flat(ins), op, async_op=a, timeout=t))
         return self._work(works, outputs)
 
@@ -306,6 +331,7 @@ class RingletProcessGroup(dist.ProcessGroup):
         x = inputs[0].contiguous()
         if self.rank() == root:
             outs = output_lists[0]
+            _check_list("gather", "output", outs, self.size(), x.numel(), "input")
             flat = torch.empty(x.numel() * self.size(), dtype=x.dtype)
             w = self._g.gather(flat, x, root, async_op=a, timeout=t)
             return self._work([w], outs, lambda: _unflat_into(flat, outs))
@@ -317,7 +343,11 @@ class RingletProcessGroup(dist.ProcessGroup):
         opts = opts or dist.ScatterOptions()
         a = self._async(opts)
         t, root = self._t(opts), opts.rootRank
-        flat = _flat(input_lists[0]) if self.rank() == root else None
+        flat = None
+        if self.rank() == root:
+            _check_list("scatter", "input", input_lists[0], self.size(), outputs[0].numel(),
+                        "output")
+            flat = _flat(input_lists[0])
         w = self._g.scatter(outputs[0], flat, root, async_op=a, timeout=t)
         return self._work([w], outputs)
 
