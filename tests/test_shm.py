@@ -840,7 +840,8 @@ def _bad_claims(rank, P, before):
                     try:
                         s.connect("\0" + cand)
                     except OSError:
-                        before.add(cand)
+                        # bound but not yet listening (rank 0's thread is between the
+                        # two calls): look again
                         continue
                 name = cand
         assert name is not None
@@ -1048,7 +1049,8 @@ def test_outsider_with_wrong_secret_gets_no_segment(tmp_path):
                     try:
                         s.connect("\0" + cand)
                     except OSError:
-                        before.add(cand)
+                        # bound but not yet listening (rank 0's thread is between the
+                        # two calls): look again
                         continue
                 name = cand
             time.sleep(0.02)
