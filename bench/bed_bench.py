@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--batch` (default 1: one operation per barrier)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rate", default="1gbit", help="tbf rate of every link (default 1gbit)")
+    p.add_argument("--burst", default="256kb",
+                   help="tbf bucket of every link (default 256kb; e.g. 16kb: near a NIC's line rate "
+                        "for messages of tens of KiB)")
     p.add_argument("-c", "--check", action="store_true", help="verify values against numpy")
     p.add_argument("--intra-limits", metavar="FILE",
                    help="`ringlet bench limits --json` from one host (default: measured on h1)")
@@ -468,7 +471,7 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
 
     P = hosts * per_host
     payload = sweep_payload(a, P)
-    with HostBed(hosts, rate=a.rate) as bed, tempfile.TemporaryDirectory() as tmp:
+    with HostBed(hosts, rate=a.rate, burst=a.burst) as bed, tempfile.TemporaryDirectory() as tmp:
         link = measure_link(bed, a.rate)
         say(f"{hosts}x{per_host}: R = {link['tcp_one_way']:.4f} GB/s one way, "
             f"{link['tcp_both_ways']:.4f} both ways, rtt {link['rtt_us']['blocking_1pair']:.0f} us")

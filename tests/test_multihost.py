@@ -178,6 +178,16 @@ def test_bed_shapes_links_with_tbf(make_bed):
     assert took >= (n - 300_000) * 8 / 80e6, took
 
 
+def test_bed_burst_sets_every_links_bucket(make_bed):
+    bed = make_bed(2, rate="1gbit", burst="16kb")
+    for h in bed.hosts:
+        out = subprocess.run(["tc", "-n", bed.netns(h), "qdisc", "show", "dev", bed.ifname],
+                             capture_output=True, text=True, check=True).stdout
+        assert re.search(r"tbf .*rate 1Gbit burst 16Kb", out), out
+    with pytest.raises(ValueError, match="burst must be a tc size"):
+        HostBed(2, rate="1gbit", burst="16 kb; reboot")
+
+
 _MAKE_BED = """
 import os, signal, sys
 from ringlet.testbed import HostBed

@@ -140,6 +140,10 @@ class HostBed:
             name unless ``hostnames`` says otherwise, and resolves on every host.
         hostnames: what ``hostname`` reports on each host (default: ``names``);
             e.g. all "localhost", as on clusters where every node says so.
+        burst: the ``tbf`` bucket of every shaped link (default "256kb"): what may
+            leave at the veth's speed before the rate applies.  A NIC sends at its
+            line rate, so a small bucket (e.g. "16kb") prices messages of tens of
+            KiB as a real link does; the default keeps TCP at the full rate.
     Raises:
         BedError: not root, no ``ip``/``nsenter``/``unshare``, or a set-up command failed
             (the bed is torn down before this is raised).
@@ -154,9 +158,11 @@ class HostBed:
 
     def __init__(self, hosts: int = 2, *, rate: Union[str, Mapping[str, str], None] = None,
                  names: Optional[Sequence[str]] = None,
-                 hostnames: Optional[Sequence[str]] = None) -> None:
+                 hostnames: Optional[Sequence[str]] = None, burst: str = "256kb") -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= 200:
             raise ValueError(f"hosts must be an int in 1..200, got {hosts!r}")
+        if not (isinstance(burst, str) and re.fullmatch(r"[0-9]+(kb|mb|k|m|b)?", burst)):
+            raise ValueError(f"burst must be a tc size such as '16kb', got {burst!r}")
         if isinstance(rate, Mapping) and names is None and \
                 set(rate) - {f"h{i + 1}" for i in range(hosts)}:
             raise ValueError(f"rate names hosts not in the bed: {sorted(rate)}")
@@ -190,7 +196,7 @@ class HostBed:
         _live.add(self)
         try:
             _sweep_stale()
-            self._build(rate)
+            self._build(rate, burst)
         except BaseException:
             self.close()
             raise
@@ -224,7 +230,7 @@ class HostBed:
         _sh(["ip", "netns", "add", ns])
         self._made.append(ns)
 
-    def _build(self, rate: Union[str, Mapping[str, str], None]) -> None:
+    def _build(self, rate: Union[str, Mapping[str, str], None], burst: str) -> None:
         br = self._bridge_ns
         self._netns_add(br)
         _sh(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
@@ -251,7 +257,7 @@ class HostBed:
             if link_rate:
                 for where, dev in ((ns, self.ifname), (br, port)):
                     _sh(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                         link_rate, "burst", "256kb", "latency", "50ms"])
+                         link_rate, "burst", burst, "latency", "50ms"])
             self._start_holder(h, hosts_file)
         rsh = os.path.join(self._dir, "rsh")
         keep = " ".join(f'"{k}=${{{k}:-}}"' for k in _RSH_KEEP if k != "TMPDIR")
