@@ -1,6 +1,6 @@
 /*
  * alltoall.c - all_to_all: pairwise exchange (any counts), Bruck (small equal
- * blocks).
+ * blocks); all_gather_v, the pairwise exchange of one block to every peer.
  *
  * Step s = 1 .. P-1: rank r sends its block for (r + s) mod P and receives
  * the block from (r - s) mod P, both at once.  Every rank sends and receives
@@ -51,18 +51,14 @@ static int px_send_ready(void *alg, rl_stream *s, int i) {
     return i == 0 || r->cur > i - 1 || r->cur >= r->nseg;
 }
 
-int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
-                    const size_t *out_displs, const void *in,
-                    const size_t *in_counts, const size_t *in_displs, rl_dtype dt,
-                    int64_t timeout_ms) {
-    if ((unsigned)dt >= RL_NDTYPES || !out_counts || !out_displs || !in_counts ||
-        !in_displs || in_counts[c->rank] != out_counts[c->rank])
-        return RL_ERR_INVALID;
+static int pairwise_v(rl_comm *c, int opcode, void *out, const size_t *out_counts,
+                      const size_t *out_displs, const void *in, const size_t *in_counts,
+                      const size_t *in_displs, rl_dtype dt, int64_t timeout_ms) {
     rl_opdesc op;
     size_t esz = rl_dtype_size(dt);
     /* total = 0: block sizes legitimately differ between pairs; each frame's
      * size is checked against this rank's expectation instead. */
-    int st = rl_begin_op(c, &op, RL_OP_ALL_TO_ALL, dt, 0, -1, 0, timeout_ms);
+    int st = rl_begin_op(c, &op, opcode, dt, 0, -1, 0, timeout_ms);
     if (st != RL_OK) return st;
     int P = c->size, r = c->rank;
     op.algo = P == 1 ? "local" : "pairwise";
@@ -104,6 +100,31 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
         st = rl_run_streams_copy(c, &op, s, 2, &x, step == 1 ? &cp : NULL);
     }
     return rl_end_op(c, &op, st);
+}
+
+int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
+                    const size_t *out_displs, const void *in,
+                    const size_t *in_counts, const size_t *in_displs, rl_dtype dt,
+                    int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || !out_counts || !out_displs || !in_counts ||
+        !in_displs || in_counts[c->rank] != out_counts[c->rank])
+        return RL_ERR_INVALID;
+    return pairwise_v(c, RL_OP_ALL_TO_ALL, out, out_counts, out_displs, in, in_counts,
+                      in_displs, dt, timeout_ms);
+}
+
+/* The pairwise exchange with every peer's block read from the one input:
+ * each rank sends its counts[rank] elements to every peer. */
+int rl_all_gather_v(rl_comm *c, void *out, const size_t *counts, const size_t *displs,
+                    const void *in, rl_dtype dt, int64_t timeout_ms) {
+    if ((unsigned)dt >= RL_NDTYPES || !counts || !displs) return RL_ERR_INVALID;
+    int P = c->size;
+    size_t *t = calloc(2 * (size_t)P, sizeof *t);
+    if (!t) return RL_ERR_NOMEM;
+    for (int i = 0; i < P; i++) t[i] = counts[c->rank]; /* displacements: all 0 */
+    int st = pairwise_v(c, RL_OP_ALL_GATHER, out, counts, displs, in, t, t + P, dt, timeout_ms);
+    free(t);
+    return st;
 }
 
 /* Bruck's algorithm for P equal blocks of blk bytes: ceil(log2 P) exchanges

@@ -346,6 +346,11 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
                     const size_t *out_displs, const void *in,
                     const size_t *in_counts, const size_t *in_displs,
                     rl_dtype dt, int64_t timeout_ms);
+/* out holds rank p's counts[p] elements at displs[p] (elements); in holds this
+ * rank's counts[rank].  Pairwise over the comm's TCP connections, also when
+ * it has a segment.  in may be this rank's block of out, and overlap no other. */
+int rl_all_gather_v(rl_comm *c, void *out, const size_t *counts, const size_t *displs,
+                    const void *in, rl_dtype dt, int64_t timeout_ms);
 /* Equal blocks of count elements per peer (in and out hold size*count, must
  * not overlap).  Small messages take Bruck's algorithm, others the pairwise
  * exchange of rl_all_to_all_v. */

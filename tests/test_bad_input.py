@@ -55,6 +55,13 @@ def _cases(rank, P):
     expect(ValueError, ["input", "C-contiguous"], lambda: ringlet.reduce_scatter(f[:2], np.zeros((4, 4), np.float32)[:, 0]))
     expect(ValueError, ["input_counts", "entries"], lambda: ringlet.all_to_all_v(f, [4, 4], f, [8]))
     expect(ValueError, ["negative"], lambda: ringlet.all_to_all_v(f, [4, 4], f, [-1, 9]))
+    expect(ValueError, ["output_counts", "entries"], lambda: ringlet.all_gather_v(f, [4], f[:4]))
+    expect(ValueError, ["negative"], lambda: ringlet.all_gather_v(f, [-1, 9], f[:1]))
+    expect(ValueError, ["sum to 17", "16"], lambda: ringlet.all_gather_v(np.zeros(16, np.float32), [8, 9], np.zeros(9 if rank else 8, np.float32)))
+    expect(ValueError, [f"output_counts[{rank}]", "input has 3"], lambda: ringlet.all_gather_v(np.zeros(8, np.float32), [4, 4], np.zeros(3, np.float32)))
+    expect(TypeError, ["all_gather_v", "float64", "float32"], lambda: ringlet.all_gather_v(np.zeros(8), [4, 4], np.zeros(4, np.float32)))
+    g = np.zeros(16, np.float32)  # an input shifted by one from a block of the output
+    expect(ValueError, ["overlaps", "in-place"], lambda: ringlet.all_gather_v(g[:8], [4, 4], g[4 * (1 - rank) + 1:4 * (1 - rank) + 5]))
     expect(ValueError, ["gather", "output"], lambda: ringlet.gather(None, f, dst=rank))
     expect(ValueError, ["scatter", "input"], lambda: ringlet.scatter(f, None, src=rank))
     expect(ValueError, ["this rank"], lambda: ringlet.send(f, rank))

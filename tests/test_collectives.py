@@ -111,6 +111,21 @@ def _matrix(rank, P, dtypes, counts, full_roots=True):
             off = sum(cnt[s][:rank])
             pieces.append(srcs[s][off:off + cnt[s][rank]])
         moved(f"all_to_all_v n={n}", out, np.concatenate(pieces))
+    # all_gather_v: rank s contributes (3s + n) % 5 elements (some none), from its own
+    # array and in place from its block of the output
+    for n in counts:
+        cnt = [(3 * s + n) % 5 for s in range(P)]
+        srcs = [data(s, cnt[s], np.float64, salt=19) for s in range(P)]
+        want = np.concatenate(srcs)
+        out = np.full(sum(cnt) + 3, -7.0)
+        ringlet.all_gather_v(out, cnt, srcs[rank])
+        moved(f"all_gather_v n={n}", out[:sum(cnt)], want)
+        moved(f"all_gather_v n={n} tail", out[sum(cnt):], np.full(3, -7.0))
+        buf = np.zeros(sum(cnt))
+        off = sum(cnt[:rank])
+        buf[off:off + cnt[rank]] = srcs[rank]
+        ringlet.all_gather_v(buf, cnt, buf[off:off + cnt[rank]])
+        moved(f"all_gather_v in place n={n}", buf, want)
     # send/recv around the ring, two tags sent in the opposite order they are received
     if P > 1:
         nxt, prv = (rank + 1) % P, (rank - 1) % P

@@ -108,6 +108,9 @@ def _every_op(rank, P):
     o = torch.empty(sum(oc), dtype=torch.float64)
     ringlet.all_to_all_v(o, oc, torch.full((sum(ic),), float(rank), dtype=torch.float64), ic)
     assert o.tolist() == [float(r) for r in range(P) for _ in range(rank + 1)]
+    o = torch.empty(sum(ic), dtype=torch.bfloat16)  # all_gather_v: rank r gives r+1 values
+    ringlet.all_gather_v(o, ic, torch.full((rank + 1,), float(rank), dtype=torch.bfloat16))
+    assert o.tolist() == [float(r) for r in range(P) for _ in range(r + 1)]
     # gather / scatter with tensors
     o = torch.empty(P, dtype=torch.float32) if rank == 0 else None
     ringlet.gather(o, torch.tensor([float(rank)]), dst=0)

@@ -45,7 +45,7 @@ _SEND, _RECV = _Comm.send, _Comm.recv
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_rank", "get_world_size",
     "new_group", "job_key", "get_bind_address", "ReduceOp", "ProcessGroup", "Work", "MAX_TIMEOUT",
-    "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_v", "reduce_scatter", "all_to_all",
     "all_to_all_v", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier",
     "broadcast_object", "all_gather_object", "errors", "get_topology", "Topology",
     "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement", "distribute",
@@ -78,6 +78,13 @@ def all_gather(output: np.ndarray, input: np.ndarray, *, group=None, async_op: b
                timeout: Optional[float] = None):
     """Gather every rank's ``input`` into ``output``; see ``ProcessGroup.all_gather``."""
     return _require(group).all_gather(output, input, async_op=async_op, timeout=timeout)
+
+
+def all_gather_v(output: np.ndarray, output_counts: Sequence[int], input: np.ndarray, *,
+                 group=None, async_op: bool = False, timeout: Optional[float] = None):
+    """Gather uneven blocks from every rank; see ``ProcessGroup.all_gather_v``."""
+    return _require(group).all_gather_v(output, output_counts, input, async_op=async_op,
+                                        timeout=timeout)
 
 
 def reduce_scatter(output: np.ndarray, input: np.ndarray, op: ReduceOp = ReduceOp.SUM, *,

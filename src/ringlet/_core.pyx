@@ -628,6 +628,34 @@ cdef class Comm:
             free(buf)
         self._check(st, "all_to_all")
 
+    def all_gather_v(self, cnp.ndarray out, counts, cnp.ndarray inp, int dt,
+                     int64_t timeout_ms):
+        cdef rl_comm *c = self._h()
+        cdef int P = self.size, i
+        if len(counts) != P:
+            raise ValueError("all_gather_v: the count list must have one entry per rank")
+        cdef size_t *buf = <size_t *>malloc(sizeof(size_t) * 2 * P)
+        if buf == NULL:
+            raise MemoryError()
+        cdef size_t *oc = buf
+        cdef size_t *od = buf + P
+        cdef size_t so = 0
+        cdef void *po
+        cdef const void *pi
+        cdef int st
+        try:
+            for i in range(P):
+                oc[i] = counts[i]; od[i] = so; so += oc[i]
+            if so > <size_t>out.size or oc[self.rank] != <size_t>inp.size:
+                raise ValueError("all_gather_v: counts do not match the arrays")
+            po = _wptr(out, "output")
+            pi = _rptr(inp, "input")
+            with nogil:
+                st = rl_all_gather_v(c, po, oc, od, pi, <rl_dtype>dt, timeout_ms)
+        finally:
+            free(buf)
+        self._check(st, "all_gather")
+
     def gather(self, out, cnp.ndarray inp, int dt, int root, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
         cdef size_t n = inp.size

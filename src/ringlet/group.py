@@ -326,6 +326,50 @@ class ProcessGroup:
             return self._run("all_gather", h.all_gather, (o, i, code, ms), (o, i), async_op)
         return self._call("all_gather", async_op, _C.all_gather, o, i, code, ms)
 
+    def all_gather_v(self, output: np.ndarray, output_counts: Sequence[int], input: np.ndarray,
+                     *, async_op: bool = False, timeout: Optional[float] = None):
+        """Concatenate every rank's ``input`` into ``output`` in rank order, rank r
+        contributing ``output_counts[r]`` elements (uneven blocks: MPI's Allgatherv).
+
+        ``input`` holds this rank's ``output_counts[rank]`` elements; it may be this
+        rank's block of ``output`` (in place) and overlap no other part of it.  Runs
+        the pairwise exchange over the group's TCP connections (docs/algorithms.md).
+
+        Example::
+
+            n = ringlet.get_rank() + 1                  # rank r sends r + 1 values
+            out = np.empty(sum(range(1, P + 1)), np.float32)
+            ringlet.all_gather_v(out, list(range(1, P + 1)), np.full(n, n, np.float32))
+        """
+        if type(output) is not _ND:
+            output = _as_array(output, "output", True)
+        if type(input) is not _ND:
+            input = _as_array(input, "input", False)
+        i = _array(input, "input", False)
+        code = _acode(output, "output", True, dtype_code)
+        o = output
+        if o.dtype != i.dtype:
+            raise TypeError(f"all_gather_v: output dtype {o.dtype} differs from input dtype "
+                            f"{i.dtype}")
+        counts = [int(c) for c in output_counts]
+        if len(counts) != self.size:
+            raise ValueError(f"all_gather_v: output_counts has {len(counts)} entries, the group "
+                             f"has {self.size} ranks")
+        if any(c < 0 for c in counts):
+            raise ValueError(f"all_gather_v: output_counts has a negative count: {counts}")
+        if sum(counts) > o.size:
+            raise ValueError(f"all_gather_v: output_counts sum to {sum(counts)} elements but the "
+                             f"output has {o.size}")
+        r = self.rank
+        if r >= 0 and counts[r] != i.size:
+            raise ValueError(f"all_gather_v: output_counts[{r}] (this rank's) is {counts[r]} "
+                             f"but the input has {i.size} elements")
+        if r >= 0 and _overlap(o, i) and _addr(i) != _addr(o) + sum(counts[:r]) * o.itemsize:
+            raise ValueError("all_gather_v: the input overlaps the output other than as this "
+                             "rank's block (the in-place form)")
+        ms = self._default_ms if timeout is None else self._ms(timeout)
+        return self._call("all_gather", async_op, _C.all_gather_v, o, counts, i, code, ms)
+
     def reduce_scatter(self, output: np.ndarray, input: np.ndarray,
                        op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
                        timeout: Optional[float] = None):
