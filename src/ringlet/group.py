@@ -60,6 +60,19 @@ _C = _core.Comm
 _NO = object()  # "no fifth argument" for ProcessGroup._call
 
 
+def _counts(op: str, name: str, counts: Sequence[int], P: int, arr: np.ndarray) -> List[int]:
+    """A per-rank count list of a v-collective, checked: P entries, none negative, their
+    sum within ``arr``."""
+    c = [int(x) for x in counts]
+    if len(c) != P:
+        raise ValueError(f"{op}: {name} has {len(c)} entries, the group has {P} ranks")
+    if any(x < 0 for x in c):
+        raise ValueError(f"{op}: {name} has a negative count: {c}")
+    if sum(c) > arr.size:
+        raise ValueError(f"{op}: {name} sum to {sum(c)} elements but the array has {arr.size}")
+    return c
+
+
 def _spread(comm: Any, fn: Callable[..., Any], args: tuple, _b: Any, _c: Any) -> Any:
     # Lets _call run a binding of any arity: fn and its argument tuple ride as a, b.
     return fn(comm, *args)
@@ -351,15 +364,7 @@ class ProcessGroup:
         if o.dtype != i.dtype:
             raise TypeError(f"all_gather_v: output dtype {o.dtype} differs from input dtype "
                             f"{i.dtype}")
-        counts = [int(c) for c in output_counts]
-        if len(counts) != self.size:
-            raise ValueError(f"all_gather_v: output_counts has {len(counts)} entries, the group "
-                             f"has {self.size} ranks")
-        if any(c < 0 for c in counts):
-            raise ValueError(f"all_gather_v: output_counts has a negative count: {counts}")
-        if sum(counts) > o.size:
-            raise ValueError(f"all_gather_v: output_counts sum to {sum(counts)} elements but the "
-                             f"output has {o.size}")
+        counts = _counts("all_gather_v", "output_counts", output_counts, self.size, o)
         r = self.rank
         if r >= 0 and counts[r] != i.size:
             raise ValueError(f"all_gather_v: output_counts[{r}] (this rank's) is {counts[r]} "
@@ -412,17 +417,8 @@ class ProcessGroup:
         o = output
         if o.dtype != i.dtype:
             raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
-        oc = [int(c) for c in output_counts]
-        ic = [int(c) for c in input_counts]
-        for name, counts, arr in (("output_counts", oc, o), ("input_counts", ic, i)):
-            if len(counts) != self.size:
-                raise ValueError(f"all_to_all_v: {name} has {len(counts)} entries, the group "
-                                 f"has {self.size} ranks")
-            if any(c < 0 for c in counts):
-                raise ValueError(f"all_to_all_v: {name} has a negative count: {counts}")
-            if sum(counts) > arr.size:
-                raise ValueError(f"all_to_all_v: {name} sum to {sum(counts)} elements but the "
-                                 f"array has {arr.size}")
+        oc = _counts("all_to_all_v", "output_counts", output_counts, self.size, o)
+        ic = _counts("all_to_all_v", "input_counts", input_counts, self.size, i)
         if oc[self.rank] != ic[self.rank]:
             raise ValueError(f"all_to_all_v: this rank sends itself {ic[self.rank]} elements "
                              f"but expects {oc[self.rank]}")
