@@ -52,7 +52,8 @@ def _where() -> dict:
             "master": os.environ.get("RINGLET_MASTER_ADDR") or os.environ.get("MASTER_ADDR"),
             "local": [os.environ.get(k) for k in ("RINGLET_LOCAL_RANK", "LOCAL_RANK",
                                                   "OMPI_COMM_WORLD_LOCAL_RANK") if k in os.environ],
-            "secret_in_argv": _argv_with(secret) if len(secret) >= 16 else []}
+            "secret_in_argv": _argv_with(secret) if len(secret) >= 16 else [],
+            "knobs": {k: os.environ.get(k) for k in ("RINGLET_SPIN_US", "RINGLET_IFNAME")}}
 
 
 def _write(out: str, rank: int, rec: dict) -> None:

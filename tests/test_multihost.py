@@ -331,9 +331,12 @@ def test_ringlet_run_hosts_over_rsh(make_bed, tmp_path):
     out = str(tmp_path)
     # The launcher runs on h1, as on a cluster's first node; h2's ranks start through
     # the bed's rsh script (ssh's calling convention), in h2's namespaces.
+    # The launcher's knobs reach every rank; what names its own host (the interface)
+    # reaches only the ranks on it.
     r = bed.run("h1", [sys.executable, "-m", "ringlet.run", "--hosts", "h1:2,h2:2", "--rsh",
                        bed.rsh, "--timeout", str(DEADLINE_S), JOB, "matrix", out],
-                clean_env(), timeout=DEADLINE_S + 30)
+                clean_env(RINGLET_SPIN_US="77", RINGLET_IFNAME=bed.ifname),
+                timeout=DEADLINE_S + 30)
     outs = {rank: (r.returncode, r.stdout.decode() + r.stderr.decode()) for rank in range(4)}
     assert r.returncode == 0, outs[0][1][-4000:]
     recs = results(out, 4, outs)
@@ -343,6 +346,8 @@ def test_ringlet_run_hosts_over_rsh(make_bed, tmp_path):
         assert rec["master"] == bed.addr("h1"), rec
         assert rec["local"][0] == str(rank % 2), rec
         assert rec["secret_in_argv"] == [], rec
+        assert rec["knobs"] == {"RINGLET_SPIN_US": "77",
+                                "RINGLET_IFNAME": bed.ifname if rank < 2 else None}, rec
     bad = [b for rec in recs for b in rec["bad"]]
     assert not bad, "\n".join(bad[:20])
     # Every output line carries its rank, remote ones included.

@@ -312,6 +312,9 @@ def _store_address(hosts: List[Tuple[str, int]]) -> str:
 
 # The remote end of one rank (`CMD HOST 'cd DIR && exec PYTHON -c AGENT'`).
 _AGENT = "from ringlet.run import _agent; _agent()"
+# Launcher variables that describe its own host, which a remote rank's host decides.
+_NOT_FORWARDED = frozenset({"RINGLET_HOST_ID", "RINGLET_IFNAME", "RINGLET_RPC_HOST",
+                            "RINGLET_SECRET_FILE"})
 
 
 def _agent() -> None:
@@ -451,8 +454,12 @@ class _Launcher:
         job = dict(RINGLET_WORLD_SIZE=str(self.nproc), RINGLET_MASTER_ADDR=self.addr,
                    RINGLET_MASTER_PORT=str(port), RINGLET_SECRET=secret,
                    RINGLET_EXTERNAL_STORE="1")
-        # The remote shell itself gets no ringlet variable: the rank's travel on its stdin.
+        # The remote shell itself gets no ringlet variable: the rank's travel on its stdin,
+        # with the launcher's knobs (as mpirun forwards OMPI_MCA_*), except what names this
+        # host: its identity and its interface.
         shell_env = {k: v for k, v in os.environ.items() if not k.startswith("RINGLET_")}
+        knobs = {k: v for k, v in base.items()
+                 if k.startswith("RINGLET_") and k not in _NOT_FORWARDED}
         lock = threading.Lock()
         out = _Output(lock)
         pipe = subprocess.PIPE if self.prefix else None
@@ -470,7 +477,7 @@ class _Launcher:
                 p = subprocess.Popen(self._trampoline(self.rsh + [host, remote]), env=shell_env,
                                      stdin=subprocess.PIPE, stdout=pipe, stderr=pipe,
                                      **own_process_group())
-                desc = {"env": dict(mine, PYTHONUNBUFFERED=base["PYTHONUNBUFFERED"]),
+                desc = {"env": dict(knobs, **mine, PYTHONUNBUFFERED=base["PYTHONUNBUFFERED"]),
                         "argv": self.cmd, "grace": self.grace}
                 try:
                     p.stdin.write(json.dumps(desc).encode() + b"\n")
