@@ -136,14 +136,14 @@ int rl_random_bytes(void *buf, size_t n);
     X(p2p_unexpected_bytes, (int64_t)256 << 20, NULL,                                               \
       "cap on buffered unmatched point-to-point frames per group")                                  \
     X(spin_yield, 1, "RINGLET_SPIN_YIELD",                                                          \
-      "1: sched_yield between polls; init() sets 1 only when the host's ranks outnumber its CPUs")  \
+      "1: sched_yield between polls; init() sets 1 only when a machine's ranks outnumber its CPUs")\
     X(busy_block, 1, "RINGLET_BUSY_BLOCK",                                                          \
       "1: skip the spin and block at once while other processes want this host's CPUs")             \
     X(host_ranks, 0, NULL,                                                                          \
-      "ranks of the job on this host, which the busy test does not count as load (init() sets it)") \
+      "ranks of the job on this machine, which the busy test does not count as load (init() sets it)")\
     X(own_cpus, 0, NULL,                                                                            \
-      "1: this rank runs on CPUs no other rank of its host runs on (init() sets it when it binds "    \
-      "the rank, or finds that a launcher bound the host's ranks to disjoint CPUs)")                \
+      "1: this rank runs on CPUs no other rank of its machine runs on (init() sets it when it "     \
+      "binds the rank, or finds that a launcher bound the machine's ranks to disjoint CPUs)")                \
     X(bulk_recv_bytes, 16 << 20, "RINGLET_BULK_RECV_BYTES",                                         \
       "2-rank broadcast or p2p receive of at least this wakes once per segment; 0: never")          \
     X(local_reno, 1, "RINGLET_LOCAL_RENO",                                                          \

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,6 +33,30 @@ def test_override_wins_and_bad_overrides_are_refused():
         host_id({HOST_ID_ENV: "x" * 65})
     with pytest.raises(ValueError, match=HOST_ID_ENV):
         host_id({HOST_ID_ENV: "a\nb"})
+
+
+def test_machine_id_ignores_what_sets_hosts_apart_but_not_the_kernel():
+    from ringlet._topology import machine_id
+
+    env = {k: v for k, v in os.environ.items() if k != HOST_ID_ENV}
+    here = machine_id(host_id({}))
+    assert len(here) == 16 and int(here, 16) >= 0 and here != host_id({})
+    # RINGLET_HOST_ID names a host for shared memory; the CPUs stay the machine's.
+    code = ("from ringlet._topology import host_id, machine_id; "
+            "print(host_id(), machine_id(host_id()))")
+    forced = subprocess.run([sys.executable, "-c", code], env={**env, HOST_ID_ENV: "node7"},
+                            capture_output=True, text=True, timeout=60, check=True)
+    assert forced.stdout.split() == ["node7", here]
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return
+    # Another network and UTS namespace (a container, a test-bed host): another
+    # host, the same machine.
+    other = subprocess.run(["unshare", "--net", "--uts", sys.executable, "-c",
+                            "import socket; socket.sethostname('elsewhere'); " + code],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+    their_host, their_machine = other.stdout.split()
+    assert their_host != host_id({}) and their_machine == here
 
 
 def test_host_groups_orders_hosts_by_lowest_rank():
@@ -177,6 +202,50 @@ def _launch_bound(tmp_path, masks):
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     return "".join(outs)
+
+
+_MACHINE_JOB = textwrap.dedent("""
+    import json, os, ringlet
+    from ringlet import _core
+    ringlet.init(timeout=60)
+    t = _core.get_tuning()
+    print("MACHINE", json.dumps([ringlet.get_rank(), sorted(os.sched_getaffinity(0)),
+                                 t["host_ranks"], t["spin_yield"]]), flush=True)
+    ringlet.barrier()
+    ringlet.shutdown()
+""")
+
+
+def test_ranks_of_one_machine_with_other_host_ids_never_share_a_block(tmp_path):
+    # Two "hosts" (RINGLET_HOST_ID, as containers or the test bed's namespaces
+    # have) of two ranks each on this one machine: binding and the wait policy
+    # count all four.  Per host, each pair would take the same two blocks.
+    cpus = _two_cpus()
+    script = tmp_path / "job.py"
+    script.write_text(_MACHINE_JOB)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r, host in enumerate(["a", "a", "b", "b"]):
+        env = clean_env(RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r % 2),
+                        LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        RINGLET_SECRET="bind-test-secret-0123456789", RINGLET_HOST_ID=host)
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    rows = {r: (cp, n, y) for r, cp, n, y in (json.loads(line[line.index("MACHINE ") + 8:])
+                                              for out in outs for line in out.splitlines()
+                                              if "MACHINE " in line)}
+    assert sorted(rows) == [0, 1, 2, 3], outs
+    assert {n for _, n, _ in rows.values()} == {4}, rows
+    assert {y for _, _, y in rows.values()} == {int(len(cpus) < 4)}, rows
+    sets = [set(cp) for cp, _, _ in rows.values()]
+    if len(cpus) < 4:
+        assert all(s == set(cpus) for s in sets), rows  # more ranks than CPUs: none bound
+    else:
+        assert all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1:]), rows
 
 
 def test_ranks_a_launcher_bound_keep_their_cpus(tmp_path):

@@ -15,6 +15,10 @@ other, and every hand-over between the ranks becomes a context switch
 (docs/launching.md, "CPU binding").  With ``auto`` the ranks of a host, when
 no launcher bound them (every one may run on the same CPUs) and there are at
 least as many of those CPUs as ranks, each take a contiguous block of them.
+Binding and the wait policy count the ranks that share a *machine* (one
+kernel, one process-id namespace: ``machine_id``), not a host: ranks in
+different containers or network namespaces of one machine have distinct
+host ids but compete for the same CPUs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ._envvars import choice
 
-__all__ = ["host_id", "host_groups", "HOST_ID_ENV", "BIND_ENV", "bind_mode", "cpu_digest",
+__all__ = ["host_id", "machine_id", "host_groups", "HOST_ID_ENV", "BIND_ENV", "bind_mode", "cpu_digest",
            "cpu_ranges", "parse_cpu_ranges", "plan_binding", "owns_cpus", "bind_process"]
 
 HOST_ID_ENV = "RINGLET_HOST_ID"
@@ -74,6 +78,28 @@ def host_id(env: Optional[Dict[str, str]] = None) -> str:
     parts = (_read("/proc/sys/kernel/random/boot_id"), _ns("ipc"), _ns("mnt"), _ns("net"),
              socket.gethostname())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def machine_id(host: str = "") -> str:
+    """This process's machine identity: which processes share its CPUs.
+
+    Args:
+        host: this process's ``host_id()``, the answer when the kernel's boot
+            id cannot be read.
+    Returns:
+        16 hex digits of a hash of the boot id and the process-id namespace
+        (so that process ids compare within a machine).  Unlike ``host_id``
+        it ignores the network, IPC and mount namespaces, the host name and
+        ``RINGLET_HOST_ID``: those set apart what may share memory, not CPUs.
+
+    Example::
+
+        shares_cpus_with_peer = machine_id() == peer_machine_id
+    """
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    if not boot:
+        return host
+    return hashlib.sha256(f"{boot}\0{_ns('pid')}".encode()).hexdigest()[:16]
 
 
 def host_groups(ids: Sequence[str]) -> List[List[int]]:
@@ -141,16 +167,16 @@ def parse_cpu_ranges(text: str) -> Optional[set]:
     return cpus or None
 
 
-def owns_cpus(rank: int, hosts: Sequence[str], pids: Sequence[int],
+def owns_cpus(rank: int, machines: Sequence[str], pids: Sequence[int],
               sets: Sequence[str]) -> bool:
-    """Whether ``rank`` runs on CPUs no other rank of its host may run on.
+    """Whether ``rank`` runs on CPUs no other rank of its machine may run on.
 
     Args:
         rank: this rank.
-        hosts, pids, sets: per rank, its ``host_id()``, process id and
+        machines, pids, sets: per rank, its ``machine_id()``, process id and
             ``cpu_ranges`` of the CPUs it may run on ("" when unknown).
     Returns:
-        True when the host has other ranks, each a process of its own whose
+        True when the machine has other ranks, each a process of its own whose
         set is known and shares no CPU with this rank's (a launcher bound
         them apart: ``mpirun --bind-to core``, ``srun --cpu-bind``).
 
@@ -158,7 +184,7 @@ def owns_cpus(rank: int, hosts: Sequence[str], pids: Sequence[int],
 
         owns_cpus(0, ["a", "a"], [10, 11], ["0", "1"])  # True
     """
-    local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    local = [r for r, m in enumerate(machines) if m == machines[rank]]
     if len(local) < 2 or len({pids[r] for r in local}) != len(local):
         return False
     mine = parse_cpu_ranges(sets[rank])
@@ -173,19 +199,19 @@ def owns_cpus(rank: int, hosts: Sequence[str], pids: Sequence[int],
     return True
 
 
-def plan_binding(rank: int, hosts: Sequence[str], pids: Sequence[int],
+def plan_binding(rank: int, machines: Sequence[str], pids: Sequence[int],
                  digests: Sequence[str], cpus: Sequence[int]) -> Optional[List[int]]:
     """The CPUs ``rank`` should run on, or None to leave its affinity alone.
 
     Args:
         rank: this rank.
-        hosts, pids, digests: per rank, its ``host_id()``, process id and
+        machines, pids, digests: per rank, its ``machine_id()``, process id and
             ``cpu_digest`` of the CPUs it may run on.
         cpus: the CPUs this rank may run on.
     Returns:
-        With L ranks on this host, its block (the i-th of L contiguous,
+        With L ranks on this machine, its block (the i-th of L contiguous,
         near-equal blocks of ``cpus``, i its position among them by rank);
-        None when it runs alone on its host, when ranks of its host share a
+        None when it runs alone on its machine, when ranks of its machine share a
         process (threads), when their CPU sets differ (a launcher bound them)
         or when they outnumber the CPUs (the scheduler must be free to move
         them then).
@@ -194,7 +220,7 @@ def plan_binding(rank: int, hosts: Sequence[str], pids: Sequence[int],
 
         plan_binding(1, ["a", "a"], [10, 11], ["d", "d"], [0, 1, 2, 3])  # [2, 3]
     """
-    local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    local = [r for r, m in enumerate(machines) if m == machines[rank]]
     n, mine = len(local), sorted(cpus)
     if n < 2 or len(mine) < n:
         return None

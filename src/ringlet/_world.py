@@ -762,7 +762,7 @@ def _size_mismatch(rank: int, size: int, other: int, other_size: int) -> str:
 
 def _exchange_endpoints(world: World, timeout: float) -> None:
     from ._shm import transport_mode
-    from ._topology import bind_mode, cpu_digest, cpu_ranges
+    from ._topology import bind_mode, cpu_digest, cpu_ranges, machine_id
 
     store, ctx, p = world.store, world.ctx, world.prefix
     bind = bind_mode()
@@ -776,13 +776,14 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     store.set(f"{p}ep/{world.rank}",
               json.dumps({"ep": f"{world.host}:{ctx.port}", "size": world.size,
                           "host_id": world.host_ids[0], "pid": os.getpid(),
+                          "machine": machine_id(world.host_ids[0]),
                           "cpus": cpu_digest(my_cpus),
                           "cpuset": ranges if len(ranges) <= _CPUSET_CHARS else ""}).encode())
     join = _Joiner(world, timeout)
     if world.rank == 0:
         # In rank order: a rank with another world size is caught as soon as
         # the ranks below it have joined, never after the whole timeout.
-        table, hosts, pids, digests, sets = [], [], [], [], []
+        table, hosts, pids, digests, sets, machines = [], [], [], [], [], []
         for r in range(world.size):
             entry = json.loads(join.get(f"{p}ep/{r}").decode())
             if entry["size"] != world.size:
@@ -794,8 +795,10 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
             pids.append(int(entry.get("pid", 0)))
             digests.append(str(entry.get("cpus", "")))
             sets.append(str(entry.get("cpuset", "")))
+            machines.append(str(entry.get("machine", hosts[-1])))
         store.set(f"{p}ep/all", json.dumps({"eps": table, "hosts": hosts, "pids": pids,
                                             "cpus": digests, "cpusets": sets,
+                                            "machines": machines,
                                             "algo": world.algo,
                                             "model": world.model.as_dict()}).encode())
     else:
@@ -807,6 +810,7 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
         pids = rec.get("pids") or []
         digests = rec.get("cpus") or []
         sets = rec.get("cpusets") or []
+        machines = rec.get("machines") or list(hosts)
         world.algo = rec.get("algo", world.algo)
         if "model" in rec:
             from ._costmodel import ModelParams
@@ -822,27 +826,41 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
         h, _, port = ep.rpartition(":")
         ctx.set_peer(r, h.strip("[]"), int(port))
     world.host_ids = list(hosts)
-    # The busy test (wait.c) counts the CPU time of other processes as load,
-    # not that of this host's ranks (ranks may be threads of one process).
-    mine = sorted({pid for pid, h in zip(pids, hosts) if h == hosts[world.rank] and pid > 0})
+    # CPUs are shared by the ranks of a machine, whatever their host ids
+    # (containers, network namespaces): the busy test (wait.c) counts the CPU
+    # time of other processes as load, not that of these ranks (which may be
+    # threads of one process), and the wait policy counts these ranks.
+    if len(machines) != world.size:
+        machines = list(hosts)
+    me = machines[world.rank]
+    mine = sorted({pid for pid, m in zip(pids, machines) if m == me and pid > 0})
     _core.set_host_pids(mine or [os.getpid()])
+    on_machine = sum(1 for m in machines if m == me)
+    if on_machine != _core.get_tuning()["host_ranks"]:
+        if "RINGLET_SPIN_YIELD" not in os.environ:
+            _core.set_tuning(spin_yield=_spin_yield_policy(on_machine))
+        _core.set_tuning(host_ranks=on_machine)
     # Binding serves the shared-memory hand-over; over loopback TCP a rank that
     # shares its peer's CPU is woken locally, which beside busy processes beats
     # a bound peer's wake-up on another CPU (docs/launching.md, "CPU binding").
+    # Blocks are cut from the machine's CPUs for all its ranks, so ranks with
+    # other host ids (containers, network namespaces) never share a block.
     shm = transport_mode() != "tcp"
-    if bind == "auto" and shm and my_cpus and len(pids) == len(digests) == world.size:
-        _bind_cpus(world, hosts, pids, digests, my_cpus)
+    peers = [r for r, h in enumerate(hosts) if h == hosts[world.rank] and r != world.rank]
+    if bind == "auto" and shm and peers and my_cpus \
+            and len(pids) == len(digests) == world.size:
+        _bind_cpus(world, machines, pids, digests, my_cpus)
     if shm and not world.own_cpus and len(pids) == len(sets) == world.size:
-        _note_own_cpus(world, hosts, pids, sets)
+        _note_own_cpus(world, machines, pids, sets)
 
 
-def _bind_cpus(world: World, hosts: List[str], pids: List[int], digests: List[str],
+def _bind_cpus(world: World, machines: List[str], pids: List[int], digests: List[str],
                my_cpus: List[int]) -> None:
-    """RINGLET_BIND=auto: give this rank its block of its host's CPUs
+    """RINGLET_BIND=auto: give this rank its block of its machine's CPUs
     (_topology.plan_binding); close() gives the process its old set back."""
     from ._topology import bind_process, plan_binding
 
-    want = plan_binding(world.rank, hosts, pids, digests, my_cpus)
+    want = plan_binding(world.rank, machines, pids, digests, my_cpus)
     if want is None or want == my_cpus:
         return
     try:
@@ -859,12 +877,13 @@ def _bind_cpus(world: World, hosts: List[str], pids: List[int], digests: List[st
                world.rank, want, my_cpus)
 
 
-def _note_own_cpus(world: World, hosts: List[str], pids: List[int], sets: List[str]) -> None:
+def _note_own_cpus(world: World, machines: List[str], pids: List[int],
+                   sets: List[str]) -> None:
     """Ranks a launcher bound to disjoint CPUs own them as much as ranks
     RINGLET_BIND bound: their waits may poll longer on a busy host too."""
     from ._topology import owns_cpus
 
-    if owns_cpus(world.rank, hosts, pids, sets):
+    if owns_cpus(world.rank, machines, pids, sets):
         world.own_cpus = True
         _core.set_tuning(own_cpus=1)
         _log.debug("ringlet: rank %d runs on CPUs %s, which no other rank of its host "
