@@ -70,9 +70,9 @@
 /* Size in bytes of one element of dt; 0 for an out-of-range value. */
 size_t rl_dtype_size(rl_dtype dt) {
     switch (dt) {
-    case RL_F16: case RL_BF16: return 2;
-    case RL_F32: case RL_I32: return 4;
-    case RL_F64: case RL_I64: return 8;
+    case RL_F16: case RL_BF16: case RL_I16: case RL_U16: return 2;
+    case RL_F32: case RL_I32: case RL_U32: return 4;
+    case RL_F64: case RL_I64: case RL_U64: return 8;
     case RL_I8: case RL_U8: case RL_BOOL: return 1;
     default: return 0;
     }
@@ -90,6 +90,10 @@ const char *rl_dtype_name(rl_dtype dt) {
     case RL_I32: return "int32";
     case RL_I64: return "int64";
     case RL_BOOL: return "bool";
+    case RL_I16: return "int16";
+    case RL_U16: return "uint16";
+    case RL_U32: return "uint32";
+    case RL_U64: return "uint64";
     default: return "unknown-dtype";
     }
 }
@@ -237,14 +241,21 @@ RL_BINARY(f64_min, double, RL_FMIN(x, y))
 RL_BINARY(f64_max, double, RL_FMAX(x, y))
 
 /* Wrapping integer arithmetic and bitwise ops, on the unsigned type of the
- * same width (int8 and uint8 share these, as do int32 / uint32 bits).
- * uint8 operands promote to int, but 255 * 255 fits; 32- and 64-bit
- * unsigned operands are not promoted on any ABI ringlet supports. */
+ * same width (int8 and uint8 share these, as do int16 / uint16, int32 /
+ * uint32 and int64 / uint64 bits).  uint8 operands promote to int, but
+ * 255 * 255 fits; uint16 ones would overflow int (65535 * 65535), so their
+ * product is taken in uint32_t; 32- and 64-bit unsigned operands are not
+ * promoted on any ABI ringlet supports. */
 RL_BINARY(u8_sum, uint8_t, x + y)
 RL_BINARY(u8_prod, uint8_t, x * y)
 RL_BINARY(u8_and, uint8_t, x & y)
 RL_BINARY(u8_or, uint8_t, x | y)
 RL_BINARY(u8_xor, uint8_t, x ^ y)
+RL_BINARY(u16_sum, uint16_t, x + y)
+RL_BINARY(u16_prod, uint16_t, (uint32_t)x * y)
+RL_BINARY(u16_and, uint16_t, x & y)
+RL_BINARY(u16_or, uint16_t, x | y)
+RL_BINARY(u16_xor, uint16_t, x ^ y)
 RL_BINARY(u32_sum, uint32_t, x + y)
 RL_BINARY(u32_prod, uint32_t, x * y)
 RL_BINARY(u32_and, uint32_t, x & y)
@@ -261,6 +272,14 @@ RL_BINARY(i8_min, int8_t, x < y ? x : y)
 RL_BINARY(i8_max, int8_t, x > y ? x : y)
 RL_BINARY(u8_min, uint8_t, x < y ? x : y)
 RL_BINARY(u8_max, uint8_t, x > y ? x : y)
+RL_BINARY(i16_min, int16_t, x < y ? x : y)
+RL_BINARY(i16_max, int16_t, x > y ? x : y)
+RL_BINARY(u16_min, uint16_t, x < y ? x : y)
+RL_BINARY(u16_max, uint16_t, x > y ? x : y)
+RL_BINARY(u32_min, uint32_t, x < y ? x : y)
+RL_BINARY(u32_max, uint32_t, x > y ? x : y)
+RL_BINARY(u64_min, uint64_t, x < y ? x : y)
+RL_BINARY(u64_max, uint64_t, x > y ? x : y)
 RL_BINARY(i32_min, int32_t, x < y ? x : y)
 RL_BINARY(i32_max, int32_t, x > y ? x : y)
 RL_BINARY(i64_min, int64_t, x < y ? x : y)
@@ -424,23 +443,46 @@ RL_INLINE void reduce_body(void *dst, const void *a, const void *b, size_t n, rl
         case RL_BXOR: u8_xor(dst, a, b, n); return;
         default: return;
         }
-    case RL_I32:
+    case RL_I16: case RL_U16:
+        switch (op) {
+        case RL_SUM: u16_sum(dst, a, b, n); return;
+        case RL_PROD: u16_prod(dst, a, b, n); return;
+        case RL_MIN:
+            if (dt == RL_I16) i16_min(dst, a, b, n); else u16_min(dst, a, b, n);
+            return;
+        case RL_MAX:
+            if (dt == RL_I16) i16_max(dst, a, b, n); else u16_max(dst, a, b, n);
+            return;
+        case RL_BAND: u16_and(dst, a, b, n); return;
+        case RL_BOR: u16_or(dst, a, b, n); return;
+        case RL_BXOR: u16_xor(dst, a, b, n); return;
+        default: return;
+        }
+    case RL_I32: case RL_U32:
         switch (op) {
         case RL_SUM: u32_sum(dst, a, b, n); return;
         case RL_PROD: u32_prod(dst, a, b, n); return;
-        case RL_MIN: i32_min(dst, a, b, n); return;
-        case RL_MAX: i32_max(dst, a, b, n); return;
+        case RL_MIN:
+            if (dt == RL_I32) i32_min(dst, a, b, n); else u32_min(dst, a, b, n);
+            return;
+        case RL_MAX:
+            if (dt == RL_I32) i32_max(dst, a, b, n); else u32_max(dst, a, b, n);
+            return;
         case RL_BAND: u32_and(dst, a, b, n); return;
         case RL_BOR: u32_or(dst, a, b, n); return;
         case RL_BXOR: u32_xor(dst, a, b, n); return;
         default: return;
         }
-    case RL_I64:
+    case RL_I64: case RL_U64:
         switch (op) {
         case RL_SUM: u64_sum(dst, a, b, n); return;
         case RL_PROD: u64_prod(dst, a, b, n); return;
-        case RL_MIN: i64_min(dst, a, b, n); return;
-        case RL_MAX: i64_max(dst, a, b, n); return;
+        case RL_MIN:
+            if (dt == RL_I64) i64_min(dst, a, b, n); else u64_min(dst, a, b, n);
+            return;
+        case RL_MAX:
+            if (dt == RL_I64) i64_max(dst, a, b, n); else u64_max(dst, a, b, n);
+            return;
         case RL_BAND: u64_and(dst, a, b, n); return;
         case RL_BOR: u64_or(dst, a, b, n); return;
         case RL_BXOR: u64_xor(dst, a, b, n); return;

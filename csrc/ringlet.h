@@ -53,7 +53,8 @@ typedef enum {
 typedef enum {
     RL_F16 = 0, RL_BF16 = 1, RL_F32 = 2, RL_F64 = 3,
     RL_I8 = 4, RL_U8 = 5, RL_I32 = 6, RL_I64 = 7, RL_BOOL = 8,
-    RL_NDTYPES = 9
+    RL_I16 = 9, RL_U16 = 10, RL_U32 = 11, RL_U64 = 12,
+    RL_NDTYPES = 13
 } rl_dtype;
 
 typedef enum {

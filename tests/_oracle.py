@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
     BF16 = None
 
 FLOATS = [np.float16, np.float32, np.float64] + ([BF16] if BF16 is not None else [])
-INTS = [np.int8, np.uint8, np.int32, np.int64]
+INTS = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
 DTYPES = FLOATS + INTS + [np.bool_]
 
 
@@ -52,6 +52,8 @@ def data(rank: int, count: int, dt, op=ReduceOp.SUM, salt: int = 0) -> np.ndarra
     info = np.iinfo(dt)
     if op == ReduceOp.PROD:
         return rng.integers(-3 if info.min < 0 else 0, 4, size=count).astype(dt)
+    if dt == np.uint64:  # beyond int64: drawn as its own type
+        return rng.integers(0, info.max, size=count, dtype=np.uint64, endpoint=True)
     return rng.integers(info.min, int(info.max) + 1, size=count, dtype=np.int64).astype(dt)
 
 

@@ -38,19 +38,20 @@ GCC = shutil.which("gcc")
 pytestmark = pytest.mark.skipif(GCC is None, reason="gcc is not installed")
 
 # Mirrors rl_dtype / rl_redop in csrc/ringlet.h.
-F16, BF16, F32, F64, I8, U8, I32, I64, BOOL = range(9)
-NDTYPES = 9
+F16, BF16, F32, F64, I8, U8, I32, I64, BOOL, I16, U16, U32, U64 = range(13)
+NDTYPES = 13
 SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR = range(8)
 NOPS = 8
 DTYPE_NAMES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64",
-               "bool"]
+               "bool", "int16", "uint16", "uint32", "uint64"]
 OP_NAMES = ["SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]
 FLOATING = {F16, BF16, F32, F64}
 
 # How each dtype is held on the Python side: halves as raw bits for bfloat16
 # (numpy has no such dtype), bool as raw bytes (so non-0/1 bytes can be fed).
 STORAGE = {F16: np.float16, BF16: np.uint16, F32: np.float32, F64: np.float64, I8: np.int8,
-           U8: np.uint8, I32: np.int32, I64: np.int64, BOOL: np.uint8}
+           U8: np.uint8, I32: np.int32, I64: np.int64, BOOL: np.uint8, I16: np.int16,
+           U16: np.uint16, U32: np.uint32, U64: np.uint64}
 UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 LENGTHS = [0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 1000003]

@@ -9,7 +9,8 @@ cdef extern from "ringlet.h" nogil:
         RL_ERR_DESYNC, RL_ERR_AUTH, RL_ERR_PROTOCOL, RL_ERR_POISONED,
         RL_ERR_INTERRUPTED, RL_ERR_NOMEM, RL_ERR_ABORTED
     ctypedef enum rl_dtype:
-        RL_F16, RL_BF16, RL_F32, RL_F64, RL_I8, RL_U8, RL_I32, RL_I64, RL_BOOL, RL_NDTYPES
+        RL_F16, RL_BF16, RL_F32, RL_F64, RL_I8, RL_U8, RL_I32, RL_I64, RL_BOOL, RL_I16, RL_U16,
+        RL_U32, RL_U64, RL_NDTYPES
     ctypedef enum rl_redop:
         RL_SUM, RL_PROD, RL_MIN, RL_MAX, RL_AVG, RL_BAND, RL_BOR, RL_BXOR, RL_NOPS
 

@@ -117,6 +117,12 @@ cdef int _native_code(cnp.ndarray x):
         return RL_F64
     if t == cnp.NPY_INT or t == cnp.NPY_LONG or t == cnp.NPY_LONGLONG:
         return RL_I32 if n == 4 else (RL_I64 if n == 8 else -1)
+    if t == cnp.NPY_UINT or t == cnp.NPY_ULONG or t == cnp.NPY_ULONGLONG:
+        return RL_U32 if n == 4 else (RL_U64 if n == 8 else -1)
+    if t == cnp.NPY_SHORT:
+        return RL_I16 if n == 2 else -1
+    if t == cnp.NPY_USHORT:
+        return RL_U16 if n == 2 else -1
     if t == cnp.NPY_FLOAT16:
         return RL_F16
     if t == cnp.NPY_BYTE:
