@@ -363,6 +363,14 @@ int rl_gather(rl_comm *c, void *out, const void *in, size_t count,
 /* in (size*count elements) is used on root only. */
 int rl_scatter(rl_comm *c, void *out, const void *in, size_t count,
                rl_dtype dt, int root, int64_t timeout_ms);
+/* Uneven blocks (MPI's Gatherv / Scatterv): on root, rank p's block is
+ * counts[p] elements at displs[p] of out (gather) or in (scatter), and
+ * counts[root] must equal count; elsewhere counts and displs are unused and
+ * may be NULL, and the rank's block is its count elements. */
+int rl_gather_v(rl_comm *c, void *out, const size_t *counts, const size_t *displs,
+                const void *in, size_t count, rl_dtype dt, int root, int64_t timeout_ms);
+int rl_scatter_v(rl_comm *c, void *out, size_t count, const void *in, const size_t *counts,
+                 const size_t *displs, rl_dtype dt, int root, int64_t timeout_ms);
 int rl_barrier(rl_comm *c, int64_t timeout_ms);
 
 /* ---- point to point (p2p.c) ------------------------------------------- */

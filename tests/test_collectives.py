@@ -126,6 +126,36 @@ def _matrix(rank, P, dtypes, counts, full_roots=True):
         buf[off:off + cnt[rank]] = srcs[rank]
         ringlet.all_gather_v(buf, cnt, buf[off:off + cnt[rank]])
         moved(f"all_gather_v in place n={n}", buf, want)
+    # gather_v / scatter_v: rank s's block is (2s + n) % 5 elements (some none), every
+    # root, from separate arrays and in place from the root's own block
+    for n in counts:
+        cnt = [(2 * s + n) % 5 for s in range(P)]
+        srcs = [data(s, cnt[s], np.int16, salt=23) for s in range(P)]
+        whole = np.concatenate(srcs)
+        for root in range(P):
+            out = np.full(sum(cnt) + 2, -3, np.int16) if rank == root else None
+            ringlet.gather_v(out, cnt if rank == root else None, srcs[rank], dst=root)
+            if rank == root:
+                moved(f"gather_v n={n} root={root}", out[:sum(cnt)], whole)
+                moved(f"gather_v n={n} root={root} tail", out[sum(cnt):], np.full(2, -3, np.int16))
+            mine = np.full(cnt[rank], -1, np.int16)
+            ringlet.scatter_v(mine, whole if rank == root else None,
+                              cnt if rank == root else None, src=root)
+            moved(f"scatter_v n={n} root={root}", mine, srcs[rank])
+        root, off = P - 1, sum(cnt[:P - 1])
+        if rank == root:  # in place on the root
+            buf = np.zeros(sum(cnt), np.int16)
+            buf[off:] = srcs[rank]
+            ringlet.gather_v(buf, cnt, buf[off:], dst=root)
+            moved(f"gather_v in place n={n}", buf, whole)
+            buf = whole.copy()
+            ringlet.scatter_v(buf[off:], buf, cnt, src=root)
+            moved(f"scatter_v in place n={n}", buf, whole)
+        else:
+            ringlet.gather_v(None, None, srcs[rank], dst=root)
+            mine = np.empty(cnt[rank], np.int16)
+            ringlet.scatter_v(mine, None, None, src=root)
+            moved(f"scatter_v (root in place) n={n}", mine, srcs[rank])
     # send/recv around the ring, two tags sent in the opposite order they are received
     if P > 1:
         nxt, prv = (rank + 1) % P, (rank - 1) % P

@@ -116,6 +116,34 @@ def test_all_to_all_v_count_mismatch_fails_in_the_op():
     assert msgs[1].startswith("DesyncError") and "all_to_all" in msgs[1] and "total=4096" in msgs[1] and "total=8192" in msgs[1], msgs
 
 
+# gather_v / scatter_v: a rank whose block size differs from the root's count
+# for it fails on the receiving side in the op, naming both byte counts.
+def _rooted_v_mismatch(rank, P, kind):
+    try:
+        if kind == "gather_v":  # rank 1 sends 3 floats, the root expects 2
+            out = np.empty(6, np.float32) if rank == 0 else None
+            ringlet.gather_v(out, [4, 2] if rank == 0 else None,
+                             np.ones(4 if rank == 0 else 3, np.float32), timeout=30)
+        else:  # the root sends rank 1 two floats, rank 1 expects 3
+            ringlet.scatter_v(np.empty(4 if rank == 0 else 3, np.float32),
+                              np.ones(6, np.float32) if rank == 0 else None,
+                              [4, 2] if rank == 0 else None, timeout=30)
+        ringlet.barrier(timeout=30)  # the sender may have finished first
+    except RingletError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["gather_v", "scatter_v"])
+def test_rooted_v_count_mismatch_fails_in_the_op(kind):
+    msgs = run_world(_rooted_v_mismatch, 2, mode="thread", timeout=60, args=(kind,))
+    assert "no error" not in msgs, msgs
+    receiver = msgs[0] if kind == "gather_v" else msgs[1]
+    op = kind[:-2]
+    assert receiver.startswith("DesyncError") and op in receiver, msgs
+    assert "total=8 bytes" in receiver and "total=12 bytes" in receiver, msgs
+
+
 def test_desync_message_names_both_sides():
     res = run_world(_desync, 2, mode="thread", timeout=60, args=("dtype",))
     msgs = " ".join(m for _, m, _, _ in res)

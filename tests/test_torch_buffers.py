@@ -112,6 +112,16 @@ def _every_op(rank, P):
     o = torch.empty(sum(ic), dtype=torch.bfloat16)  # all_gather_v: rank r gives r+1 values
     ringlet.all_gather_v(o, ic, torch.full((rank + 1,), float(rank), dtype=torch.bfloat16))
     assert o.tolist() == [float(r) for r in range(P) for _ in range(r + 1)]
+    # gather_v / scatter_v: rank r's block is r + 1 values
+    o = torch.empty(sum(ic), dtype=torch.int16) if rank == 0 else None
+    ringlet.gather_v(o, ic if rank == 0 else None, torch.full((rank + 1,), rank, dtype=torch.int16))
+    if rank == 0:
+        assert o.tolist() == [r for r in range(P) for _ in range(r + 1)]
+    o = torch.empty(rank + 1, dtype=torch.float32)
+    ringlet.scatter_v(o, torch.arange(sum(ic), dtype=torch.float32) if rank == 0 else None,
+                      ic if rank == 0 else None)
+    start = sum(ic[:rank])
+    assert o.tolist() == [float(v) for v in range(start, start + rank + 1)]
     # gather / scatter with tensors
     o = torch.empty(P, dtype=torch.float32) if rank == 0 else None
     ringlet.gather(o, torch.tensor([float(rank)]), dst=0)

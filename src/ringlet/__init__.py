@@ -46,7 +46,7 @@ __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_rank", "get_world_size",
     "new_group", "job_key", "get_bind_address", "ReduceOp", "ProcessGroup", "Work", "MAX_TIMEOUT",
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_v", "reduce_scatter", "all_to_all",
-    "all_to_all_v", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier",
+    "all_to_all_v", "gather", "gather_v", "scatter", "scatter_v", "send", "recv", "isend", "irecv", "barrier",
     "broadcast_object", "all_gather_object", "errors", "get_topology", "Topology",
     "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement", "distribute",
     "RingletError", "CollectiveTimeout", "PeerClosedError", "DesyncError", "RendezvousError",
@@ -117,6 +117,22 @@ def scatter(output: np.ndarray, input: Optional[np.ndarray], src: int = 0, *, gr
             async_op: bool = False, timeout: Optional[float] = None):
     """Scatter from ``src``; see ``ProcessGroup.scatter``."""
     return _require(group).scatter(output, input, src, async_op=async_op, timeout=timeout)
+
+
+def gather_v(output: Optional[np.ndarray], output_counts: Optional[Sequence[int]],
+             input: np.ndarray, dst: int = 0, *, group=None, async_op: bool = False,
+             timeout: Optional[float] = None):
+    """Gather uneven blocks to ``dst``; see ``ProcessGroup.gather_v``."""
+    return _require(group).gather_v(output, output_counts, input, dst, async_op=async_op,
+                                    timeout=timeout)
+
+
+def scatter_v(output: np.ndarray, input: Optional[np.ndarray],
+              input_counts: Optional[Sequence[int]], src: int = 0, *, group=None,
+              async_op: bool = False, timeout: Optional[float] = None):
+    """Scatter uneven blocks from ``src``; see ``ProcessGroup.scatter_v``."""
+    return _require(group).scatter_v(output, input, input_counts, src, async_op=async_op,
+                                     timeout=timeout)
 
 
 def send(array: np.ndarray, dst: int, tag: int = 0, *, group=None,

@@ -106,6 +106,10 @@ cdef extern from "ringlet.h" nogil:
                           rl_redop op, int64_t timeout_ms)
     int rl_all_gather_v(rl_comm *c, void *out, const size_t *counts, const size_t *displs,
                         const void *inp, rl_dtype dt, int64_t timeout_ms)
+    int rl_gather_v(rl_comm *c, void *out, const size_t *counts, const size_t *displs,
+                    const void *inp, size_t count, rl_dtype dt, int root, int64_t timeout_ms)
+    int rl_scatter_v(rl_comm *c, void *out, size_t count, const void *inp, const size_t *counts,
+                     const size_t *displs, rl_dtype dt, int root, int64_t timeout_ms)
     int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts, const size_t *out_displs,
                         const void *inp, const size_t *in_counts, const size_t *in_displs,
                         rl_dtype dt, int64_t timeout_ms)

@@ -662,6 +662,46 @@ cdef class Comm:
             free(buf)
         self._check(st, "all_gather")
 
+    def rooted_v(self, bint gather, many, counts, cnp.ndarray one, int dt, int root,
+                 int64_t timeout_ms):
+        # gather_v (many: the root's output) or scatter_v (many: its input);
+        # counts are used on root only.
+        cdef rl_comm *c = self._h()
+        cdef int P = self.size, i
+        cdef size_t n = one.size
+        cdef size_t *buf = NULL
+        cdef size_t *oc = NULL
+        cdef size_t *od = NULL
+        cdef size_t so = 0
+        cdef void *pm = NULL
+        cdef void *po
+        cdef int st
+        cdef const char *name = "gather_v" if gather else "scatter_v"
+        try:
+            if self.rank == root:
+                if len(counts) != P:
+                    raise ValueError(f"{name}: the count list must have one entry per rank")
+                buf = <size_t *>malloc(sizeof(size_t) * 2 * P)
+                if buf == NULL:
+                    raise MemoryError()
+                oc = buf
+                od = buf + P
+                for i in range(P):
+                    oc[i] = counts[i]; od[i] = so; so += oc[i]
+                if so > <size_t>(<cnp.ndarray>many).size or oc[root] != n:
+                    raise ValueError(f"{name}: counts do not match the arrays")
+                pm = _wptr(<cnp.ndarray>many, "output") if gather else \
+                    <void *>_rptr(<cnp.ndarray>many, "input")
+            po = <void *>_rptr(one, "input") if gather else _wptr(one, "output")
+            with nogil:
+                if gather:
+                    st = rl_gather_v(c, pm, oc, od, po, n, <rl_dtype>dt, root, timeout_ms)
+                else:
+                    st = rl_scatter_v(c, po, n, pm, oc, od, <rl_dtype>dt, root, timeout_ms)
+        finally:
+            free(buf)
+        self._check(st, "gather" if gather else "scatter")
+
     def gather(self, out, cnp.ndarray inp, int dt, int root, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
         cdef size_t n = inp.size

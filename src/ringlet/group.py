@@ -475,6 +475,99 @@ class ProcessGroup:
         ms = self._default_ms if timeout is None else self._ms(timeout)
         return self._call("scatter", async_op, _C.scatter, o, i, code, src, ms)
 
+    def gather_v(self, output: Optional[np.ndarray], output_counts: Optional[Sequence[int]],
+                 input: np.ndarray, dst: int = 0, *, async_op: bool = False,
+                 timeout: Optional[float] = None):
+        """Collect every rank's ``input`` into ``output`` on ``dst`` in rank order, rank r
+        contributing ``output_counts[r]`` elements (uneven blocks: MPI's Gatherv).
+
+        ``output`` and ``output_counts`` are read on ``dst`` only (None elsewhere); a rank
+        whose ``input`` size differs from the root's count for it fails as a
+        ``DesyncError`` naming both sizes.  On ``dst``, ``input`` may be its own block of
+        ``output`` (in place).  Direct, over the group's TCP connections
+        (docs/algorithms.md).
+
+        Example::
+
+            r = ringlet.get_rank()                       # rank r sends r + 1 values
+            counts = [q + 1 for q in range(P)]
+            out = np.empty(sum(counts), np.float32) if r == 0 else None
+            ringlet.gather_v(out, counts if r == 0 else None, np.full(r + 1, r, np.float32))
+        """
+        if type(input) is not _ND:
+            input = _as_array(input, "input", False)
+        if type(dst) is not int or not 0 <= dst < self.size:
+            dst = self._peer(dst, "dst")
+        i = _array(input, "input", False)
+        code = _acode(i, "input", False, dtype_code)
+        o = counts = None
+        if self.rank == dst:
+            if output is None or output_counts is None:
+                raise ValueError(f"gather_v: the destination rank {dst} needs an output array "
+                                 f"and output_counts")
+            o = output if type(output) is _ND else _as_array(output, "output", True)
+            _acode(o, "output", True, dtype_code)
+            if o.dtype != i.dtype:
+                raise TypeError(f"gather_v: output dtype {o.dtype} differs from input dtype "
+                                f"{i.dtype}")
+            counts = _counts("gather_v", "output_counts", output_counts, self.size, o)
+            if counts[dst] != i.size:
+                raise ValueError(f"gather_v: output_counts[{dst}] (the root's) is "
+                                 f"{counts[dst]} but its input has {i.size} elements")
+            if _overlap(o, i) and _addr(i) != _addr(o) + sum(counts[:dst]) * o.itemsize:
+                raise ValueError("gather_v: the root's input overlaps its output other than "
+                                 "as its own block (the in-place form)")
+        ms = self._default_ms if timeout is None else self._ms(timeout)
+        return self._run("gather", _C.rooted_v, (True, o, counts, i, code, dst, ms),
+                         (i,) if o is None else (o, i), async_op)
+
+    def scatter_v(self, output: np.ndarray, input: Optional[np.ndarray],
+                  input_counts: Optional[Sequence[int]], src: int = 0, *,
+                  async_op: bool = False, timeout: Optional[float] = None):
+        """Rank ``src`` sends ``input_counts[r]`` elements of ``input`` (blocks in rank
+        order) to rank r's ``output`` (uneven blocks: MPI's Scatterv).
+
+        ``input`` and ``input_counts`` are read on ``src`` only (None elsewhere); a rank
+        whose ``output`` size differs from the root's count for it fails as a
+        ``DesyncError`` naming both sizes.  On ``src``, ``output`` may be its own block of
+        ``input`` (in place).
+
+        Example::
+
+            r = ringlet.get_rank()                       # rank r gets r + 1 values
+            counts = [q + 1 for q in range(P)]
+            data = np.arange(sum(counts), dtype=np.float32) if r == 0 else None
+            ringlet.scatter_v(np.empty(r + 1, np.float32), data, counts if r == 0 else None)
+        """
+        if type(output) is not _ND:
+            output = _as_array(output, "output", True)
+        if type(src) is not int or not 0 <= src < self.size:
+            src = self._peer(src, "src")
+        o = output
+        code = _acode(o, "output", True, dtype_code)
+        i = counts = None
+        if self.rank == src:
+            if input is None or input_counts is None:
+                raise ValueError(f"scatter_v: the source rank {src} needs an input array and "
+                                 f"input_counts")
+            i = input if type(input) is _ND else _as_array(input, "input", False)
+            i = _array(i, "input", False)
+            if o.dtype != i.dtype:
+                raise TypeError(f"scatter_v: output dtype {o.dtype} differs from input dtype "
+                                f"{i.dtype}")
+            counts = _counts("scatter_v", "input_counts", input_counts, self.size, i)
+            if counts[src] != o.size:
+                raise ValueError(f"scatter_v: input_counts[{src}] (the root's) is "
+                                 f"{counts[src]} but its output has {o.size} elements")
+            # The root copies its own block while it sends the others, so an output
+            # overlapping any other block would corrupt what is sent.
+            if _overlap(o, i) and _addr(o) != _addr(i) + sum(counts[:src]) * i.itemsize:
+                raise ValueError("scatter_v: the root's output overlaps its input other than "
+                                 "as its own block (the in-place form)")
+        ms = self._default_ms if timeout is None else self._ms(timeout)
+        return self._run("scatter", _C.rooted_v, (False, i, counts, o, code, src, ms),
+                         (o,) if i is None else (o, i), async_op)
+
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
         """Return once every rank of the group has entered the barrier."""
         if async_op or timeout is not None or self._exec._busy or self._closed or self.rank < 0:
