@@ -37,6 +37,38 @@ static void one_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
     *l = a->blk;
 }
 
+/* Every other rank exchanges one frame with the root; the root drives one
+ * stream per peer at once, its own block copied (cp) while they wait.  Each
+ * header carries the pair's byte count. */
+static int run_rooted(rl_comm *c, rl_opdesc *op, int gather, int root, rooted *a,
+                      rl_idle_copy *cp) {
+    if (c->rank != root) {
+        rl_stream s;
+        memset(&s, 0, sizeof s);
+        s.peer = root;
+        s.is_send = gather;
+        s.nseg = 1;
+        s.where = one_where;
+        s.total = a->blk;
+        return rl_run_streams(c, op, &s, 1, a);
+    }
+    rl_stream *s = calloc((size_t)(c->size - 1), sizeof *s);
+    if (!s) return rl_fail(c, op, RL_ERR_NOMEM, -1, 0, "out of memory");
+    int n = 0;
+    for (int p = 0; p < c->size; p++) {
+        if (p == root) continue;
+        s[n].peer = p;
+        s[n].is_send = !gather;
+        s[n].nseg = 1;
+        s[n].where = rt_where;
+        s[n].total = a->counts ? a->counts[p] * a->esz : a->blk;
+        n++;
+    }
+    int st = rl_run_streams_copy(c, op, s, n, a, cp);
+    free(s);
+    return st;
+}
+
 static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count,
                      rl_dtype dt, int root, int64_t timeout_ms) {
     rl_opdesc op;
@@ -63,31 +95,8 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
     }
     op.algo = c->size == 1 || count == 0 ? "local" : "direct";
     if (c->size == 1 || count == 0) return rl_end_op(c, &op, RL_OK);
-    if (c->rank != root) {
-        rooted a = {one, blk, NULL, NULL, 0};
-        rl_stream s;
-        memset(&s, 0, sizeof s);
-        s.peer = root;
-        s.is_send = gather;
-        s.nseg = 1;
-        s.where = one_where;
-        return rl_end_op(c, &op, rl_run_streams(c, &op, &s, 1, &a));
-    }
-    rl_stream *s = calloc((size_t)c->size - 1, sizeof *s);
-    if (!s) return rl_end_op(c, &op, rl_fail(c, &op, RL_ERR_NOMEM, -1, 0, "out of memory"));
-    rooted a = {many, blk, NULL, NULL, 0};
-    int n = 0;
-    for (int p = 0; p < c->size; p++) {
-        if (p == root) continue;
-        s[n].peer = p;
-        s[n].is_send = !gather;
-        s[n].nseg = 1;
-        s[n].where = rt_where;
-        n++;
-    }
-    st = rl_run_streams_copy(c, &op, s, n, &a, &cp);
-    free(s);
-    return rl_end_op(c, &op, st);
+    rooted a = {c->rank == root ? many : one, blk, NULL, NULL, 0};
+    return rl_end_op(c, &op, run_rooted(c, &op, gather, root, &a, &cp));
 }
 
 /* gather_v / scatter_v: the root's blocks differ in size (counts[p] elements
@@ -107,14 +116,7 @@ static int rooted_v(rl_comm *c, int opcode, void *many, const size_t *counts,
     op.algo = P == 1 ? "local" : "direct";
     if (r != root) {
         rooted a = {one, count * esz, NULL, NULL, esz};
-        rl_stream s;
-        memset(&s, 0, sizeof s);
-        s.peer = root;
-        s.is_send = gather;
-        s.nseg = 1;
-        s.where = one_where;
-        s.total = count * esz;
-        return rl_end_op(c, &op, rl_run_streams(c, &op, &s, 1, &a));
+        return rl_end_op(c, &op, run_rooted(c, &op, gather, root, &a, NULL));
     }
     rl_idle_copy cp = {NULL, NULL, 0, 0};
     char *mine = (char *)many + displs[r] * esz;
@@ -130,22 +132,8 @@ static int rooted_v(rl_comm *c, int opcode, void *many, const size_t *counts,
             cp.len = count * esz;
     }
     if (P <= 1) return rl_end_op(c, &op, RL_OK);
-    rl_stream *s = calloc((size_t)(P - 1), sizeof *s);
-    if (!s) return rl_end_op(c, &op, rl_fail(c, &op, RL_ERR_NOMEM, -1, 0, "out of memory"));
     rooted a = {many, 0, counts, displs, esz};
-    int n = 0;
-    for (int p = 0; p < P; p++) {
-        if (p == root) continue;
-        s[n].peer = p;
-        s[n].is_send = !gather;
-        s[n].nseg = 1;
-        s[n].where = rt_where;
-        s[n].total = counts[p] * esz;
-        n++;
-    }
-    st = rl_run_streams_copy(c, &op, s, n, &a, &cp);
-    free(s);
-    return rl_end_op(c, &op, st);
+    return rl_end_op(c, &op, run_rooted(c, &op, gather, root, &a, &cp));
 }
 
 int rl_gather_v(rl_comm *c, void *out, const size_t *counts, const size_t *displs,

@@ -184,24 +184,33 @@ def test_ringlet_run_binds_each_rank_to_its_block_and_restores_it(tmp_path, mode
     assert _own_cpus(out.stdout) == {0: (int(bound), 0), 1: (int(bound), 0)}, out.stdout
 
 
-def _launch_bound(tmp_path, masks):
-    """Run _AFFINITY_JOB as 2 ranks started with these CPU sets, as a launcher
-    that binds would; their combined stdout."""
+def _launch(tmp_path, job, envs, masks=None):
+    """Run ``job`` as len(envs) ranks by the env contract, rank r with the extra
+    variables envs[r] and, given masks, started on the CPUs masks[r] as a
+    launcher that binds would; each rank's stdout."""
     script = tmp_path / "job.py"
-    script.write_text(_AFFINITY_JOB)
+    script.write_text(job)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for r, mask in enumerate(masks):
-        env = clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port), RINGLET_SECRET="bind-test-secret-0123456789")
+    for r, extra in enumerate(envs):
+        env = clean_env(RANK=str(r), WORLD_SIZE=str(len(envs)), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), RINGLET_SECRET="bind-test-secret-0123456789",
+                        **extra)
+        pin = None if masks is None else (lambda m=set(masks[r]): os.sched_setaffinity(0, m))
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      preexec_fn=lambda m=set(mask): os.sched_setaffinity(0, m)))
+                                      preexec_fn=pin))
     outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    return "".join(outs)
+    assert [p.returncode for p in procs] == [0] * len(envs), outs
+    return outs
+
+
+def _launch_bound(tmp_path, masks):
+    """_AFFINITY_JOB as 2 ranks started with these CPU sets; their combined stdout."""
+    envs = [{"LOCAL_RANK": str(r)} for r in range(len(masks))]
+    return "".join(_launch(tmp_path, _AFFINITY_JOB, envs, masks))
 
 
 _MACHINE_JOB = textwrap.dedent("""
@@ -221,20 +230,9 @@ def test_ranks_of_one_machine_with_other_host_ids_never_share_a_block(tmp_path):
     # have) of two ranks each on this one machine: binding and the wait policy
     # count all four.  Per host, each pair would take the same two blocks.
     cpus = _two_cpus()
-    script = tmp_path / "job.py"
-    script.write_text(_MACHINE_JOB)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r, host in enumerate(["a", "a", "b", "b"]):
-        env = clean_env(RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r % 2),
-                        LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                        RINGLET_SECRET="bind-test-secret-0123456789", RINGLET_HOST_ID=host)
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * 4, outs
+    outs = _launch(tmp_path, _MACHINE_JOB,
+                   [{"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2", "RINGLET_HOST_ID": host}
+                    for r, host in enumerate(["a", "a", "b", "b"])])
     rows = {r: (cp, n, y) for r, cp, n, y in (json.loads(line[line.index("MACHINE ") + 8:])
                                               for out in outs for line in out.splitlines()
                                               if "MACHINE " in line)}
