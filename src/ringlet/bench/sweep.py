@@ -74,7 +74,8 @@ DTYPES = {
     "float16": "float16", "half": "float16", "f16": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "int8": "int8", "uint8": "uint8", "int32": "int32", "int": "int32",
-    "int64": "int64",
+    "int64": "int64", "int16": "int16", "uint16": "uint16", "uint32": "uint32",
+    "uint64": "uint64",
 }
 MIN_ITERS = 3
 SETTLE_S = 0.25
