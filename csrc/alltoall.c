@@ -113,12 +113,24 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
                       in_displs, dt, timeout_ms);
 }
 
-/* The pairwise exchange with every peer's block read from the one input:
- * each rank sends its counts[rank] elements to every peer. */
+/* Over a group's segment, staged through its slots (rl_shm_all_gather_v);
+ * otherwise the pairwise exchange with every peer's block read from the one
+ * input: each rank sends its counts[rank] elements to every peer. */
 int rl_all_gather_v(rl_comm *c, void *out, const size_t *counts, const size_t *displs,
                     const void *in, rl_dtype dt, int64_t timeout_ms) {
     if ((unsigned)dt >= RL_NDTYPES || !counts || !displs) return RL_ERR_INVALID;
     int P = c->size;
+    if (c->shm && P > 1) {
+        /* The op's total, every count, is in each rank's descriptor: ranks
+         * whose count tables differ in sum fail at once as a desync. */
+        size_t total = 0;
+        for (int q = 0; q < P; q++) total += counts[q];
+        rl_opdesc op;
+        int st = rl_begin_op(c, &op, RL_OP_ALL_GATHER, dt, 0, -1, total * rl_dtype_size(dt),
+                             timeout_ms);
+        if (st != RL_OK) return st;
+        return rl_end_op(c, &op, rl_shm_all_gather_v(c, &op, out, counts, displs, in, dt));
+    }
     size_t *t = calloc(2 * (size_t)P, sizeof *t);
     if (!t) return RL_ERR_NOMEM;
     for (int i = 0; i < P; i++) t[i] = counts[c->rank]; /* displacements: all 0 */

@@ -296,6 +296,10 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
 int rl_shm_barrier(rl_comm *c, rl_opdesc *op);
 int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in,
                       size_t count, rl_dtype dt);
+/* Uneven blocks (counts[q] elements at displs[q] of out), staged through the
+ * segment's slots in pieces of the lane, as many steps as the largest block. */
+int rl_shm_all_gather_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *counts,
+                        const size_t *displs, const void *in, rl_dtype dt);
 int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in,
                           size_t count, rl_dtype dt, rl_redop rop);
 int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,

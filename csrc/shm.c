@@ -1416,6 +1416,80 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     return RL_OK;
 }
 
+/* all_gather_v: the loop of rl_shm_all_gather with each rank's own piece
+ * sizes.  Every rank knows every count, so all run the same steps (those of
+ * the largest block) and each checks each peer's piece size in its
+ * descriptor; a rank whose block has run out publishes empty pieces. */
+/* Large blocks: every rank writes its block into each peer's output, at the
+ * place every rank computes alike (cma_write_peers with uneven blocks). */
+static int cma_write_peers_v(rl_comm *c, rl_opdesc *op, char *out, const size_t *counts,
+                             const size_t *displs, const char *in, size_t esz) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t total = 0, blk = counts[r] * esz;
+    uint32_t step;
+    int st;
+    for (int q = 0; q < P; q++) total += counts[q] * esz;
+    op->algo = "shm_write_peers";
+    if ((st = open_addr(c, op, out, total, &step)) != RL_OK) return st;
+    char *mine = out + displs[r] * esz;
+    if (in != mine) copy_own(mine, in, blk, RL_STREAM_COPY_MIN);
+    for (int i = 1; i < P; i++)
+        if ((st = wait_in(c, op, BIG, (r + i) % P, step, 0, total)) != RL_OK) return st;
+    for (size_t k = 0; k < blk; k += WP_PIECE) {
+        size_t n = blk - k < WP_PIECE ? blk - k : WP_PIECE;
+        for (int i = 1; i < P; i++) {
+            int q = (r + i) % P;
+            uint64_t at = peer_addr(s, q, step) + (uint64_t)(displs[r] * esz);
+            if ((st = cma_write(c, op, q, at + k, in + k, n)) != RL_OK) return st;
+        }
+    }
+    step_ack(c, BIG, step);
+    return wait_peers_ack(c, op, step, total);
+}
+
+int rl_shm_all_gather_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *counts,
+                        const size_t *displs, const void *in, rl_dtype dt) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t esz = rl_dtype_size(dt), m = 0, span = 0;
+    for (int q = 0; q < P; q++) {
+        if (counts[q] > m) m = counts[q];
+        if ((displs[q] + counts[q]) * esz > span) span = (displs[q] + counts[q]) * esz;
+    }
+    int lane = lane_for(s, m * esz);
+    size_t ce = lane_bytes(s, lane) / esz;
+    char *mine = (char *)out + displs[r] * esz;
+    uint32_t step;
+    int st;
+    note_op(c, op);
+    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
+    if ((const char *)in != mine && rl_overlap(in, counts[r] * esz, out, span)) {
+        memmove(mine, in, counts[r] * esz);
+        in = mine;
+    }
+    /* As rl_shm_all_gather: single copy once the largest block spans more
+     * than two chunks (every rank decides on the same figures). */
+    if (lane == BIG && s->cma_min && m * esz > 2 * s->chunk)
+        return cma_write_peers_v(c, op, (char *)out, counts, displs, (const char *)in, esz);
+    for (size_t k = 0, part = 0; k < m; k += ce, part++) {
+        if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
+        size_t n = counts[r] > k ? (counts[r] - k < ce ? counts[r] - k : ce) : 0;
+        memcpy(in_area(s, r, lane, step), (const char *)in + k * esz, n * esz);
+        publish_in(c, op, lane, step, (uint32_t)part, n * esz);
+        for (int i = 0; i < P; i++) {
+            int q = (r + i) % P;
+            size_t nq = counts[q] > k ? (counts[q] - k < ce ? counts[q] - k : ce) : 0;
+            if (q != r && (st = wait_in(c, op, lane, q, step, (uint32_t)part, nq * esz)) != RL_OK)
+                return st;
+            if (q == r && (const char *)in == mine) continue; /* already in place */
+            memcpy((char *)out + (displs[q] + k) * esz, in_area(s, q, lane, step), nq * esz);
+        }
+        step_ack(c, lane, step);
+    }
+    return RL_OK;
+}
+
 /* ---- reductions read straight from the peers ------------------------------
  * A rank that reduces one block of the P inputs (reduce_scatter) can read
  * that block of each peer's input directly (process_vm_readv) into a scratch

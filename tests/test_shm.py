@@ -554,6 +554,61 @@ def test_async_work_queues_over_shm(small_chunks):
     assert all(r == want for r in res), res
 
 
+def _all_gather_vs(rank, P):
+    # over the segment's slots, in as many steps as the largest block takes
+    g = _world._current().group
+    assert g.transport == "shm"
+    bad, algos = [], set()
+    cases = [[3 + (q % 2) for q in range(P)], [0] * (P - 1) + [5], [1000 + 7 * q for q in range(P)],
+             [1, 0] + [2] * (P - 2), [0] * P, [5000 * (q == 1) + q for q in range(P)]]
+    for k, cnt in enumerate(cases):
+        srcs = [(np.arange(cnt[q], dtype=np.int64) * 31 + 1000 * q + k) for q in range(P)]
+        want = np.concatenate(srcs)
+        out = np.full(sum(cnt) + 2, -1, np.int64)
+        ringlet.all_gather_v(out, cnt, srcs[rank])
+        algos.add(g._coll.trace()[2][-1]["algorithm"])
+        if not np.array_equal(out[:sum(cnt)], want) or not np.all(out[sum(cnt):] == -1):
+            bad.append(f"rank {rank}: counts {cnt}: {out[:8]} want {want[:8]}")
+        off = sum(cnt[:rank])
+        buf = np.zeros(sum(cnt), np.int64)
+        buf[off:off + cnt[rank]] = srcs[rank]
+        ringlet.all_gather_v(buf, cnt, buf[off:off + cnt[rank]], async_op=True).wait(timeout=60)
+        if not np.array_equal(buf, want):
+            bad.append(f"rank {rank}: counts {cnt} in place, async: {buf[:8]}")
+    return bad, algos
+
+
+@pytest.mark.parametrize("cma", [4096, 0])
+def test_all_gather_v_runs_over_the_segment(small_chunks, cma):
+    # small_chunks: the 5000-element block spans several chunks of 4 KiB, so it is
+    # written into the peers where single copy is on, staged piece by piece where not
+    _core.set_tuning(shm_cma_bytes=cma)
+    P = 4
+    for bad, algos in run_world(_all_gather_vs, P, mode="thread", timeout=60):
+        assert not bad, bad
+        big = "shm_write_peers" if cma else "shm_copy"
+        assert big in algos and algos <= {"shm_slot", "shm_copy", big, "local"}, algos
+
+
+def _all_gather_v_desync(rank, P):
+    # rank 1 believes it has 3 elements, the others that it has 2
+    cnt = [2, 3] if rank == 1 else [2, 2]
+    try:
+        ringlet.all_gather_v(np.empty(sum(cnt), np.float32), cnt,
+                             np.zeros(cnt[rank], np.float32), timeout=30)
+    except ringlet.errors.DesyncError as exc:
+        return str(exc)
+    except ringlet.errors.RingletError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_all_gather_v_count_tables_that_differ_fail_as_a_desync_over_shm():
+    res = run_world(_all_gather_v_desync, 2, mode="thread", timeout=60)
+    assert any("all_gather" in m and "total=16 bytes" in m and "total=20 bytes" in m
+               for m in res), res
+
+
 def _subgroups(rank, P):
     odd = ringlet.new_group([1, 3, 4])
     even = ringlet.new_group([0, 2])

@@ -155,8 +155,9 @@ class ProcessGroup:
     def transport(self) -> Optional[str]:
         """What this group's collectives run over: ``"shm"`` (a shared-memory
         segment; its ranks share a host), ``"tcp"``, or None on a non-member
-        or after shutdown.  Over shared memory, ``all_to_all_v`` still uses
-        TCP, and so do point-to-point messages in groups of more than 8 ranks
+        or after shutdown.  Over shared memory, ``all_to_all_v``, ``gather_v``
+        and ``scatter_v`` still use TCP, and so do point-to-point messages in
+        groups of more than 8 ranks
         (docs/launching.md, ``RINGLET_TRANSPORT``)."""
         if self._coll is None or self._closed:
             return None
@@ -346,7 +347,8 @@ class ProcessGroup:
 
         ``input`` holds this rank's ``output_counts[rank]`` elements; it may be this
         rank's block of ``output`` (in place) and overlap no other part of it.  Runs
-        the pairwise exchange over the group's TCP connections (docs/algorithms.md).
+        over the group's shared-memory segment where it has one, else the pairwise
+        exchange over TCP (docs/algorithms.md).
 
         Example::
 
