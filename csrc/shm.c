@@ -1347,29 +1347,35 @@ static int cma_exchange(rl_comm *c, rl_opdesc *op, char *out, const char *src, s
  * once for all peers; it returns once every peer has written into its
  * output.  `in` must not overlap `out` but as its own block. */
 #define WP_PIECE ((size_t)1 << 20)
-static int cma_write_peers(rl_comm *c, rl_opdesc *op, char *out, const char *in, size_t blk) {
+/* Each rank writes its block (len bytes at byte `at` of every output) into
+ * each peer's output; `total` is what every rank's descriptor announces. */
+static int cma_write_block(rl_comm *c, rl_opdesc *op, char *out, const char *in, size_t at,
+                           size_t len, uint64_t total) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
     uint32_t step;
     int st;
     op->algo = "shm_write_peers";
-    if ((st = open_addr(c, op, out, blk, &step)) != RL_OK) return st;
-    char *mine = out + (size_t)r * blk;
-    if (in != mine) copy_own(mine, in, blk, RL_STREAM_COPY_MIN);
+    if ((st = open_addr(c, op, out, total, &step)) != RL_OK) return st;
+    char *mine = out + at;
+    if (in != mine) copy_own(mine, in, len, RL_STREAM_COPY_MIN);
     for (int i = 1; i < P; i++)
-        if ((st = wait_in(c, op, BIG, (r + i) % P, step, 0, blk)) != RL_OK) return st;
-    for (size_t k = 0; k < blk; k += WP_PIECE) {
-        size_t n = blk - k < WP_PIECE ? blk - k : WP_PIECE;
+        if ((st = wait_in(c, op, BIG, (r + i) % P, step, 0, total)) != RL_OK) return st;
+    for (size_t k = 0; k < len; k += WP_PIECE) {
+        size_t n = len - k < WP_PIECE ? len - k : WP_PIECE;
         for (int i = 1; i < P; i++) {
             int q = (r + i) % P;
-            uint64_t at = peer_addr(s, q, step);
-            if ((st = cma_write(c, op, q, at + (uint64_t)r * blk + k, in + k, n)) != RL_OK)
-                return st;
+            uint64_t dst = peer_addr(s, q, step) + (uint64_t)at;
+            if ((st = cma_write(c, op, q, dst + k, in + k, n)) != RL_OK) return st;
         }
     }
     step_ack(c, BIG, step);
     /* Peers write into this rank's output until each has acknowledged. */
-    return wait_peers_ack(c, op, step, blk);
+    return wait_peers_ack(c, op, step, total);
+}
+
+static int cma_write_peers(rl_comm *c, rl_opdesc *op, char *out, const char *in, size_t blk) {
+    return cma_write_block(c, op, out, in, (size_t)c->rank * blk, blk, blk);
 }
 
 int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t count,
@@ -1420,33 +1426,6 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
  * sizes.  Every rank knows every count, so all run the same steps (those of
  * the largest block) and each checks each peer's piece size in its
  * descriptor; a rank whose block has run out publishes empty pieces. */
-/* Large blocks: every rank writes its block into each peer's output, at the
- * place every rank computes alike (cma_write_peers with uneven blocks). */
-static int cma_write_peers_v(rl_comm *c, rl_opdesc *op, char *out, const size_t *counts,
-                             const size_t *displs, const char *in, size_t esz) {
-    rl_shm *s = c->shm;
-    int P = c->size, r = c->rank;
-    size_t total = 0, blk = counts[r] * esz;
-    uint32_t step;
-    int st;
-    for (int q = 0; q < P; q++) total += counts[q] * esz;
-    op->algo = "shm_write_peers";
-    if ((st = open_addr(c, op, out, total, &step)) != RL_OK) return st;
-    char *mine = out + displs[r] * esz;
-    if (in != mine) copy_own(mine, in, blk, RL_STREAM_COPY_MIN);
-    for (int i = 1; i < P; i++)
-        if ((st = wait_in(c, op, BIG, (r + i) % P, step, 0, total)) != RL_OK) return st;
-    for (size_t k = 0; k < blk; k += WP_PIECE) {
-        size_t n = blk - k < WP_PIECE ? blk - k : WP_PIECE;
-        for (int i = 1; i < P; i++) {
-            int q = (r + i) % P;
-            uint64_t at = peer_addr(s, q, step) + (uint64_t)(displs[r] * esz);
-            if ((st = cma_write(c, op, q, at + k, in + k, n)) != RL_OK) return st;
-        }
-    }
-    step_ack(c, BIG, step);
-    return wait_peers_ack(c, op, step, total);
-}
 
 int rl_shm_all_gather_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *counts,
                         const size_t *displs, const void *in, rl_dtype dt) {
@@ -1470,8 +1449,12 @@ int rl_shm_all_gather_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *coun
     }
     /* As rl_shm_all_gather: single copy once the largest block spans more
      * than two chunks (every rank decides on the same figures). */
-    if (lane == BIG && s->cma_min && m * esz > 2 * s->chunk)
-        return cma_write_peers_v(c, op, (char *)out, counts, displs, (const char *)in, esz);
+    if (lane == BIG && s->cma_min && m * esz > 2 * s->chunk) {
+        uint64_t total = 0;
+        for (int q = 0; q < P; q++) total += counts[q] * esz;
+        return cma_write_block(c, op, (char *)out, (const char *)in, displs[r] * esz,
+                               counts[r] * esz, total);
+    }
     for (size_t k = 0, part = 0; k < m; k += ce, part++) {
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
         size_t n = counts[r] > k ? (counts[r] - k < ce ? counts[r] - k : ce) : 0;
