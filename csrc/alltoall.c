@@ -72,7 +72,7 @@ static int pairwise_v(rl_comm *c, int opcode, void *out, const size_t *out_count
     rl_idle_copy cp = {(char *)out + out_displs[r] * esz, (const char *)in + in_displs[r] * esz,
                        in_counts[r] * esz, 0};
     if (P == 1 || rl_overlap(in, in_span, out, out_span)) {
-        memmove(cp.dst, cp.src, cp.len);
+        rl_move(cp.dst, cp.src, cp.len);
         cp.len = 0;
     }
     for (int step = 1; step < P && st == RL_OK; step++) {
@@ -154,20 +154,20 @@ static int bruck_all_to_all(rl_comm *c, const rl_opdesc *op, char *out, const ch
     if (st != RL_OK) return st;
     char *pack = a + (size_t)P * blk, *unpack = out; /* out is free until the end */
     for (int i = 0; i < P; i++)
-        memcpy(a + (size_t)i * blk, in + (size_t)rl_mod(r + i, P) * blk, blk);
+        rl_copy(a + (size_t)i * blk, in + (size_t)rl_mod(r + i, P) * blk, blk);
     uint32_t tag = 0;
     for (int d = 1; d < P; d <<= 1, tag++) {
         size_t n = 0;
         for (int i = d; i < P; i++)
-            if (i & d) memcpy(pack + blk * n++, a + (size_t)i * blk, blk);
+            if (i & d) rl_copy(pack + blk * n++, a + (size_t)i * blk, blk);
         st = rl_exchange(c, op, rl_mod(r + d, P), pack, rl_mod(r - d, P), unpack, n * blk, tag);
         if (st != RL_OK) return st;
         n = 0;
         for (int i = d; i < P; i++)
-            if (i & d) memcpy(a + (size_t)i * blk, unpack + blk * n++, blk);
+            if (i & d) rl_copy(a + (size_t)i * blk, unpack + blk * n++, blk);
     }
     for (int i = 0; i < P; i++)
-        memcpy(out + (size_t)rl_mod(r - i, P) * blk, a + (size_t)i * blk, blk);
+        rl_copy(out + (size_t)rl_mod(r - i, P) * blk, a + (size_t)i * blk, blk);
     return RL_OK;
 }
 

@@ -268,7 +268,7 @@ static int idle_copy_step(rl_idle_copy *cp) {
     /* A large own block will not be read again before the op returns, and
      * streaming it leaves the cache to the socket copies it interleaves with. */
     if (cp->len >= RL_STREAM_COPY_MIN) rl_copy_stream(cp->dst + cp->done, cp->src + cp->done, k);
-    else memcpy(cp->dst + cp->done, cp->src + cp->done, k);
+    else rl_copy(cp->dst + cp->done, cp->src + cp->done, k);
     cp->done += k;
     return 1;
 }

@@ -675,6 +675,74 @@ void rl_copy_stream(void *dst, const void *src, size_t n) {
 #endif
 }
 
+/* Bulk copies.  glibc's memcpy (2.36) takes `rep movsb` from 4 KiB up to near
+ * the L3 size, and on AMD Zen that runs 5-20x slower when the destination
+ * sits 1-63 bytes past the source modulo 4 KiB: a page-aligned slot copied
+ * into numpy's array, whose data starts 16 bytes past a page (docs/
+ * algorithms.md, "Bulk copies").  Only that case goes to a vector loop;
+ * elsewhere `rep movsb` is as fast or faster. */
+enum { COPY_LOOP_MIN = 4096 };
+
+#if RL_X86_DISPATCH && defined(__x86_64__)
+static void copy_sse2(char *d, const char *s, size_t n) {
+    size_t head = (size_t)(-(uintptr_t)d & 15u); /* aligned stores */
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i x0 = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i x1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i x2 = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i x3 = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_store_si128((__m128i *)(d + i), x0);
+        _mm_store_si128((__m128i *)(d + i + 16), x1);
+        _mm_store_si128((__m128i *)(d + i + 32), x2);
+        _mm_store_si128((__m128i *)(d + i + 48), x3);
+    }
+    memcpy(d + i, s + i, n - i);
+}
+
+__attribute__((target("avx2,f16c"))) static void copy_avx2(char *d, const char *s, size_t n) {
+    size_t head = (size_t)(-(uintptr_t)d & 31u);
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        __m256i x3 = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+        _mm256_store_si256((__m256i *)(d + i), x0);
+        _mm256_store_si256((__m256i *)(d + i + 32), x1);
+        _mm256_store_si256((__m256i *)(d + i + 64), x2);
+        _mm256_store_si256((__m256i *)(d + i + 96), x3);
+    }
+    memcpy(d + i, s + i, n - i);
+}
+#endif
+
+void rl_copy(void *dst, const void *src, size_t n) {
+#if RL_X86_DISPATCH && defined(__x86_64__)
+    if (n >= COPY_LOOP_MIN && (((uintptr_t)dst - (uintptr_t)src) & 4095u) - 1u < 63u) {
+        if (current_level() == LEVEL_AVX2_F16C) copy_avx2(dst, src, n);
+        else copy_sse2(dst, src, n);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+void rl_move(void *dst, const void *src, size_t n) {
+    const char *d = dst, *s = src;
+    if (d == s) return;
+    if (d + n <= s || s + n <= d) rl_copy(dst, src, n);
+    else memmove(dst, src, n);
+}
+
 /* The SIMD path the kernels use on this CPU: "avx2,f16c" or "baseline"
  * (also when forced with RINGLET_SIMD=baseline).  A static string. */
 const char *rl_simd_info(void) {

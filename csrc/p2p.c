@@ -63,7 +63,7 @@ static int take_unexpected(rl_comm *c, rl_opdesc *op, int src, uint32_t tag,
                          tag, len, rl_dtype_name(dt), (unsigned long long)u->nbytes,
                          u->dtype < RL_NDTYPES ? rl_dtype_name((rl_dtype)u->dtype) : "?");
         else if (len)
-            memcpy(buf, u->data, len);
+            rl_copy(buf, u->data, len);
         __atomic_sub_fetch(&c->unexpected_bytes, u->nbytes, __ATOMIC_RELAXED);
         free(u->data);
         free(u);

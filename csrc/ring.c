@@ -50,7 +50,7 @@ static int bruck_all_gather(rl_comm *c, const rl_opdesc *op, char *out, const ch
     char *tmp;
     int st = rl_scratch(c, op, blk * (size_t)P, in, &tmp);
     if (st != RL_OK) return st;
-    memcpy(tmp, in, blk);
+    rl_copy(tmp, in, blk);
     uint32_t tag = 0;
     for (int d = 1; d < P; d <<= 1, tag++) {
         size_t cnt = (size_t)(d < P - d ? d : P - d);
@@ -59,7 +59,7 @@ static int bruck_all_gather(rl_comm *c, const rl_opdesc *op, char *out, const ch
         if (st != RL_OK) return st;
     }
     for (int i = 0; i < P; i++)
-        memcpy(out + (size_t)rl_mod(r + i, P) * blk, tmp + (size_t)i * blk, blk);
+        rl_copy(out + (size_t)rl_mod(r + i, P) * blk, tmp + (size_t)i * blk, blk);
     return RL_OK;
 }
 
@@ -171,7 +171,7 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count, rl_dtype 
         /* The own block is copied while the sockets wait, unless the input
          * overlaps the output (then receives could overwrite it). */
         if (c->size == 1 || count == 0 || rl_overlap(in, blk, out, blk * (size_t)c->size)) {
-            memmove(mine, in, blk);
+            rl_move(mine, in, blk);
             in = mine;
         } else {
             cp.len = blk;
@@ -294,7 +294,7 @@ int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
     int st = rl_begin_op(c, &op, RL_OP_REDUCE_SCATTER, dt, rop, -1, blk, timeout_ms);
     if (st != RL_OK) return st;
     if (c->size == 1 || count == 0) {
-        if (out != in) memmove(out, in, blk);
+        if (out != in) rl_move(out, in, blk);
         op.algo = "local";
         return rl_end_op(c, &op, RL_OK);
     }

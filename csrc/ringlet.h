@@ -96,6 +96,11 @@ void rl_reduce_kernel(void *dst, const void *a, const void *b, size_t n,
                       rl_dtype dt, rl_redop op);
 /* buf[i] *= factor for floating types (used to finish AVG). */
 void rl_scale_kernel(void *buf, size_t n, rl_dtype dt, double factor);
+/* memcpy / memmove for bulk copies, without the cases where glibc's
+ * `rep movsb` path runs many times slower (a destination a few bytes past
+ * the source modulo 4 KiB).  rl_copy's ranges must not overlap. */
+void rl_copy(void *dst, const void *src, size_t n);
+void rl_move(void *dst, const void *src, size_t n);
 /* memcpy with non-temporal stores where available (large, non-overlapping
  * copies whose destination is not read again soon). */
 void rl_copy_stream(void *dst, const void *src, size_t n);

@@ -88,7 +88,7 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
             /* The root's own block is copied while its sockets wait, unless
              * `one` overlaps the buffer the streams use. */
             if (c->size == 1 || rl_overlap(one, blk, many, blk * (size_t)c->size))
-                memmove(cp.dst, cp.src, blk);
+                rl_move(cp.dst, cp.src, blk);
             else
                 cp.len = blk;
         }
@@ -127,7 +127,7 @@ static int rooted_v(rl_comm *c, int opcode, void *many, const size_t *counts,
         cp.dst = gather ? mine : (char *)one;
         cp.src = gather ? (const char *)one : mine;
         if (P == 1 || rl_overlap(one, count * esz, many, span))
-            memmove(cp.dst, cp.src, count * esz);
+            rl_move(cp.dst, cp.src, count * esz);
         else
             cp.len = count * esz;
     }

@@ -1134,7 +1134,7 @@ static int reduce_pair(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dt
         char *base = (char *)buf + k * esz;
         if ((st = step_begin(c, op, BIG, r != root, &step)) != RL_OK) return st;
         if (r != root) { /* an all_reduce (root < 0) stages on both ranks */
-            memcpy(in_area(s, r, BIG, step), base, n * esz);
+            rl_copy(in_area(s, r, BIG, step), base, n * esz);
             publish_in(c, op, BIG, step, (uint32_t)part, n * esz);
         }
         if (root < 0 || r == root) {
@@ -1165,7 +1165,7 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
         int lane = lane_for(s, bytes);
         op->algo = lane == SMALL ? "shm_slot" : "shm_flat";
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
-        memcpy(in_area(s, r, lane, step), buf, bytes);
+        rl_copy(in_area(s, r, lane, step), buf, bytes);
         publish_in(c, op, lane, step, 0, bytes);
         if (want) {
             if ((st = wait_all_in(c, op, lane, step, 0, bytes)) != RL_OK) return st;
@@ -1187,7 +1187,7 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
         size_t n = count - k < ce ? count - k : ce;
         char *base = (char *)buf + k * esz;
         if ((st = step_begin(c, op, BIG, 1, &step)) != RL_OK) return st;
-        memcpy(in_area(s, r, BIG, step), base, n * esz);
+        rl_copy(in_area(s, r, BIG, step), base, n * esz);
         publish_in(c, op, BIG, step, (uint32_t)part, n * esz);
         if ((st = wait_all_in(c, op, BIG, step, (uint32_t)part, n * esz)) != RL_OK) return st;
         size_t bs = rl_block_start(n, P, r), bn = rl_block_count(n, P, r);
@@ -1199,7 +1199,7 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
                 int q = (r + i) % P; /* start at our own block: it is in cache */
                 if (q != r && (st = wait_flag(c, op, &s->ctrl[q].out, step, q)) != RL_OK)
                     return st;
-                memcpy(base + rl_block_start(n, P, q) * esz, res_area(s, q, step),
+                rl_copy(base + rl_block_start(n, P, q) * esz, res_area(s, q, step),
                        rl_block_count(n, P, q) * esz);
             }
         }
@@ -1215,7 +1215,7 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
  * op (docs/experiments.md).  The ranges must not overlap. */
 static void copy_own(void *dst, const void *src, size_t n, size_t min) {
     if (n >= min) rl_copy_stream(dst, src, n);
-    else memcpy(dst, src, n);
+    else rl_copy(dst, src, n);
 }
 
 /* ---- broadcast ------------------------------------------------------------
@@ -1309,11 +1309,11 @@ int rl_shm_broadcast(rl_comm *c, rl_opdesc *op, void *buf, size_t len, int root)
         size_t n = len - k < piece ? len - k : piece;
         if ((st = step_begin(c, op, lane, r == root, &step)) != RL_OK) return st;
         if (r == root) {
-            memcpy(in_area(s, r, lane, step), (char *)buf + k, n);
+            rl_copy(in_area(s, r, lane, step), (char *)buf + k, n);
             publish_in(c, op, lane, step, (uint32_t)part, n);
         } else {
             if ((st = wait_in(c, op, lane, root, step, (uint32_t)part, n)) != RL_OK) return st;
-            memcpy((char *)buf + k, in_area(s, root, lane, step), n);
+            rl_copy((char *)buf + k, in_area(s, root, lane, step), n);
         }
         step_ack(c, lane, step);
     }
@@ -1392,7 +1392,7 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     /* An input inside the output anywhere but our own block would be
      * overwritten by earlier pieces: move it there first. */
     if ((const char *)in != mine && rl_overlap(in, blk, out, blk * (size_t)P)) {
-        memmove(mine, in, blk);
+        rl_move(mine, in, blk);
         in = mine;
     }
     /* Reading every peer's block directly reads each block once per peer
@@ -1408,14 +1408,14 @@ int rl_shm_all_gather(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     for (size_t k = 0, part = 0; k < count; k += ce, part++) {
         size_t n = count - k < ce ? count - k : ce;
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
-        memcpy(in_area(s, r, lane, step), (const char *)in + k * esz, n * esz);
+        rl_copy(in_area(s, r, lane, step), (const char *)in + k * esz, n * esz);
         publish_in(c, op, lane, step, (uint32_t)part, n * esz);
         for (int i = 0; i < P; i++) {
             int q = (r + i) % P;
             if (q != r && (st = wait_in(c, op, lane, q, step, (uint32_t)part, n * esz)) != RL_OK)
                 return st;
             if (q == r && (const char *)in == mine) continue; /* already in place */
-            memcpy((char *)out + (size_t)q * blk + k * esz, in_area(s, q, lane, step), n * esz);
+            rl_copy((char *)out + (size_t)q * blk + k * esz, in_area(s, q, lane, step), n * esz);
         }
         step_ack(c, lane, step);
     }
@@ -1444,7 +1444,7 @@ int rl_shm_all_gather_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *coun
     note_op(c, op);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     if ((const char *)in != mine && rl_overlap(in, counts[r] * esz, out, span)) {
-        memmove(mine, in, counts[r] * esz);
+        rl_move(mine, in, counts[r] * esz);
         in = mine;
     }
     /* As rl_shm_all_gather: single copy once the largest block spans more
@@ -1458,7 +1458,7 @@ int rl_shm_all_gather_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *coun
     for (size_t k = 0, part = 0; k < m; k += ce, part++) {
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
         size_t n = counts[r] > k ? (counts[r] - k < ce ? counts[r] - k : ce) : 0;
-        memcpy(in_area(s, r, lane, step), (const char *)in + k * esz, n * esz);
+        rl_copy(in_area(s, r, lane, step), (const char *)in + k * esz, n * esz);
         publish_in(c, op, lane, step, (uint32_t)part, n * esz);
         for (int i = 0; i < P; i++) {
             int q = (r + i) % P;
@@ -1466,7 +1466,7 @@ int rl_shm_all_gather_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *coun
             if (q != r && (st = wait_in(c, op, lane, q, step, (uint32_t)part, nq * esz)) != RL_OK)
                 return st;
             if (q == r && (const char *)in == mine) continue; /* already in place */
-            memcpy((char *)out + (displs[q] + k) * esz, in_area(s, q, lane, step), nq * esz);
+            rl_copy((char *)out + (displs[q] + k) * esz, in_area(s, q, lane, step), nq * esz);
         }
         step_ack(c, lane, step);
     }
@@ -1685,14 +1685,14 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
         char *mine = in_area(s, r, lane, step);
         for (int q = 0; q < P; q++)
-            memcpy(mine + (size_t)q * n * esz, (const char *)in + ((size_t)q * count + k) * esz,
+            rl_copy(mine + (size_t)q * n * esz, (const char *)in + ((size_t)q * count + k) * esz,
                    n * esz);
         publish_in(c, op, lane, step, (uint32_t)part, n * esz);
         if ((st = wait_all_in(c, op, lane, step, (uint32_t)part, n * esz)) != RL_OK) return st;
         reduce_slots(c, lane, step, (size_t)r * n * esz, dst + k * esz, n, dt, rop);
         step_ack(c, lane, step);
     }
-    if (dst != (char *)out) memmove(out, dst, count * esz);
+    if (dst != (char *)out) rl_move(out, dst, count * esz);
     return RL_OK;
 }
 
@@ -1728,7 +1728,7 @@ static int cma_scatter(rl_comm *c, rl_opdesc *op, void *many, void *one, size_t 
         int early = mine != (char *)one && !rl_overlap(one, blk, many, blk * (size_t)P);
         if (early) copy_own(one, mine, blk, RL_STREAM_OUT_MIN);
         if ((st = wait_peers_ack(c, op, step, blk)) != RL_OK) return st;
-        if (mine != (char *)one && !early) memmove(one, mine, blk);
+        if (mine != (char *)one && !early) rl_move(one, mine, blk);
         return RL_OK;
     }
     if ((st = wait_in(c, op, BIG, root, step, 0, blk)) != RL_OK) return st;
@@ -1756,7 +1756,7 @@ static int cma_gather(rl_comm *c, rl_opdesc *op, char *many, const char *one, si
     if ((st = step_begin(c, op, BIG, r == root, &step)) != RL_OK) return st;
     if (r == root) {
         int early = mine != one && rl_overlap(one, blk, many, blk * (size_t)c->size);
-        if (early) memmove(mine, one, blk);
+        if (early) rl_move(mine, one, blk);
         publish_addr(c, op, step, many, blk);
         step_ack(c, BIG, step);
         if (mine != one && !early) copy_own(mine, one, blk, RL_STREAM_COPY_MIN);
@@ -1793,7 +1793,7 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
     if (gather && lane == BIG && s->cma_min && blk >= s->cma_min && (P == 2 || blk > s->chunk))
         return cma_gather(c, op, many, one, blk, root);
     if (r == root && gather && mine != (char *)one) {
-        if (rl_overlap(mine, blk, one, blk)) memmove(mine, one, blk);
+        if (rl_overlap(mine, blk, one, blk)) rl_move(mine, one, blk);
         else copy_own(mine, one, blk, RL_STREAM_COPY_MIN);
     }
     op->algo = lane_algo(lane);
@@ -1802,26 +1802,26 @@ int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, 
         size_t n = blk - k < piece ? blk - k : piece;
         if ((st = step_begin(c, op, lane, writes, &step)) != RL_OK) return st;
         if (gather && r != root) {
-            memcpy(in_area(s, r, lane, step), (char *)one + k, n);
+            rl_copy(in_area(s, r, lane, step), (char *)one + k, n);
             publish_in(c, op, lane, step, (uint32_t)part, n);
         } else if (gather) {
             for (int i = 1; i < P; i++) {
                 int q = (r + i) % P;
                 if ((st = wait_in(c, op, lane, q, step, (uint32_t)part, n)) != RL_OK) return st;
-                memcpy((char *)many + (size_t)q * blk + k, in_area(s, q, lane, step), n);
+                rl_copy((char *)many + (size_t)q * blk + k, in_area(s, q, lane, step), n);
             }
         } else if (r == root) {
             char *dst = in_area(s, r, lane, step);
             for (int q = 0; q < P; q++)
-                if (q != root) memcpy(dst + (size_t)q * n, (char *)many + (size_t)q * blk + k, n);
+                if (q != root) rl_copy(dst + (size_t)q * n, (char *)many + (size_t)q * blk + k, n);
             publish_in(c, op, lane, step, (uint32_t)part, n);
         } else {
             if ((st = wait_in(c, op, lane, root, step, (uint32_t)part, n)) != RL_OK) return st;
-            memcpy((char *)one + k, in_area(s, root, lane, step) + (size_t)r * n, n);
+            rl_copy((char *)one + k, in_area(s, root, lane, step) + (size_t)r * n, n);
         }
         step_ack(c, lane, step);
     }
-    if (r == root && !gather && mine != (char *)one) memmove(one, mine, blk);
+    if (r == root && !gather && mine != (char *)one) rl_move(one, mine, blk);
     return RL_OK;
 }
 
@@ -1868,7 +1868,7 @@ static int cma_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
         char *tmp;
         int st = rl_scratch(c, op, span, in, &tmp);
         if (st != RL_OK) return st;
-        memcpy(tmp, in, span);
+        rl_copy(tmp, in, span);
         src = tmp;
     }
     return cma_exchange(c, op, out, src, blk, (size_t)c->rank * blk);
@@ -1895,21 +1895,21 @@ int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
         char *area = in_area(s, r, lane, step);
         for (int q = 0; q < P; q++)
-            if (q != r) memcpy(area + (size_t)q * n, (const char *)in + (size_t)q * blk + k, n);
+            if (q != r) rl_copy(area + (size_t)q * n, (const char *)in + (size_t)q * blk + k, n);
         publish_in(c, op, lane, step, (uint32_t)part, n);
         /* The own block skips the segment; an input that overlaps the output
          * (one piece: a larger one went to scratch) is all staged by now. */
         char *own = dst + (size_t)r * blk + k;
         const char *from = (const char *)in + (size_t)r * blk + k;
-        if (own != from) memmove(own, from, n);
+        if (own != from) rl_move(own, from, n);
         for (int i = 1; i < P; i++) {
             int q = (r + i) % P;
             if ((st = wait_in(c, op, lane, q, step, (uint32_t)part, n)) != RL_OK) return st;
-            memcpy(dst + (size_t)q * blk + k, in_area(s, q, lane, step) + (size_t)r * n, n);
+            rl_copy(dst + (size_t)q * blk + k, in_area(s, q, lane, step) + (size_t)r * n, n);
         }
         step_ack(c, lane, step);
     }
-    if (dst != (char *)out) memcpy(out, dst, span);
+    if (dst != (char *)out) rl_copy(out, dst, span);
     return RL_OK;
 }
 
@@ -2107,7 +2107,7 @@ int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
         if (len <= CELL_INLINE_MAX) {
             if (len) memcpy(cell + CELL_INLINE, buf, len);
         } else {
-            memcpy(cell + SHM_SLOT_HDR, (const char *)buf + off, m);
+            rl_copy(cell + SHM_SLOT_HDR, (const char *)buf + off, m);
         }
         publish(s, c->rank, stamp_of(cell), ++head);
         s->tx_head[dst] = head;
@@ -2175,7 +2175,7 @@ int rl_shm_recv_body(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len) 
         if (len <= CELL_INLINE_MAX) {
             if (len) memcpy(buf, cell + CELL_INLINE, len);
         } else {
-            memcpy((char *)buf + off, cell + SHM_SLOT_HDR, m);
+            rl_copy((char *)buf + off, cell + SHM_SLOT_HDR, m);
         }
         publish(s, c->rank, &rg->tail, ++tail);
         s->rx_tail[src] = tail;

@@ -25,7 +25,7 @@ import pytest
 import ringlet.bench
 from ringlet.bench import launch, report
 from ringlet.bench import sweep as sweep_mod
-from ringlet.bench.sweep import (OPS, Backend, Buffers, SweepConfig, busbw_factor, count_wrong,
+from ringlet.bench.sweep import (OPS, PAGE, Backend, Buffers, SweepConfig, busbw_factor, count_wrong,
                                  layout, make_buffers, parse_size, run_sweep, size_range)
 
 SHORT = ["-b", "8", "-e", "64K", "-f", "8", "-i", "3", "-w", "1"]
@@ -567,6 +567,34 @@ def test_in_place_through_the_cli(capsys, tmp_path):
     assert "; in place" in out
     with open(cs, newline="") as f:
         assert {line["in_place"] for line in csv.DictReader(f)} == {"True"}
+
+
+def test_offset_places_every_buffer_past_a_page():
+    # --offset 16 puts each buffer where numpy's large arrays start.
+    dt = np.dtype("float32")
+    for op in ("all_reduce", "sendrecv", "all_gather", "reduce_scatter", "all_to_all",
+               "gather", "scatter"):
+        cfg = SweepConfig(op=op, sizes=[1 << 16], offset=16).validate(3)
+        lay = layout(op, 1 << 16, 3, 4)
+        b = make_buffers(cfg, lay, 0, 3, dt, check=True)
+        arrays = [a for a in (b.buf, b.out, b.inp) if a is not None]
+        assert arrays and all(a.ctypes.data % PAGE == 16 for a in arrays), op
+        assert count_wrong(cfg, lay, b, 0, 3, dt) >= 0
+    for bad in (-16, PAGE, 6):
+        with pytest.raises(ValueError, match="--offset"):
+            SweepConfig(op="all_reduce", sizes=[64], offset=bad).validate(2)
+
+
+def test_offset_through_the_cli(capsys, tmp_path):
+    js = tmp_path / "o.json"
+    code, out, err = bench(capsys, "all_gather", "-n", "2", "-b", "64K", "-e", "256K", "-f", "4",
+                           "-i", "3", "-w", "0", "-c", "--offset", "16", "--json", js)
+    assert code == 0, err
+    doc = json.loads(js.read_text())
+    assert doc["config"]["offset"] == 16
+    assert len(doc["rows"]) == 2 and all(r["offset"] == 16 and r["wrong"] == 0
+                                         for r in doc["rows"])
+    assert "buffers at page + 16 B" in out
 
 
 def test_secret_never_printed_or_written(capsys, tmp_path, monkeypatch):

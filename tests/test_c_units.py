@@ -288,12 +288,17 @@ def cartesian(dt: int) -> tuple[np.ndarray, np.ndarray]:
 # ---- tests ---------------------------------------------------------------------
 
 def test_units_program(tmp_path):
-    """SHA-256 / HMAC vectors, rl_ct_equal, rl_random_bytes (getrandom path), rl_copy_stream."""
+    """SHA-256 / HMAC vectors, rl_ct_equal, rl_random_bytes (getrandom path), rl_copy_stream,
+    rl_copy and rl_move (both SIMD paths)."""
     exe = _compile(tmp_path / "test_units",
                    [CTESTS / "test_units.c", CSRC / "sha256.c", CSRC / "kernels.c"], "-O2")
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "checks passed" in res.stdout
+    # rl_copy's portable loop, as on a CPU without AVX2.
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RINGLET_SIMD": "baseline"})
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_units_program_urandom_fallback(tmp_path):

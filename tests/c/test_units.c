@@ -1,7 +1,7 @@
 /*
  * test_units.c - unit tests of csrc/sha256.c: SHA-256 and HMAC-SHA256 against
  * published test vectors, rl_ct_equal, rl_random_bytes; and of kernels.c's
- * rl_copy_stream.  Plain C, run by
+ * rl_copy_stream, rl_copy and rl_move.  Plain C, run by
  * tests/test_c_units.py; by hand:
  *     gcc -O2 -std=gnu11 -Wall -Werror -Icsrc tests/c/test_units.c \
  *         csrc/sha256.c csrc/kernels.c -o /tmp/test_units && /tmp/test_units
@@ -233,6 +233,68 @@ static void test_copy_stream(void) {
     free(dst);
 }
 
+/* rl_copy equals memcpy around its thresholds (memcpy below 4 KiB, the
+ * aligning head, 128-byte blocks, byte tails) for destinations at every
+ * offset from the source modulo 64, and writes nothing outside the range. */
+static void test_copy(void) {
+    static const size_t lens[] = {0, 1, 4095, 4096, 4097, 4096 + 127, 4096 + 129,
+                                  65536 + 16, (1u << 20) + 7};
+    size_t cap = (1u << 20) + 7 + 128;
+    uint8_t *src = malloc(cap), *dst = malloc(cap + 128);
+    if (!src || !dst) {
+        check(0, "malloc for rl_copy");
+        free(src);
+        free(dst);
+        return;
+    }
+    for (size_t i = 0; i < cap; i++) src[i] = (uint8_t)(i * 131 + 7);
+    int ok = 1;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        for (size_t da = 0; da < 64; da += (lens[li] > 100000 ? 7 : 1)) {
+            for (size_t sa = 0; sa < 64; sa += 21) {
+                size_t n = lens[li];
+                memset(dst, 0xA5, cap + 128);
+                rl_copy(dst + 32 + da, src + sa, n);
+                if (memcmp(dst + 32 + da, src + sa, n) != 0) ok = 0;
+                for (size_t i = 0; i < 32 + da; i++) ok &= dst[i] == 0xA5;
+                for (size_t i = 32 + da + n; i < 32 + da + n + 32 && i < cap + 128; i++)
+                    ok &= dst[i] == 0xA5;
+            }
+        }
+    }
+    check(ok, "rl_copy: equals memcpy at every relative offset and length, writes no more");
+    free(src);
+    free(dst);
+}
+
+/* rl_move equals memmove for overlapping ranges both ways, disjoint ones and
+ * the same range. */
+static void test_move(void) {
+    size_t cap = 4u << 16;
+    uint8_t *a = malloc(cap), *b = malloc(cap);
+    if (!a || !b) {
+        check(0, "malloc for rl_move");
+        free(a);
+        free(b);
+        return;
+    }
+    static const size_t lens[] = {0, 100, 5000, 65536};
+    static const long shifts[] = {0, 1, -1, 16, -16, 4096, -4096, 70000, -70000};
+    int ok = 1;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        for (size_t si = 0; si < sizeof shifts / sizeof shifts[0]; si++) {
+            for (size_t i = 0; i < cap; i++) a[i] = b[i] = (uint8_t)(i * 29 + 3);
+            size_t from = 80000, to = (size_t)((long)from + shifts[si]);
+            rl_move(a + to, a + from, lens[li]);
+            memmove(b + to, b + from, lens[li]);
+            ok &= memcmp(a, b, cap) == 0;
+        }
+    }
+    check(ok, "rl_move: equals memmove for overlaps both ways and disjoint ranges");
+    free(a);
+    free(b);
+}
+
 int main(void) {
     test_sha256_vectors();
     test_sha256_lengths();
@@ -241,5 +303,7 @@ int main(void) {
     test_ct_equal();
     test_random_bytes();
     test_copy_stream();
+    test_copy();
+    test_move();
     return check_report();
 }

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-place", action="store_true",
                    help="all_gather's input is the rank's block of the output (nccl-tests' "
                         "in-place); with `all`, ops without an in-place form are left out")
+    p.add_argument("--offset", type=int, default=0, metavar="BYTES",
+                   help="start every buffer BYTES past a page (16: where numpy's large arrays "
+                        "start; default 0, page-aligned)")
     p.add_argument("--budget", type=float, default=2.0,
                    help="seconds of timed iterations per size: fewer iterations (at least 3) "
                         "for slow sizes; 0 = always --iters (default 2)")
@@ -146,7 +149,8 @@ def _sweeps(args: argparse.Namespace) -> List[SweepConfig]:
         cfg = SweepConfig(op=op, sizes=sizes, dtype=args.dtype, redop=args.redop,
                           root=args.root, iters=args.iters, warmup=args.warmup,
                           check=bool(args.check), inflight=args.inflight,
-                          budget_s=args.budget, batch=args.batch, in_place=args.in_place)
+                          budget_s=args.budget, batch=args.batch, in_place=args.in_place,
+                          offset=args.offset)
         if op not in REDUCING:
             cfg.redop = "sum"  # no reduction: -o only matters to reducing ops
         try:
@@ -164,6 +168,8 @@ def _title(cfg: SweepConfig, nranks: int, how: str, rounds: int, busy: int = 0) 
         tail += f"; {cfg.batch} operations back to back per timed iteration"
     if cfg.in_place:
         tail += "; in place"
+    if cfg.offset:
+        tail += f"; buffers at page + {cfg.offset} B"
     if busy:
         tail += f"; beside {busy} busy loop{'s' if busy > 1 else ''}"
     return (f"ringlet bench {cfg.op}: {nranks} ranks ({how}), {what}; time = median over "
@@ -247,7 +253,7 @@ def _outputs(args, rows, systems, skipped, env, limit_samples, say, round_rows=(
             "tool": "ringlet bench", "op": args.op, "nranks": args.nranks_eff,
             "config": {k: getattr(args, k) for k in (
                 "minbytes", "maxbytes", "stepfactor", "iters", "warmup", "check", "redop",
-                "dtype", "root", "inflight", "batch", "in_place", "budget", "rounds",
+                "dtype", "root", "inflight", "batch", "in_place", "offset", "budget", "rounds",
                 "busy")},
             "systems": systems, "skipped": skipped, "environment": env,
             "limits": limits_res, "limits_rounds": list(limit_samples), "rows": list(rows),

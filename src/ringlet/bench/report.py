@@ -25,7 +25,7 @@ __all__ = ["COLUMNS", "environment_info", "aggregate", "format_header", "format_
 # Row fields, in CSV column order (environment columns follow).
 COLUMNS = ("system", "op", "nranks", "size", "count", "type", "redop", "root", "time_us",
            "p10_us", "p90_us", "algbw", "busbw", "wrong", "iters", "inflight", "batch",
-           "in_place", "rounds")
+           "in_place", "offset", "rounds")
 
 
 def environment_info(versions: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:

@@ -79,6 +79,7 @@ DTYPES = {
 }
 MIN_ITERS = 3
 SETTLE_S = 0.25
+PAGE = mmap.PAGESIZE
 _HUGE_MIN = 4 << 20  # numpy's own threshold for madvise(MADV_HUGEPAGE)
 ROW_PREFIX = "@@ringlet-bench "  # lines a driver's rank 0 prints for the parent
 
@@ -177,6 +178,7 @@ class SweepConfig:
     budget_s: float = 2.0
     batch: int = 1
     in_place: bool = False
+    offset: int = 0
 
     def validate(self, nranks: Optional[int] = None) -> "SweepConfig":
         """Raise ValueError/TypeError naming the first bad field; return self."""
@@ -203,6 +205,11 @@ class SweepConfig:
         if self.in_place and self.op in NOT_IN_PLACE:
             raise ValueError(f"--in-place: {self.op} has no in-place form here (it changes "
                              "all_gather; all_reduce, broadcast and reduce are in place anyway)")
+        if isinstance(self.offset, bool) or not isinstance(self.offset, int):
+            raise TypeError(f"offset must be an int, got {type(self.offset).__name__}")
+        if not 0 <= self.offset < PAGE or self.offset % dt.itemsize:
+            raise ValueError(f"--offset must be a multiple of {dt.name}'s {dt.itemsize} bytes "
+                             f"in [0, {PAGE}), got {self.offset}")
         if not self.budget_s >= 0:
             raise ValueError(f"budget must be >= 0 seconds, got {self.budget_s}")
         if not self.sizes:
@@ -316,7 +323,7 @@ def _wrong(got: np.ndarray, want: np.ndarray, redop: str, dtype: np.dtype) -> in
     return int(g.size - np.count_nonzero(ok))
 
 
-def _empty(count: int, dtype: np.dtype) -> np.ndarray:
+def _empty(count: int, dtype: np.dtype, offset: int = 0) -> np.ndarray:
     """An array in a mapping of its own, whatever the sizes measured before.
 
     From numpy's allocator, where a buffer lands depends on what earlier
@@ -333,30 +340,34 @@ def _empty(count: int, dtype: np.dtype) -> np.ndarray:
     leaves THP to the program): a training job's buffers are numpy arrays,
     and with 4 KiB pages every socket copy of a large message pays TLB
     misses that such buffers do not.
+
+    The data starts ``offset`` bytes past the mapping's first page: 16 is
+    where numpy's large arrays start (glibc's malloc header), which some
+    copy routines handle far worse than a page-aligned start.
     """
     nbytes = count * dtype.itemsize
     if nbytes == 0:
         return np.empty(count, dtype=dtype)
     # Private, like numpy's own memory: mmap's default for -1 is a shared
     # mapping, which the kernel backs with shmem (no huge pages, other paths).
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m = mmap.mmap(-1, nbytes + offset, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= _HUGE_MIN and hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # THP unavailable: small pages, as before
             pass
-    return np.frombuffer(m, dtype=dtype, count=count)
+    return np.frombuffer(m, dtype=dtype, count=count, offset=offset)
 
 
-def _filled(count: int, dtype: np.dtype, value: float) -> np.ndarray:
+def _filled(count: int, dtype: np.dtype, value: float, offset: int = 0) -> np.ndarray:
     # fill writes every page; untouched pages would fault during the timing.
-    a = _empty(count, dtype)
+    a = _empty(count, dtype, offset)
     a.fill(value)
     return a
 
 
-def _placed(src: np.ndarray) -> np.ndarray:
-    a = _empty(src.size, src.dtype)
+def _placed(src: np.ndarray, offset: int = 0) -> np.ndarray:
+    a = _empty(src.size, src.dtype, offset)
     a[...] = src
     return a
 
@@ -377,36 +388,39 @@ def make_buffers(cfg: SweepConfig, lay: Layout, rank: int, nranks: int, dtype: n
     subnormals (sum of zeros, product of ones, min/max/avg of a fixed pattern).
     """
     op, c, b = cfg.op, lay.count, lay.block
-    redop = cfg.redop
+    redop, at = cfg.redop, cfg.offset
 
     def data(n: int) -> np.ndarray:
         if check or redop in ("min", "max", "avg"):
-            return _placed(_pattern(rank, 0, n, dtype, redop, nranks))
-        return _filled(n, dtype, 1 if redop == "prod" else 0)
+            return _placed(_pattern(rank, 0, n, dtype, redop, nranks), at)
+        return _filled(n, dtype, 1 if redop == "prod" else 0, at)
+
+    def zeros(n: int) -> np.ndarray:
+        return _filled(n, dtype, 0, at)
 
     if op == "barrier":
         return Buffers()
     if op in ("all_reduce", "broadcast", "reduce"):
         return Buffers(buf=data(c))
     if op == "sendrecv":
-        return Buffers(buf=data(c), out=_filled(c, dtype, 0))
+        return Buffers(buf=data(c), out=zeros(c))
     if op == "all_gather":
-        out = _filled(b * nranks, dtype, 0)
+        out = zeros(b * nranks)
         if cfg.in_place:  # the input is this rank's block of the output
             mine = out[rank * b:(rank + 1) * b]
             mine[...] = data(b)
             return Buffers(out=out, inp=mine)
         return Buffers(out=out, inp=data(b))
     if op == "reduce_scatter":
-        return Buffers(out=_filled(b, dtype, 0), inp=data(b * nranks))
+        return Buffers(out=zeros(b), inp=data(b * nranks))
     if op == "all_to_all":
-        return Buffers(out=_filled(b * nranks, dtype, 0), inp=data(b * nranks))
+        return Buffers(out=zeros(b * nranks), inp=data(b * nranks))
     if op == "gather":
-        out = _filled(b * nranks, dtype, 0) if rank == cfg.root else None
+        out = zeros(b * nranks) if rank == cfg.root else None
         return Buffers(out=out, inp=data(b))
     if op == "scatter":
         inp = data(b * nranks) if rank == cfg.root else None
-        return Buffers(out=_filled(b, dtype, 0), inp=inp)
+        return Buffers(out=zeros(b), inp=inp)
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -571,6 +585,7 @@ def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, A
         "algbw": algbw, "busbw": algbw * busbw_factor(cfg.op, n),
         "wrong": wrong_total if cfg.check else -1, "iters": int(times.size),
         "inflight": inflight, "batch": cfg.batch, "in_place": cfg.in_place,
+        "offset": cfg.offset,
     }
 
 
