@@ -63,10 +63,10 @@ _NO = object()  # "no fifth argument" for ProcessGroup._call
 def _counts(op: str, name: str, counts: Sequence[int], P: int, arr: np.ndarray) -> List[int]:
     """A per-rank count list of a v-collective, checked: P entries, none negative, their
     sum within ``arr``."""
-    c = [int(x) for x in counts]
+    c = list(map(int, counts))
     if len(c) != P:
         raise ValueError(f"{op}: {name} has {len(c)} entries, the group has {P} ranks")
-    if any(x < 0 for x in c):
+    if c and min(c) < 0:
         raise ValueError(f"{op}: {name} has a negative count: {c}")
     if sum(c) > arr.size:
         raise ValueError(f"{op}: {name} sum to {sum(c)} elements but the array has {arr.size}")
@@ -225,10 +225,23 @@ class ProcessGroup:
             self._record(exc)
             raise
 
+    def _call_args(self, op: str, async_op: bool, fn: Callable[..., Any], args: tuple) -> Any:
+        """``_call`` for the bindings of more arguments (the v-collectives')."""
+        if async_op or self._exec._busy or self._closed or self.rank < 0:
+            keep = tuple(x for x in args if isinstance(x, np.ndarray))
+            return self._run_queued(op, fn, args, keep, async_op)
+        if self._failure is not None:
+            self._raise_poisoned()
+        try:
+            return fn(self._coll, *args)
+        except (RingletError, KeyboardInterrupt) as exc:
+            self._record(exc)
+            raise
+
     def _run(self, op: str, fn: Callable[..., Any], args: tuple, keep: tuple,
              async_op: bool) -> Any:
-        """``_call`` for all_to_all_v's binding and for hierarchical ops, whose
-        phases (and first sub-group set-up) the group's lock keeps together."""
+        """``_call`` for hierarchical ops, whose phases (and first sub-group
+        set-up) the group's lock keeps together."""
         if async_op or self._exec._busy or self._closed or self.rank < 0:
             return self._run_queued(op, fn, args, keep, async_op)
         with self._lock:
@@ -426,9 +439,8 @@ class ProcessGroup:
                              f"but expects {oc[self.rank]}")
         if _overlap(o, i):
             raise ValueError("all_to_all: output must not overlap input")
-        ms = self._ms(timeout)
-        return self._run("all_to_all",
-                         _C.all_to_all_v, (o, oc, i, ic, code, ms), (o, i), async_op)
+        ms = self._default_ms if timeout is None else self._ms(timeout)
+        return self._call_args("all_to_all", async_op, _C.all_to_all_v, (o, oc, i, ic, code, ms))
 
     def gather(self, output: Optional[np.ndarray], input: np.ndarray, dst: int = 0, *,
                async_op: bool = False, timeout: Optional[float] = None):
@@ -520,8 +532,7 @@ class ProcessGroup:
                 raise ValueError("gather_v: the root's input overlaps its output other than "
                                  "as its own block (the in-place form)")
         ms = self._default_ms if timeout is None else self._ms(timeout)
-        return self._run("gather", _C.rooted_v, (True, o, counts, i, code, dst, ms),
-                         (i,) if o is None else (o, i), async_op)
+        return self._call_args("gather", async_op, _C.rooted_v, (True, o, counts, i, code, dst, ms))
 
     def scatter_v(self, output: np.ndarray, input: Optional[np.ndarray],
                   input_counts: Optional[Sequence[int]], src: int = 0, *,
@@ -567,8 +578,7 @@ class ProcessGroup:
                 raise ValueError("scatter_v: the root's output overlaps its input other than "
                                  "as its own block (the in-place form)")
         ms = self._default_ms if timeout is None else self._ms(timeout)
-        return self._run("scatter", _C.rooted_v, (False, i, counts, o, code, src, ms),
-                         (o,) if i is None else (o, i), async_op)
+        return self._call_args("scatter", async_op, _C.rooted_v, (False, i, counts, o, code, src, ms))
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
         """Return once every rank of the group has entered the barrier."""
