@@ -1,6 +1,7 @@
 /*
  * alltoall.c - all_to_all: pairwise exchange (any counts), Bruck (small equal
  * blocks); all_gather_v, the pairwise exchange of one block to every peer.
+ * Over a comm's shared-memory segment both go to shm.c instead.
  *
  * Step s = 1 .. P-1: rank r sends its block for (r + s) mod P and receives
  * the block from (r - s) mod P, both at once.  Every rank sends and receives
@@ -109,6 +110,23 @@ int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
     if ((unsigned)dt >= RL_NDTYPES || !out_counts || !out_displs || !in_counts ||
         !in_displs || in_counts[c->rank] != out_counts[c->rank])
         return RL_ERR_INVALID;
+    int P = c->size;
+    if (c->shm && P > 1) {
+        size_t esz = rl_dtype_size(dt), in_span = 0, out_span = 0;
+        for (int q = 0; q < P; q++) {
+            if ((in_displs[q] + in_counts[q]) * esz > in_span) in_span = (in_displs[q] + in_counts[q]) * esz;
+            if ((out_displs[q] + out_counts[q]) * esz > out_span)
+                out_span = (out_displs[q] + out_counts[q]) * esz;
+        }
+        /* Peers read the input while this rank writes its output. */
+        if (!rl_overlap(in, in_span, out, out_span)) {
+            rl_opdesc op;
+            int st = rl_begin_op(c, &op, RL_OP_ALL_TO_ALL, dt, 0, -1, 0, timeout_ms);
+            if (st != RL_OK) return st;
+            return rl_end_op(c, &op, rl_shm_all_to_all_v(c, &op, out, out_counts, out_displs, in,
+                                                         in_counts, in_displs, dt));
+        }
+    }
     return pairwise_v(c, RL_OP_ALL_TO_ALL, out, out_counts, out_displs, in, in_counts,
                       in_displs, dt, timeout_ms);
 }

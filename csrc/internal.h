@@ -305,6 +305,9 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in,
 int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,
                   int root);
 int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk);
+int rl_shm_all_to_all_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *out_counts,
+                        const size_t *out_displs, const void *in, const size_t *in_counts,
+                        const size_t *in_displs, rl_dtype dt);
 /* Point to point over a SHM_P2P segment (p2p.c holds the comm's locks). */
 int rl_shm_send_frame(rl_comm *c, rl_opdesc *op, int dst, const rl_hdr *h,
                       const void *buf, size_t len);

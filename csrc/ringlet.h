@@ -310,7 +310,7 @@ int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms);
 /* ---- shared memory (shm.c) ------------------------------------------ */
 /* Ranks of one comm on one host can share a segment (a memfd that the
  * binding creates and hands over); collectives then run over it instead of
- * TCP (all but all_to_all_v), and a point-to-point comm's messages over a
+ * TCP (all but gather_v and scatter_v), and a point-to-point comm's messages over a
  * segment of rings (rl_comm_attach_shm_p2p).
  * Bytes of the segment for a comm of nranks ranks (from the knobs now). */
 size_t rl_shm_segment_bytes(int nranks);
@@ -347,14 +347,16 @@ int rl_all_gather(rl_comm *c, void *out, const void *in, size_t count,
  * reduced chunk of count elements. */
 int rl_reduce_scatter(rl_comm *c, void *out, const void *in, size_t count,
                       rl_dtype dt, rl_redop op, int64_t timeout_ms);
-/* Per-peer element counts and displacements (in elements). */
+/* Per-peer element counts and displacements (in elements).  Over the comm's
+ * segment where it has one and in and out do not overlap, else pairwise over
+ * TCP. */
 int rl_all_to_all_v(rl_comm *c, void *out, const size_t *out_counts,
                     const size_t *out_displs, const void *in,
                     const size_t *in_counts, const size_t *in_displs,
                     rl_dtype dt, int64_t timeout_ms);
 /* out holds rank p's counts[p] elements at displs[p] (elements); in holds this
- * rank's counts[rank].  Pairwise over the comm's TCP connections, also when
- * it has a segment.  in may be this rank's block of out, and overlap no other. */
+ * rank's counts[rank].  Over the comm's segment where it has one, else
+ * pairwise over TCP.  in may be this rank's block of out, and overlap no other. */
 int rl_all_gather_v(rl_comm *c, void *out, const size_t *counts, const size_t *displs,
                     const void *in, rl_dtype dt, int64_t timeout_ms);
 /* Equal blocks of count elements per peer (in and out hold size*count, must

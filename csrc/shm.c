@@ -1913,6 +1913,196 @@ int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     return RL_OK;
 }
 
+/* ---- all_to_all_v ----------------------------------------------------------
+ * A rank knows only its own counts, so its first step (the small lane when
+ * the table fits a slot) publishes a table: its input's address, the bytes it
+ * sends each peer, where they start in its input and, when all its blocks fit
+ * the slot behind the table, where they start there.  After reading every
+ * table each rank knows every pair's size: a pair whose sizes disagree fails
+ * as a desync naming both, and all ranks derive the same largest block.  When
+ * every rank packed its blocks, each copies its own out of the peers' slots;
+ * from the single-copy size, each reads its own straight from the peers'
+ * inputs; both within the tables' step.  Otherwise the blocks follow as in
+ * all_to_all, staged in pieces of lane/P bytes per peer, as many steps as the
+ * largest block takes (docs/algorithms.md). */
+typedef struct {
+    uint64_t packed; /* the blocks follow the table in the slot */
+    uint64_t addr;   /* the input, for the peers' direct reads */
+} a2av_head;
+typedef struct {
+    uint64_t n;    /* bytes this rank sends the peer */
+    uint64_t in;   /* where they start in its input */
+    uint64_t slot; /* where they start in its slot, when packed */
+} a2av_ent;
+
+static size_t a2av_table_bytes(int P) {
+    return (sizeof(a2av_head) + sizeof(a2av_ent) * (size_t)P + 63) & ~(size_t)63;
+}
+static inline a2av_head a2av_head_of(const char *area) {
+    a2av_head h;
+    memcpy(&h, area, sizeof h);
+    return h;
+}
+static inline const a2av_ent *a2av_ents(const char *area) {
+    return (const a2av_ent *)(area + sizeof(a2av_head));
+}
+
+/* Rank q sends `got` bytes where this rank expects `want`: the same words as
+ * a frame whose pair total differs (the TCP path's check). */
+static int a2av_desync(rl_comm *c, const rl_opdesc *op, int q, uint64_t want, uint64_t got) {
+    rl_opdesc o = *op;
+    rl_hdr w, g;
+    o.total = want;
+    rl_fill_header(&w, c, &o, 0, 0);
+    o.total = got;
+    rl_fill_header(&g, c, &o, 0, 0);
+    return rl_check_header(c, op, q, &g, &w);
+}
+
+typedef struct {
+    char *out;
+    const char *in;
+    const size_t *out_displs, *in_counts, *in_displs;
+    size_t esz;
+    char *own; /* this rank's block: to and from */
+    const char *own_in;
+    size_t own_n;
+} a2av_bufs;
+
+/* Single copy within the tables' step (lane, step): read each peer's block
+ * from its input into the output, acknowledge, then wait until every peer has
+ * read this rank's input.  The own block moves as all_to_all's does. */
+static int a2av_read(rl_comm *c, rl_opdesc *op, int lane, uint32_t step, const a2av_bufs *b,
+                     uint64_t most) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank, st;
+    op->algo = "shm_single_copy";
+    if (P == 2) copy_own(b->own, b->own_in, b->own_n, RL_STREAM_COPY_MIN);
+    for (int i = 1; i < P; i++) {
+        int q = (r + i) % P;
+        const char *qa = in_area(s, q, lane, step);
+        const a2av_ent *e = a2av_ents(qa) + r;
+        if (e->n && (st = cma_read(c, op, q, b->out + b->out_displs[q] * b->esz,
+                                   a2av_head_of(qa).addr + e->in, e->n)) != RL_OK)
+            return st;
+    }
+    step_ack(c, lane, step);
+    if (P > 2) copy_own(b->own, b->own_in, b->own_n, RL_STREAM_COPY_MIN);
+    for (int q = 0; q < P; q++) {
+        if (q != r && (st = wait_copy(c, op, lane_ack(s, q, lane), step, q, most)) != RL_OK)
+            return st;
+    }
+    return RL_OK;
+}
+
+/* The blocks staged after the tables' step; from[q]: the bytes q sends. */
+static int a2av_staged(rl_comm *c, rl_opdesc *op, const a2av_bufs *b, const uint64_t *from,
+                       uint64_t most) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank, st;
+    int lane = lane_for(s, most * (uint64_t)P);
+    size_t piece = lane_bytes(s, lane) / (size_t)P;
+    uint32_t step;
+    op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
+    copy_own(b->own, b->own_in, b->own_n, RL_STREAM_COPY_MIN);
+    for (uint64_t k = 0, part = 0; k < most; k += piece, part++) {
+        if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
+        char *area = in_area(s, r, lane, step);
+        for (int q = 0; q < P; q++) {
+            size_t n = b->in_counts[q] * b->esz;
+            if (q != r && n > k)
+                rl_copy(area + (size_t)q * piece, b->in + b->in_displs[q] * b->esz + k,
+                        n - k < piece ? n - k : piece);
+        }
+        publish_in(c, op, lane, step, (uint32_t)part, piece);
+        for (int i = 1; i < P; i++) {
+            int q = (r + i) % P;
+            if ((st = wait_in(c, op, lane, q, step, (uint32_t)part, piece)) != RL_OK) return st;
+            if (from[q] > k)
+                rl_copy(b->out + b->out_displs[q] * b->esz + k,
+                        in_area(s, q, lane, step) + (size_t)r * piece,
+                        from[q] - k < piece ? from[q] - k : piece);
+        }
+        step_ack(c, lane, step);
+    }
+    return RL_OK;
+}
+
+int rl_shm_all_to_all_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *out_counts,
+                        const size_t *out_displs, const void *in, const size_t *in_counts,
+                        const size_t *in_displs, rl_dtype dt) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t esz = rl_dtype_size(dt), tab = a2av_table_bytes(P);
+    int meta = lane_for(s, tab);
+    size_t cap = lane_bytes(s, meta);
+    a2av_bufs b = {out, in, out_displs, in_counts, in_displs, esz,
+                   (char *)out + out_displs[r] * esz, (const char *)in + in_displs[r] * esz,
+                   in_counts[r] * esz};
+    uint32_t step;
+    note_op(c, op);
+    op->algo = lane_algo(meta);
+    uint64_t *from = malloc((size_t)P * sizeof *from);
+    if (!from) return RL_ERR_NOMEM;
+    int st = step_begin(c, op, meta, 1, &step);
+    if (st != RL_OK) goto done;
+    char *area = in_area(s, r, meta, step);
+    a2av_ent *tbl = (a2av_ent *)(area + sizeof(a2av_head));
+    uint64_t at = tab, most = 0;
+    for (int q = 0; q < P; q++) {
+        tbl[q] = (a2av_ent){in_counts[q] * esz, in_displs[q] * esz, 0};
+        if (q == r) continue;
+        tbl[q].slot = at;
+        at = (at + tbl[q].n + 63) & ~(uint64_t)63;
+        if (tbl[q].n > most) most = tbl[q].n;
+    }
+    a2av_head mine = {at <= cap, (uint64_t)(uintptr_t)in};
+    for (int q = 0; q < P && mine.packed; q++)
+        if (q != r) rl_copy(area + tbl[q].slot, b.in + tbl[q].in, tbl[q].n);
+    memcpy(area, &mine, sizeof mine);
+    publish_in(c, op, meta, step, 0, tab);
+    int packed = (int)mine.packed;
+    for (int i = 1; i < P; i++) {
+        int q = (r + i) % P;
+        if ((st = wait_in(c, op, meta, q, step, 0, tab)) != RL_OK) goto done;
+        const char *qa = in_area(s, q, meta, step);
+        const a2av_ent *e = a2av_ents(qa);
+        if (e[r].n != out_counts[q] * esz) {
+            st = a2av_desync(c, op, q, out_counts[q] * esz, e[r].n);
+            goto done;
+        }
+        int theirs = a2av_head_of(qa).packed != 0;
+        packed &= theirs;
+        if (theirs && (e[r].slot < tab || e[r].slot > cap || e[r].n > cap - e[r].slot)) {
+            st = rl_fail(c, op, RL_ERR_PROTOCOL, q, 0,
+                         "all_to_all_v: the peer's table places %llu bytes at %llu of a %zu-byte slot",
+                         (unsigned long long)e[r].n, (unsigned long long)e[r].slot, cap);
+            goto done;
+        }
+        for (int p = 0; p < P; p++)
+            if (p != q && e[p].n > most) most = e[p].n;
+        from[q] = e[r].n;
+    }
+    size_t cma_from = P == 2 ? s->cma_pair : s->cma_min;
+    if (!packed && lane_for(s, most * (uint64_t)P) == BIG && cma_from && most >= cma_from) {
+        st = a2av_read(c, op, meta, step, &b, most);
+        goto done;
+    }
+    if (packed || !most) {
+        rl_copy(b.own, b.own_in, b.own_n);
+        for (int i = 1; i < P && packed; i++) {
+            int q = (r + i) % P;
+            const char *qa = in_area(s, q, meta, step);
+            rl_copy(b.out + out_displs[q] * esz, qa + a2av_ents(qa)[r].slot, from[q]);
+        }
+    }
+    step_ack(c, meta, step);
+    if (!packed && most) st = a2av_staged(c, op, &b, from, most);
+done:
+    free(from);
+    return st;
+}
+
 /* ---- point to point (SHM_P2P) ------------------------------------------------ */
 static inline shm_ring *ring_of(rl_shm *s, int from, int to, int P) {
     return (shm_ring *)(s->rings + ((size_t)from * (size_t)P + (size_t)to) * s->ring_stride);

@@ -590,6 +590,68 @@ def test_all_gather_v_runs_over_the_segment(small_chunks, cma):
         assert big in algos and algos <= {"shm_slot", "shm_copy", big, "local"}, algos
 
 
+def _all_to_all_vs(rank, P):
+    # cnt[s][d]: elements rank s sends rank d
+    g = _world._current().group
+    assert g.transport == "shm"
+    bad, algos = [], set()
+    cases = [[[(s + d) % 3 + 1 for d in range(P)] for s in range(P)],     # packed with the table
+             [[0] * P for _ in range(P)],
+             [[5000 if (s, d) == (0, P - 1) else s for d in range(P)] for s in range(P)],
+             [[100 + 7 * s + d for d in range(P)] for s in range(P)],     # staged pieces
+             [[(3000 + 11 * d) * (s != d) for d in range(P)] for s in range(P)]]
+    for k, cnt in enumerate(cases):
+        def block(s, d):
+            return np.arange(cnt[s][d], dtype=np.int64) * 31 + 1000 * s + 100 * d + k
+        send = np.concatenate([block(rank, d) for d in range(P)])
+        recv = [cnt[q][rank] for q in range(P)]
+        want = np.concatenate([block(q, rank) for q in range(P)])
+        out = np.full(sum(recv) + 2, -1, np.int64)
+        ringlet.all_to_all_v(out[:sum(recv)], recv, send, cnt[rank])
+        algos.add(g._coll.trace()[2][-1]["algorithm"])
+        if not np.array_equal(out[:sum(recv)], want) or not np.all(out[sum(recv):] == -1):
+            bad.append(f"rank {rank}: counts {cnt}: {out[:8]} want {want[:8]}")
+        out = np.zeros(sum(recv), np.int64)
+        ringlet.all_to_all_v(out, recv, send, cnt[rank], async_op=True).wait(timeout=60)
+        if not np.array_equal(out, want):
+            bad.append(f"rank {rank}: counts {cnt}, async: {out[:8]} want {want[:8]}")
+    return bad, algos
+
+
+@pytest.mark.parametrize("P,cma", [(2, 4096), (3, 0), (4, 4096), (4, 0), (8, 4096)])
+def test_all_to_all_v_runs_over_the_segment(small_chunks, P, cma):
+    # small_chunks: blocks of a few bytes travel with the table in one slot; the
+    # 5000-element block is read straight from the peer where single copy is on,
+    # staged piece by piece where not, as are the blocks of some hundred bytes
+    _core.set_tuning(shm_cma_bytes=cma, shm_cma_pair_bytes=cma)
+    for bad, algos in run_world(_all_to_all_vs, P, mode="thread", timeout=120):
+        assert not bad, bad[:4]
+        big = {"shm_single_copy"} if cma else set()
+        assert {"shm_slot", "shm_copy"} | big <= algos <= {"shm_slot", "shm_copy",
+                                                           "shm_single_copy"}, algos
+
+
+def _all_to_all_v_desync(rank, P):
+    # rank 0 sends rank 1 three elements; rank 1 expects two
+    send = [1, 3] if rank == 0 else [2, 1]
+    recv = [1, 2] if rank == 0 else [2, 1]
+    try:
+        ringlet.all_to_all_v(np.empty(sum(recv), np.float32), recv,
+                             np.zeros(sum(send), np.float32), send, timeout=30)
+        ringlet.barrier(timeout=30)
+    except ringlet.errors.DesyncError as exc:
+        return str(exc)
+    except ringlet.errors.RingletError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_all_to_all_v_counts_that_differ_fail_as_a_desync_over_shm():
+    res = run_world(_all_to_all_v_desync, 2, mode="thread", timeout=60)
+    assert "no error" not in res, res
+    assert "all_to_all" in res[1] and "total=8 bytes" in res[1] and "total=12 bytes" in res[1], res
+
+
 def _all_gather_v_desync(rank, P):
     # rank 1 believes it has 3 elements, the others that it has 2
     cnt = [2, 3] if rank == 1 else [2, 2]

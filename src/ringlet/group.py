@@ -155,9 +155,9 @@ class ProcessGroup:
     def transport(self) -> Optional[str]:
         """What this group's collectives run over: ``"shm"`` (a shared-memory
         segment; its ranks share a host), ``"tcp"``, or None on a non-member
-        or after shutdown.  Over shared memory, ``all_to_all_v``, ``gather_v``
-        and ``scatter_v`` still use TCP, and so do point-to-point messages in
-        groups of more than 8 ranks
+        or after shutdown.  Over shared memory, ``gather_v`` and ``scatter_v``
+        still use TCP, and so do point-to-point messages in groups of more
+        than 8 ranks
         (docs/launching.md, ``RINGLET_TRANSPORT``)."""
         if self._coll is None or self._closed:
             return None
@@ -422,7 +422,12 @@ class ProcessGroup:
     def all_to_all_v(self, output: np.ndarray, output_counts: Sequence[int], input: np.ndarray,
                      input_counts: Sequence[int], *, async_op: bool = False,
                      timeout: Optional[float] = None):
-        """All-to-all with per-rank element counts (blocks laid out back to back, rank order)."""
+        """All-to-all with per-rank element counts (blocks laid out back to back, rank order).
+
+        Rank s sends ``input_counts[d]`` elements to rank d, which expects
+        ``output_counts[s]`` from it; a pair that disagrees fails as a ``DesyncError``
+        naming both sizes.  Runs over the group's shared-memory segment where it has one,
+        else the pairwise exchange over TCP (docs/algorithms.md)."""
         if type(output) is not _ND:
             output = _as_array(output, "output", True)
         if type(input) is not _ND:
