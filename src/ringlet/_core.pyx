@@ -146,6 +146,18 @@ def array_code(x, str what, bint writable, fallback):
     return code if code >= 0 else fallback(x.dtype, what)
 
 
+cdef size_t _count_table(counts, int P, size_t *cnt, size_t *displ) except *:
+    # A v-collective's count list as C arrays: cnt[i] = counts[i] and displ[i]
+    # their running sum (blocks back to back); returns the total.
+    cdef size_t total = 0
+    cdef int i
+    for i in range(P):
+        cnt[i] = counts[i]
+        displ[i] = total
+        total += cnt[i]
+    return total
+
+
 def overlap(cnp.ndarray a, cnp.ndarray b):
     """Whether two arrays that passed ``check_array`` (C-contiguous) share a
     byte: their address ranges meet.  numpy's shares_memory costs ~0.3 us."""
@@ -606,7 +618,7 @@ cdef class Comm:
     def all_to_all_v(self, cnp.ndarray out, out_counts, cnp.ndarray inp, in_counts,
                      int dt, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
-        cdef int P = self.size, i
+        cdef int P = self.size
         if len(out_counts) != P or len(in_counts) != P:
             raise ValueError("all_to_all_v: count lists must have one entry per rank")
         cdef size_t *buf = <size_t *>malloc(sizeof(size_t) * 4 * P)
@@ -621,9 +633,8 @@ cdef class Comm:
         cdef const void *pi
         cdef int st
         try:
-            for i in range(P):
-                oc[i] = out_counts[i]; od[i] = so; so += oc[i]
-                ic[i] = in_counts[i]; idp[i] = si; si += ic[i]
+            so = _count_table(out_counts, P, oc, od)
+            si = _count_table(in_counts, P, ic, idp)
             if so > <size_t>out.size or si > <size_t>inp.size:
                 raise ValueError("all_to_all_v: counts exceed the arrays")
             po = _wptr(out, "output")
@@ -637,7 +648,7 @@ cdef class Comm:
     def all_gather_v(self, cnp.ndarray out, counts, cnp.ndarray inp, int dt,
                      int64_t timeout_ms):
         cdef rl_comm *c = self._h()
-        cdef int P = self.size, i
+        cdef int P = self.size
         if len(counts) != P:
             raise ValueError("all_gather_v: the count list must have one entry per rank")
         cdef size_t *buf = <size_t *>malloc(sizeof(size_t) * 2 * P)
@@ -650,8 +661,7 @@ cdef class Comm:
         cdef const void *pi
         cdef int st
         try:
-            for i in range(P):
-                oc[i] = counts[i]; od[i] = so; so += oc[i]
+            so = _count_table(counts, P, oc, od)
             if so > <size_t>out.size or oc[self.rank] != <size_t>inp.size:
                 raise ValueError("all_gather_v: counts do not match the arrays")
             po = _wptr(out, "output")
@@ -667,7 +677,7 @@ cdef class Comm:
         # gather_v (many: the root's output) or scatter_v (many: its input);
         # counts are used on root only.
         cdef rl_comm *c = self._h()
-        cdef int P = self.size, i
+        cdef int P = self.size
         cdef size_t n = one.size
         cdef size_t *buf = NULL
         cdef size_t *oc = NULL
@@ -686,8 +696,7 @@ cdef class Comm:
                     raise MemoryError()
                 oc = buf
                 od = buf + P
-                for i in range(P):
-                    oc[i] = counts[i]; od[i] = so; so += oc[i]
+                so = _count_table(counts, P, oc, od)
                 if so > <size_t>(<cnp.ndarray>many).size or oc[root] != n:
                     raise ValueError(f"{name}: counts do not match the arrays")
                 pm = _wptr(<cnp.ndarray>many, "output") if gather else \
