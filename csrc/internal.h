@@ -304,6 +304,10 @@ int rl_shm_reduce_scatter(rl_comm *c, rl_opdesc *op, void *out, const void *in,
                           size_t count, rl_dtype dt, rl_redop rop);
 int rl_shm_rooted(rl_comm *c, rl_opdesc *op, int gather, void *many, void *one, size_t blk,
                   int root);
+/* gather_v / scatter_v: counts and displs (elements) are read on the root only;
+ * n_own is this rank's block in bytes. */
+int rl_shm_rooted_v(rl_comm *c, rl_opdesc *op, int gather, void *many, const size_t *counts,
+                    const size_t *displs, void *one, size_t n_own, size_t esz, int root);
 int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk);
 int rl_shm_all_to_all_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *out_counts,
                         const size_t *out_displs, const void *in, const size_t *in_counts,

@@ -310,7 +310,7 @@ int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms);
 /* ---- shared memory (shm.c) ------------------------------------------ */
 /* Ranks of one comm on one host can share a segment (a memfd that the
  * binding creates and hands over); collectives then run over it instead of
- * TCP (all but gather_v and scatter_v), and a point-to-point comm's messages over a
+ * TCP, and a point-to-point comm's messages over a
  * segment of rings (rl_comm_attach_shm_p2p).
  * Bytes of the segment for a comm of nranks ranks (from the knobs now). */
 size_t rl_shm_segment_bytes(int nranks);

@@ -100,11 +100,10 @@ static int rooted_op(rl_comm *c, int opcode, void *many, void *one, size_t count
 }
 
 /* gather_v / scatter_v: the root's blocks differ in size (counts[p] elements
- * at displs[p] of `many`), each other rank's is its own `count`.  Every pair
- * exchanges one frame whose header carries that pair's byte count, so a root
- * and a rank that disagree on it fail as a desync naming both sizes.  Over the
- * group's TCP connections also where it has a segment (its slots are laid out
- * for equal blocks). */
+ * at displs[p] of `many`), each other rank's is its own `count`.  Over a
+ * group's segment, rl_shm_rooted_v.  Over TCP every pair exchanges one frame
+ * whose header carries that pair's byte count, so a root and a rank that
+ * disagree on it fail as a desync naming both sizes. */
 static int rooted_v(rl_comm *c, int opcode, void *many, const size_t *counts,
                     const size_t *displs, void *one, size_t count, rl_dtype dt, int root,
                     int64_t timeout_ms) {
@@ -113,6 +112,10 @@ static int rooted_v(rl_comm *c, int opcode, void *many, const size_t *counts,
     int st = rl_begin_op(c, &op, opcode, dt, 0, root, 0, timeout_ms);
     if (st != RL_OK) return st;
     int gather = opcode == RL_OP_GATHER, P = c->size, r = c->rank;
+    rl_note_rooted(c, &op);
+    if (c->shm && P > 1)
+        return rl_end_op(c, &op, rl_shm_rooted_v(c, &op, gather, many, counts, displs, one,
+                                                 count * esz, esz, root));
     op.algo = P == 1 ? "local" : "direct";
     if (r != root) {
         rooted a = {one, count * esz, NULL, NULL, esz};

@@ -2103,6 +2103,199 @@ done:
     return st;
 }
 
+/* ---- gather_v and scatter_v ------------------------------------------------
+ * Only the root knows the counts, so its first step (the small lane when the
+ * table fits a slot) publishes a table as all_to_all_v's: its buffer's
+ * address and, per rank, the bytes and their place in its buffer; a
+ * scatter's root packs the blocks behind it when they all fit.  Each leaf
+ * checks its own size against the root's (a disagreement fails there as a
+ * desync naming both) and every rank derives the same largest block.  Then,
+ * as the equal-block forms do: a packed scatter's leaves copy their blocks
+ * out of the root's slot; large blocks move in single copies within the
+ * table's step (leaves read from or write into the root's buffer, which
+ * returns once every leaf has acknowledged); otherwise staged pieces, as many
+ * steps as the largest block takes. */
+static int rooted_v_staged(rl_comm *c, rl_opdesc *op, int gather, char *many,
+                           const a2av_ent *tbl, char *one, size_t n_own, int root,
+                           uint64_t most) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank, st;
+    int lane = gather ? lane_rooted(s, most, s->pool[MID].bytes / 2, P)
+                      : lane_rooted(s, most * (uint64_t)P, s->chunk, P);
+    size_t piece = gather ? lane_bytes(s, lane) : lane_bytes(s, lane) / (size_t)P;
+    int writes = gather ? r != root : r == root;
+    uint32_t step;
+    op->algo = lane_algo(lane);
+    for (uint64_t k = 0, part = 0; k < most; k += piece, part++) {
+        if ((st = step_begin(c, op, lane, writes, &step)) != RL_OK) return st;
+        size_t mine = n_own > k ? (n_own - k < piece ? n_own - k : piece) : 0;
+        if (gather && r != root) {
+            rl_copy(in_area(s, r, lane, step), one + k, mine);
+            publish_in(c, op, lane, step, (uint32_t)part, piece);
+        } else if (gather) {
+            for (int i = 1; i < P; i++) {
+                int q = (r + i) % P;
+                if ((st = wait_in(c, op, lane, q, step, (uint32_t)part, piece)) != RL_OK) return st;
+                if (tbl[q].n > k)
+                    rl_copy(many + tbl[q].in + k, in_area(s, q, lane, step),
+                            tbl[q].n - k < piece ? tbl[q].n - k : piece);
+            }
+        } else if (r == root) {
+            char *area = in_area(s, r, lane, step);
+            for (int q = 0; q < P; q++)
+                if (q != root && tbl[q].n > k)
+                    rl_copy(area + (size_t)q * piece, many + tbl[q].in + k,
+                            tbl[q].n - k < piece ? tbl[q].n - k : piece);
+            publish_in(c, op, lane, step, (uint32_t)part, piece);
+        } else {
+            if ((st = wait_in(c, op, lane, root, step, (uint32_t)part, piece)) != RL_OK) return st;
+            rl_copy(one + k, in_area(s, root, lane, step) + (size_t)r * piece, mine);
+        }
+        step_ack(c, lane, step);
+    }
+    return RL_OK;
+}
+
+/* Whether blocks of up to `most` bytes move in single copies (the equal-block
+ * forms' thresholds). */
+static int rooted_v_direct(const rl_shm *s, int gather, uint64_t most, int P) {
+    if (!s->cma_min || most < s->cma_min) return 0;
+    if (gather) return P == 2 || most > s->chunk;
+    return lane_rooted(s, most * (uint64_t)P, s->chunk, P) != SMALL && (most > s->chunk || P == 2);
+}
+
+/* gather_v where single copies work: one step, in which each leaf publishes
+ * its size and, when its block fits its slot, the block (such a leaf leaves at
+ * once, as a gather's leaves do); a larger block is written into the root's
+ * output at the place the root's table gives.  The root checks every leaf's
+ * size (a disagreement fails there as a desync naming both), copies the
+ * slotted blocks out and returns once every writer has acknowledged. */
+static int gather_v_step(rl_comm *c, rl_opdesc *op, char *many, const size_t *counts,
+                         const size_t *displs, const char *one, size_t n_own, size_t esz,
+                         int root, int lane, size_t tab, uint32_t step) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank, st;
+    size_t cap = lane_bytes(s, lane);
+    op->algo = lane_algo(lane);
+    if (r != root) {
+        int slotted = n_own <= cap;
+        if (slotted) rl_copy(in_area(s, r, lane, step), one, n_own);
+        publish_in(c, op, lane, step, slotted ? 1 : 2, n_own);
+        if (!slotted) {
+            op->algo = "shm_leaf_write";
+            if ((st = wait_in(c, op, lane, root, step, 0, tab)) != RL_OK) return st;
+            const char *ra = in_area(s, root, lane, step);
+            const a2av_ent *e = a2av_ents(ra) + r;
+            if (e->n != n_own) return a2av_desync(c, op, root, n_own, e->n);
+            st = cma_write(c, op, root, a2av_head_of(ra).addr + e->in, one, n_own);
+            if (st != RL_OK) return st;
+        }
+        step_ack(c, lane, step);
+        return RL_OK;
+    }
+    uint64_t most = 0;
+    for (int i = 1; i < P; i++) {
+        int q = (r + i) % P;
+        uint64_t n = counts[q] * esz;
+        rl_hdr got, want;
+        if ((st = peek_in(c, op, lane, q, step, &got)) != RL_OK) return st;
+        rl_fill_header(&want, c, op, n <= cap ? 1 : 2, n);
+        if (memcmp(&got, &want, sizeof got) != 0) {
+            rl_fill_header(&want, c, op, got.tag, got.nbytes);
+            if (memcmp(&got, &want, sizeof got) == 0) return a2av_desync(c, op, q, n, got.nbytes);
+            return rl_check_header(c, op, q, &got, &want);
+        }
+        if (n <= cap) rl_copy(many + displs[q] * esz, in_area(s, q, lane, step), n);
+        else if (n > most) most = n;
+    }
+    step_ack(c, lane, step);
+    if (most) op->algo = "shm_leaf_write";
+    for (int q = 0; q < P; q++) {
+        uint64_t n = counts[q] * esz;
+        if (q != root && n > cap && (st = wait_copy(c, op, lane_ack(s, q, lane), step, q, n)) != RL_OK)
+            return st;
+    }
+    return RL_OK;
+}
+
+int rl_shm_rooted_v(rl_comm *c, rl_opdesc *op, int gather, void *many, const size_t *counts,
+                    const size_t *displs, void *one, size_t n_own, size_t esz, int root) {
+    rl_shm *s = c->shm;
+    int P = c->size, r = c->rank;
+    size_t tab = a2av_table_bytes(P);
+    int meta = lane_for(s, tab);
+    size_t cap = lane_bytes(s, meta);
+    char *m = many, *o = one;
+    uint64_t most = 0;
+    uint32_t step;
+    int st;
+    note_op(c, op);
+    op->algo = lane_algo(meta);
+    /* With single copies, a gather_v's leaves write in the table's step too. */
+    int one_step = gather && s->cma_min;
+    if ((st = step_begin(c, op, meta, r == root || one_step, &step)) != RL_OK) return st;
+    if (r == root) {
+        char *area = in_area(s, r, meta, step);
+        a2av_ent *tbl = (a2av_ent *)(area + sizeof(a2av_head));
+        uint64_t at = tab;
+        for (int q = 0; q < P; q++) {
+            tbl[q] = (a2av_ent){counts[q] * esz, displs[q] * esz, 0};
+            if (q == root) continue;
+            tbl[q].slot = at;
+            at = (at + tbl[q].n + 63) & ~(uint64_t)63;
+            if (tbl[q].n > most) most = tbl[q].n;
+        }
+        a2av_head h = {!gather && at <= cap, (uint64_t)(uintptr_t)m};
+        for (int q = 0; q < P && h.packed; q++)
+            if (q != root) rl_copy(area + tbl[q].slot, m + tbl[q].in, tbl[q].n);
+        char *mine = m + tbl[root].in;
+        /* A gather's own block moves before any leaf may write the output. */
+        if (gather && mine != o) rl_move(mine, o, n_own);
+        memcpy(area, &h, sizeof h);
+        publish_in(c, op, meta, step, 0, tab);
+        if (one_step)
+            return gather_v_step(c, op, m, counts, displs, o, n_own, esz, root, meta, tab, step);
+        step_ack(c, meta, step);
+        if (h.packed || !most) st = RL_OK;
+        else if (rooted_v_direct(s, gather, most, P)) {
+            op->algo = gather ? "shm_leaf_write" : "shm_single_copy";
+            for (int q = 0; q < P && st == RL_OK; q++)
+                if (q != root) st = wait_copy(c, op, lane_ack(s, q, meta), step, q, most);
+        } else {
+            st = rooted_v_staged(c, op, gather, m, tbl, o, n_own, root, most);
+        }
+        /* A scatter's own block moves once the leaves have read the input. */
+        if (st == RL_OK && !gather && mine != o) rl_move(o, mine, n_own);
+        return st;
+    }
+    if (one_step)
+        return gather_v_step(c, op, m, counts, displs, o, n_own, esz, root, meta, tab, step);
+    if ((st = wait_in(c, op, meta, root, step, 0, tab)) != RL_OK) return st;
+    const char *ra = in_area(s, root, meta, step);
+    a2av_head h = a2av_head_of(ra);
+    const a2av_ent *e = a2av_ents(ra);
+    if (e[r].n != n_own) return a2av_desync(c, op, root, n_own, e[r].n);
+    for (int q = 0; q < P; q++)
+        if (q != root && e[q].n > most) most = e[q].n;
+    if (h.packed) {
+        if (e[r].slot < tab || e[r].slot > cap || n_own > cap - e[r].slot)
+            return rl_fail(c, op, RL_ERR_PROTOCOL, root, 0,
+                           "scatter_v: the root's table places %zu bytes at %llu of a %zu-byte slot",
+                           n_own, (unsigned long long)e[r].slot, cap);
+        rl_copy(o, ra + e[r].slot, n_own);
+    } else if (most && rooted_v_direct(s, gather, most, P) && n_own) {
+        op->algo = gather ? "shm_leaf_write" : "shm_single_copy";
+        st = gather ? cma_write(c, op, root, h.addr + e[r].in, o, n_own)
+                    : cma_read(c, op, root, o, h.addr + e[r].in, n_own);
+        if (st != RL_OK) return st;
+    } else if (most && !rooted_v_direct(s, gather, most, P)) {
+        step_ack(c, meta, step);
+        return rooted_v_staged(c, op, gather, m, NULL, o, n_own, root, most);
+    }
+    step_ack(c, meta, step);
+    return RL_OK;
+}
+
 /* ---- point to point (SHM_P2P) ------------------------------------------------ */
 static inline shm_ring *ring_of(rl_shm *s, int from, int to, int P) {
     return (shm_ring *)(s->rings + ((size_t)from * (size_t)P + (size_t)to) * s->ring_stride);

@@ -652,6 +652,93 @@ def test_all_to_all_v_counts_that_differ_fail_as_a_desync_over_shm():
     assert "all_to_all" in res[1] and "total=8 bytes" in res[1] and "total=12 bytes" in res[1], res
 
 
+def _rooted_vs(rank, P):
+    # gather_v and scatter_v from every root, counts only the root knows
+    g = _world._current().group
+    bad, algos = [], set()
+    cases = [[q % 3 + 1 for q in range(P)], [0] * P, [5000 * (q == P - 1) + q for q in range(P)],
+             [100 + 7 * q for q in range(P)]]
+    for k, cnt in enumerate(cases):
+        blocks = [np.arange(cnt[q], dtype=np.int64) * 31 + 1000 * q + k for q in range(P)]
+        whole = np.concatenate(blocks)
+        for root in range(P):
+            me = rank == root
+            out = np.full(sum(cnt) + 2, -1, np.int64) if me else None
+            ringlet.gather_v(out[:sum(cnt)] if me else None, cnt if me else None, blocks[rank],
+                             dst=root)
+            algos.add(("gather", g._coll.trace()[2][-1]["algorithm"]))
+            if me and (not np.array_equal(out[:sum(cnt)], whole) or np.any(out[sum(cnt):] != -1)):
+                bad.append(f"gather_v root {root} counts {cnt}: {out[:8]} want {whole[:8]}")
+            one = np.full(cnt[rank] + 1, -1, np.int64)
+            ringlet.scatter_v(one[:cnt[rank]], whole if me else None, cnt if me else None,
+                              src=root)
+            algos.add(("scatter", g._coll.trace()[2][-1]["algorithm"]))
+            if not np.array_equal(one[:cnt[rank]], blocks[rank]) or one[-1] != -1:
+                bad.append(f"scatter_v root {root} counts {cnt} rank {rank}: {one[:8]}")
+            # in place on the root, asynchronous
+            off = sum(cnt[:root])
+            buf = np.zeros(sum(cnt), np.int64)
+            if me:
+                buf[off:off + cnt[root]] = blocks[root]
+            ringlet.gather_v(buf if me else None, cnt if me else None,
+                             buf[off:off + cnt[root]] if me else blocks[rank], dst=root,
+                             async_op=True).wait(timeout=60)
+            if me and not np.array_equal(buf, whole):
+                bad.append(f"gather_v in place root {root} counts {cnt}: {buf[:8]}")
+            src = whole.copy() if me else None
+            mine = src[off:off + cnt[root]] if me else np.zeros(cnt[rank], np.int64)
+            ringlet.scatter_v(mine, src, cnt if me else None, src=root)
+            if not np.array_equal(mine, blocks[rank]):
+                bad.append(f"scatter_v in place root {root} counts {cnt} rank {rank}: {mine[:8]}")
+    return bad, algos
+
+
+@pytest.mark.parametrize("P,cma", [(2, 4096), (3, 0), (4, 4096), (4, 0), (8, 4096)])
+def test_gather_v_and_scatter_v_run_over_the_segment(small_chunks, P, cma):
+    # small_chunks: a scatter's blocks of a few bytes travel with the root's table;
+    # the 5000-element block moves in a single copy where that is on, staged
+    # pieces carry the rest
+    _core.set_tuning(shm_cma_bytes=cma)
+    for bad, algos in run_world(_rooted_vs, P, mode="thread", timeout=120):
+        assert not bad, bad[:4]
+        names = {a for _, a in algos}
+        assert names <= {"shm_slot", "shm_mid_slot", "shm_copy", "shm_single_copy",
+                         "shm_leaf_write"}, algos
+        assert ("scatter", "shm_slot") in algos and ("gather", "shm_slot") in algos, algos
+        if cma:
+            assert ("gather", "shm_leaf_write") in algos, algos
+            assert ("scatter", "shm_single_copy") in algos, algos
+        else:
+            assert ("gather", "shm_copy") in algos, algos
+
+
+def _rooted_v_desync(rank, P, kind):
+    # the root counts 2 elements for rank 1, which has 3
+    cnt = [1, 2]
+    try:
+        if kind == "gather_v":
+            ringlet.gather_v(np.empty(3, np.float32) if rank == 0 else None,
+                             cnt if rank == 0 else None,
+                             np.zeros(1 if rank == 0 else 3, np.float32), timeout=30)
+        else:
+            ringlet.scatter_v(np.empty(1 if rank == 0 else 3, np.float32),
+                              np.zeros(3, np.float32) if rank == 0 else None,
+                              cnt if rank == 0 else None, timeout=30)
+        ringlet.barrier(timeout=30)
+    except ringlet.errors.DesyncError as exc:
+        return str(exc)
+    except ringlet.errors.RingletError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["gather_v", "scatter_v"])
+def test_rooted_v_sizes_that_differ_fail_as_a_desync_over_shm(kind):
+    res = run_world(_rooted_v_desync, 2, mode="thread", timeout=60, args=(kind,))
+    assert "no error" not in res, res
+    assert kind[:-2] in res[1] and "total=12 bytes" in res[1] and "total=8 bytes" in res[1], res
+
+
 def _all_gather_v_desync(rank, P):
     # rank 1 believes it has 3 elements, the others that it has 2
     cnt = [2, 3] if rank == 1 else [2, 2]

@@ -155,9 +155,8 @@ class ProcessGroup:
     def transport(self) -> Optional[str]:
         """What this group's collectives run over: ``"shm"`` (a shared-memory
         segment; its ranks share a host), ``"tcp"``, or None on a non-member
-        or after shutdown.  Over shared memory, ``gather_v`` and ``scatter_v``
-        still use TCP, and so do point-to-point messages in groups of more
-        than 8 ranks
+        or after shutdown.  Over shared memory, point-to-point messages in
+        groups of more than 8 ranks still use TCP
         (docs/launching.md, ``RINGLET_TRANSPORT``)."""
         if self._coll is None or self._closed:
             return None
@@ -503,8 +502,8 @@ class ProcessGroup:
         ``output`` and ``output_counts`` are read on ``dst`` only (None elsewhere); a rank
         whose ``input`` size differs from the root's count for it fails as a
         ``DesyncError`` naming both sizes.  On ``dst``, ``input`` may be its own block of
-        ``output`` (in place).  Direct, over the group's TCP connections
-        (docs/algorithms.md).
+        ``output`` (in place).  Over the group's shared-memory segment where it has one,
+        else direct over TCP (docs/algorithms.md).
 
         Example::
 
@@ -548,7 +547,8 @@ class ProcessGroup:
         ``input`` and ``input_counts`` are read on ``src`` only (None elsewhere); a rank
         whose ``output`` size differs from the root's count for it fails as a
         ``DesyncError`` naming both sizes.  On ``src``, ``output`` may be its own block of
-        ``input`` (in place).
+        ``input`` (in place).  Over the group's shared-memory segment where it has one,
+        else direct over TCP (docs/algorithms.md).
 
         Example::
 
