@@ -13,11 +13,9 @@ kept; printed are the medians over ``--rounds`` (docs/algorithms.md, "all_gather
         python3 bench/all_gather_v.py --mpi
 """
 
-import argparse
-import time
-from statistics import median
-
 import numpy as np
+
+from _uneven import World, parse, run
 
 
 def counts_for(nbytes: int, P: int) -> list:
@@ -26,70 +24,28 @@ def counts_for(nbytes: int, P: int) -> list:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mpi", action="store_true", help="Open MPI's Allgatherv through mpi4py")
-    p.add_argument("--sizes", default="64,1024,16384,131072,1048576,4194304,16777216",
-                   help="total output bytes, comma-separated")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
-    sizes = [int(x) for x in a.sizes.split(",")]
-    if a.mpi:
-        from mpi4py import MPI
+    a = parse(__doc__, "Open MPI's Allgatherv through mpi4py", "total output bytes")
+    w = World(a.mpi)
+    rank, P = w.rank, w.size
 
-        comm = MPI.COMM_WORLD
-        rank, P = comm.rank, comm.size
-
-        def forms(out, cnt, inp):
-            displs = np.concatenate([[0], np.cumsum(cnt)[:-1]]).tolist()
-            return {"mpi": lambda: comm.Allgatherv(inp, [out, cnt, displs, MPI.FLOAT])}
-
-        barrier = comm.Barrier
-
-        def slowest(t):
-            return comm.allreduce(t, op=MPI.MAX)
-    else:
-        import ringlet
-
-        ringlet.init()
-        rank, P = ringlet.get_rank(), ringlet.get_world_size()
-
-        def forms(out, cnt, inp):
-            m = max(cnt)
-            big, mine = np.empty(P * m, np.float32), np.empty(m, np.float32)
-            return {"all_gather_v": lambda: ringlet.all_gather_v(out, cnt, inp),
-                    "all_gather": lambda: ringlet.all_gather(big, mine)}
-
-        barrier = ringlet.barrier
-
-        def slowest(t):
-            v = np.array([t])
-            ringlet.all_reduce(v, op=ringlet.ReduceOp.MAX)
-            return float(v[0])
-    results = {}
-    for nbytes in sizes:
+    def forms(nbytes):
         cnt = counts_for(nbytes, P)
         out = np.empty(sum(cnt), np.float32)
         inp = np.full(cnt[rank], rank, np.float32)
-        fs = forms(out, cnt, inp)
-        for name, fn in fs.items():
-            fn()  # warm-up: connections, pages
-        for _ in range(a.rounds):
-            for name, fn in fs.items():
-                barrier()
-                t0 = time.perf_counter()
-                for _ in range(a.iters):
-                    fn()
-                t = slowest((time.perf_counter() - t0) / a.iters)
-                results.setdefault((nbytes, name), []).append(t)
-    if rank == 0:
-        names = list(dict.fromkeys(n for _, n in results))
-        print(f"# all_gather_v, {P} ranks, near-even float32 blocks; median us per op "
-              f"over {a.rounds} rounds of {a.iters} back to back")
-        print("#" + "".join(f"{h:>12}" for h in ["bytes"] + names))
-        for nbytes in sizes:
-            print(" " + f"{sum(counts_for(nbytes, P)) * 4:>12}" + "".join(
-                f"{median(results[(nbytes, n)]) * 1e6:>12.1f}" for n in names))
+        if a.mpi:
+            from mpi4py import MPI
+
+            displs = np.concatenate([[0], np.cumsum(cnt)[:-1]]).tolist()
+            return {"mpi": lambda: w.comm.Allgatherv(inp, [out, cnt, displs, MPI.FLOAT])}
+        import ringlet
+
+        m = max(cnt)
+        big, mine = np.empty(P * m, np.float32), np.empty(m, np.float32)
+        return {"all_gather_v": lambda: ringlet.all_gather_v(out, cnt, inp),
+                "all_gather": lambda: ringlet.all_gather(big, mine)}
+
+    run(a, w, forms, f"all_gather_v, {P} ranks, near-even float32 blocks",
+        lambda nbytes: sum(counts_for(nbytes, P)) * 4)
 
 
 if __name__ == "__main__":

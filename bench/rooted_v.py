@@ -14,11 +14,9 @@ gather_v, scatter_v"):
         python3 bench/rooted_v.py --mpi
 """
 
-import argparse
-import time
-from statistics import median
-
 import numpy as np
+
+from _uneven import World, parse, run
 
 
 def counts_for(nbytes: int, P: int) -> list:
@@ -28,77 +26,34 @@ def counts_for(nbytes: int, P: int) -> list:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mpi", action="store_true", help="Open MPI's Gatherv / Scatterv")
-    p.add_argument("--sizes", default="64,1024,16384,131072,1048576,4194304,16777216",
-                   help="the root's buffer in bytes, comma-separated")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
-    sizes = [int(x) for x in a.sizes.split(",")]
-    if a.mpi:
-        from mpi4py import MPI
+    a = parse(__doc__, "Open MPI's Gatherv / Scatterv", "the root's buffer in bytes")
+    w = World(a.mpi)
+    rank, P = w.rank, w.size
+    root = rank == 0
 
-        comm = MPI.COMM_WORLD
-        rank, P = comm.rank, comm.size
-
-        def forms(many, cnt, one):
-            displs = np.concatenate([[0], np.cumsum(cnt)[:-1]]).tolist()
-            spec = [many, cnt, displs, MPI.FLOAT]
-            return {"gatherv": lambda: comm.Gatherv(one, spec, root=0),
-                    "scatterv": lambda: comm.Scatterv(spec, one, root=0)}
-
-        barrier = comm.Barrier
-
-        def slowest(t):
-            return comm.allreduce(t, op=MPI.MAX)
-    else:
-        import ringlet
-
-        ringlet.init()
-        rank, P = ringlet.get_rank(), ringlet.get_world_size()
-
-        def forms(many, cnt, one):
-            m = max(cnt)
-            big, mine = np.empty(P * m, np.float32), np.empty(m, np.float32)
-            root = rank == 0
-            return {"gather_v": lambda: ringlet.gather_v(many if root else None,
-                                                         cnt if root else None, one),
-                    "scatter_v": lambda: ringlet.scatter_v(one, many if root else None,
-                                                           cnt if root else None),
-                    "gather": lambda: ringlet.gather(big if root else None, mine),
-                    "scatter": lambda: ringlet.scatter(mine, big if root else None)}
-
-        barrier = ringlet.barrier
-
-        def slowest(t):
-            v = np.array([t])
-            ringlet.all_reduce(v, op=ringlet.ReduceOp.MAX)
-            return float(v[0])
-    results = {}
-    for nbytes in sizes:
+    def forms(nbytes):
         cnt = counts_for(nbytes, P)
         many = np.ones(sum(cnt), np.float32)
         one = np.full(cnt[rank], rank, np.float32)
-        fs = forms(many, cnt, one)
-        for name, fn in fs.items():
-            fn()  # warm-up: connections, pages
-        for _ in range(a.rounds):
-            for name, fn in fs.items():
-                barrier()
-                t0 = time.perf_counter()
-                for _ in range(a.iters):
-                    fn()
-                t = slowest((time.perf_counter() - t0) / a.iters)
-                results.setdefault((nbytes, name), []).append(t)
-    if rank == 0:
-        names = list(dict.fromkeys(n for _, n in results))
-        print(f"# gather_v / scatter_v, {P} ranks, root 0, near-even float32 blocks; median us "
-              f"per op over {a.rounds} rounds of {a.iters} back to back")
-        print("#" + "".join(f"{h:>12}" for h in ["bytes"] + names))
-        for nbytes in sizes:
-            print(" " + f"{sum(counts_for(nbytes, P)) * 4:>12}" + "".join(
-                f"{median(results[(nbytes, n)]) * 1e6:>12.1f}" for n in names))
+        if a.mpi:
+            from mpi4py import MPI
+
+            spec = [many, cnt, np.concatenate([[0], np.cumsum(cnt)[:-1]]).tolist(), MPI.FLOAT]
+            return {"gatherv": lambda: w.comm.Gatherv(one, spec, root=0),
+                    "scatterv": lambda: w.comm.Scatterv(spec, one, root=0)}
+        import ringlet
+
+        m = max(cnt)
+        big, mine = np.empty(P * m, np.float32), np.empty(m, np.float32)
+        return {"gather_v": lambda: ringlet.gather_v(many if root else None,
+                                                     cnt if root else None, one),
+                "scatter_v": lambda: ringlet.scatter_v(one, many if root else None,
+                                                       cnt if root else None),
+                "gather": lambda: ringlet.gather(big if root else None, mine),
+                "scatter": lambda: ringlet.scatter(mine, big if root else None)}
+
+    run(a, w, forms, f"gather_v / scatter_v, {P} ranks, root 0, near-even float32 blocks",
+        lambda nbytes: sum(counts_for(nbytes, P)) * 4)
 
 
 if __name__ == "__main__":

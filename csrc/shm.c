@@ -1947,6 +1947,24 @@ static inline const a2av_ent *a2av_ents(const char *area) {
     return (const a2av_ent *)(area + sizeof(a2av_head));
 }
 
+/* Fill the table in `area` from counts and displs (elements of esz bytes),
+ * every rank but `self` given a place in the slot behind the table; returns
+ * where that layout ends and the largest of those blocks in *most. */
+static uint64_t a2av_fill(char *area, int P, int self, const size_t *counts,
+                          const size_t *displs, size_t esz, size_t tab, uint64_t *most) {
+    a2av_ent *tbl = (a2av_ent *)(area + sizeof(a2av_head));
+    uint64_t at = tab;
+    *most = 0;
+    for (int q = 0; q < P; q++) {
+        tbl[q] = (a2av_ent){counts[q] * esz, displs[q] * esz, 0};
+        if (q == self) continue;
+        tbl[q].slot = at;
+        at = (at + tbl[q].n + 63) & ~(uint64_t)63;
+        if (tbl[q].n > *most) *most = tbl[q].n;
+    }
+    return at;
+}
+
 /* Rank q sends `got` bytes where this rank expects `want`: the same words as
  * a frame whose pair total differs (the TCP path's check). */
 static int a2av_desync(rl_comm *c, const rl_opdesc *op, int q, uint64_t want, uint64_t got) {
@@ -2047,15 +2065,8 @@ int rl_shm_all_to_all_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *out_
     int st = step_begin(c, op, meta, 1, &step);
     if (st != RL_OK) goto done;
     char *area = in_area(s, r, meta, step);
-    a2av_ent *tbl = (a2av_ent *)(area + sizeof(a2av_head));
-    uint64_t at = tab, most = 0;
-    for (int q = 0; q < P; q++) {
-        tbl[q] = (a2av_ent){in_counts[q] * esz, in_displs[q] * esz, 0};
-        if (q == r) continue;
-        tbl[q].slot = at;
-        at = (at + tbl[q].n + 63) & ~(uint64_t)63;
-        if (tbl[q].n > most) most = tbl[q].n;
-    }
+    const a2av_ent *tbl = a2av_ents(area);
+    uint64_t most, at = a2av_fill(area, P, r, in_counts, in_displs, esz, tab, &most);
     a2av_head mine = {at <= cap, (uint64_t)(uintptr_t)in};
     for (int q = 0; q < P && mine.packed; q++)
         if (q != r) rl_copy(area + tbl[q].slot, b.in + tbl[q].in, tbl[q].n);
@@ -2236,15 +2247,8 @@ int rl_shm_rooted_v(rl_comm *c, rl_opdesc *op, int gather, void *many, const siz
     if ((st = step_begin(c, op, meta, r == root || one_step, &step)) != RL_OK) return st;
     if (r == root) {
         char *area = in_area(s, r, meta, step);
-        a2av_ent *tbl = (a2av_ent *)(area + sizeof(a2av_head));
-        uint64_t at = tab;
-        for (int q = 0; q < P; q++) {
-            tbl[q] = (a2av_ent){counts[q] * esz, displs[q] * esz, 0};
-            if (q == root) continue;
-            tbl[q].slot = at;
-            at = (at + tbl[q].n + 63) & ~(uint64_t)63;
-            if (tbl[q].n > most) most = tbl[q].n;
-        }
+        const a2av_ent *tbl = a2av_ents(area);
+        uint64_t at = a2av_fill(area, P, root, counts, displs, esz, tab, &most);
         a2av_head h = {!gather && at <= cap, (uint64_t)(uintptr_t)m};
         for (int q = 0; q < P && h.packed; q++)
             if (q != root) rl_copy(area + tbl[q].slot, m + tbl[q].in, tbl[q].n);

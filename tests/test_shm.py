@@ -554,6 +554,19 @@ def test_async_work_queues_over_shm(small_chunks):
     assert all(r == want for r in res), res
 
 
+def _error_of(op):
+    """What an op that should fail as a desync raised: the DesyncError's text, the
+    name of another RingletError, or "no error"."""
+    try:
+        op()
+        ringlet.barrier(timeout=30)  # the side that finished first learns of it here
+    except ringlet.errors.DesyncError as exc:
+        return str(exc)
+    except ringlet.errors.RingletError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
 def _all_gather_vs(rank, P):
     # over the segment's slots, in as many steps as the largest block takes
     g = _world._current().group
@@ -635,15 +648,9 @@ def _all_to_all_v_desync(rank, P):
     # rank 0 sends rank 1 three elements; rank 1 expects two
     send = [1, 3] if rank == 0 else [2, 1]
     recv = [1, 2] if rank == 0 else [2, 1]
-    try:
-        ringlet.all_to_all_v(np.empty(sum(recv), np.float32), recv,
-                             np.zeros(sum(send), np.float32), send, timeout=30)
-        ringlet.barrier(timeout=30)
-    except ringlet.errors.DesyncError as exc:
-        return str(exc)
-    except ringlet.errors.RingletError as exc:
-        return type(exc).__name__
-    return "no error"
+    return _error_of(lambda: ringlet.all_to_all_v(np.empty(sum(recv), np.float32), recv,
+                                                  np.zeros(sum(send), np.float32), send,
+                                                  timeout=30))
 
 
 def test_all_to_all_v_counts_that_differ_fail_as_a_desync_over_shm():
@@ -714,22 +721,15 @@ def test_gather_v_and_scatter_v_run_over_the_segment(small_chunks, P, cma):
 
 def _rooted_v_desync(rank, P, kind):
     # the root counts 2 elements for rank 1, which has 3
-    cnt = [1, 2]
-    try:
-        if kind == "gather_v":
-            ringlet.gather_v(np.empty(3, np.float32) if rank == 0 else None,
-                             cnt if rank == 0 else None,
-                             np.zeros(1 if rank == 0 else 3, np.float32), timeout=30)
-        else:
-            ringlet.scatter_v(np.empty(1 if rank == 0 else 3, np.float32),
-                              np.zeros(3, np.float32) if rank == 0 else None,
-                              cnt if rank == 0 else None, timeout=30)
-        ringlet.barrier(timeout=30)
-    except ringlet.errors.DesyncError as exc:
-        return str(exc)
-    except ringlet.errors.RingletError as exc:
-        return type(exc).__name__
-    return "no error"
+    cnt, root = [1, 2], rank == 0
+    if kind == "gather_v":
+        return _error_of(lambda: ringlet.gather_v(np.empty(3, np.float32) if root else None,
+                                                  cnt if root else None,
+                                                  np.zeros(1 if root else 3, np.float32),
+                                                  timeout=30))
+    return _error_of(lambda: ringlet.scatter_v(np.empty(1 if root else 3, np.float32),
+                                               np.zeros(3, np.float32) if root else None,
+                                               cnt if root else None, timeout=30))
 
 
 @pytest.mark.parametrize("kind", ["gather_v", "scatter_v"])
@@ -742,14 +742,8 @@ def test_rooted_v_sizes_that_differ_fail_as_a_desync_over_shm(kind):
 def _all_gather_v_desync(rank, P):
     # rank 1 believes it has 3 elements, the others that it has 2
     cnt = [2, 3] if rank == 1 else [2, 2]
-    try:
-        ringlet.all_gather_v(np.empty(sum(cnt), np.float32), cnt,
-                             np.zeros(cnt[rank], np.float32), timeout=30)
-    except ringlet.errors.DesyncError as exc:
-        return str(exc)
-    except ringlet.errors.RingletError as exc:
-        return type(exc).__name__
-    return "no error"
+    return _error_of(lambda: ringlet.all_gather_v(np.empty(sum(cnt), np.float32), cnt,
+                                                  np.zeros(cnt[rank], np.float32), timeout=30))
 
 
 def test_all_gather_v_count_tables_that_differ_fail_as_a_desync_over_shm():

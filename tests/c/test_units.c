@@ -199,72 +199,58 @@ static void test_random_bytes(void) {
     free(buf);
 }
 
-/* rl_copy_stream equals memcpy for every alignment of both ends and lengths
- * around its thresholds (the memcpy fallback, the 16-byte head, 64-byte
- * blocks, 16-byte and byte tails), and writes nothing outside [dst, dst+n). */
+typedef void (*copy_fn)(void *dst, const void *src, size_t n);
+
+/* 1 when `copy` equals memcpy for every length in lens, destinations at
+ * 0 .. dmax-1 bytes past a 64-byte boundary (every `dstep`-th for lengths
+ * over 100000) and sources at 0, 5, 10, 15 or 0, 21, 42, 63 (sstep), and
+ * writes nothing in the 64 bytes before or 32 after the range. */
+static int copies_like_memcpy(copy_fn copy, const size_t *lens, size_t nlens, size_t dmax,
+                              size_t dstep, size_t sstep, const char *what) {
+    size_t most = 0;
+    for (size_t li = 0; li < nlens; li++)
+        if (lens[li] > most) most = lens[li];
+    size_t cap = most + 64, room = cap + dmax + 128;
+    uint8_t *src = malloc(cap), *dst = malloc(room);
+    int ok = src && dst;
+    check(ok, what);
+    for (size_t i = 0; ok && i < cap; i++) src[i] = (uint8_t)(i * 131 + 7);
+    for (size_t li = 0; ok && li < nlens; li++) {
+        size_t n = lens[li];
+        for (size_t da = 0; da < dmax; da += (n > 100000 ? dstep : 1)) {
+            for (size_t sa = 0; sa < 4 * sstep; sa += sstep) {
+                memset(dst, 0xA5, room);
+                copy(dst + 64 + da, src + sa, n);
+                if (memcmp(dst + 64 + da, src + sa, n) != 0) ok = 0;
+                for (size_t i = 0; i < 64 + da; i++) ok &= dst[i] == 0xA5;
+                for (size_t i = 64 + da + n; i < 64 + da + n + 32; i++) ok &= dst[i] == 0xA5;
+            }
+        }
+    }
+    free(src);
+    free(dst);
+    return ok;
+}
+
+/* rl_copy_stream around its thresholds: the memcpy fallback, the 16-byte
+ * head, 64-byte blocks, 16-byte and byte tails, at every alignment. */
 static void test_copy_stream(void) {
     static const size_t lens[] = {0, 1, 15, 255, 256, 257, 271, 320, 1000, 4096 + 13,
                                   (1u << 20) + 7};
-    size_t cap = (1u << 20) + 7 + 64;
-    uint8_t *src = malloc(cap), *dst = malloc(cap + 64);
-    if (!src || !dst) {
-        check(0, "malloc for rl_copy_stream");
-        free(src);
-        free(dst);
-        return;
-    }
-    for (size_t i = 0; i < cap; i++) src[i] = (uint8_t)(i * 131 + 7);
-    int ok = 1;
-    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
-        for (size_t da = 0; da < 16; da++) {
-            for (size_t sa = 0; sa < 16; sa += 5) {
-                size_t n = lens[li];
-                memset(dst, 0xA5, cap + 64);
-                rl_copy_stream(dst + 16 + da, src + sa, n);
-                if (memcmp(dst + 16 + da, src + sa, n) != 0) ok = 0;
-                for (size_t i = 0; i < 16 + da; i++) ok &= dst[i] == 0xA5;
-                for (size_t i = 16 + da + n; i < 16 + da + n + 32 && i < cap + 64; i++)
-                    ok &= dst[i] == 0xA5;
-            }
-        }
-    }
-    check(ok, "rl_copy_stream: equals memcpy at every alignment and length, writes no more");
-    free(src);
-    free(dst);
+    check(copies_like_memcpy(rl_copy_stream, lens, sizeof lens / sizeof lens[0], 16, 1, 5,
+                             "malloc for rl_copy_stream"),
+          "rl_copy_stream: equals memcpy at every alignment and length, writes no more");
 }
 
-/* rl_copy equals memcpy around its thresholds (memcpy below 4 KiB, the
- * aligning head, 128-byte blocks, byte tails) for destinations at every
- * offset from the source modulo 64, and writes nothing outside the range. */
+/* rl_copy around its thresholds (memcpy below 4 KiB, the aligning head,
+ * 128-byte blocks, byte tails), destinations at every offset from the source
+ * modulo 64: both its paths. */
 static void test_copy(void) {
     static const size_t lens[] = {0, 1, 4095, 4096, 4097, 4096 + 127, 4096 + 129,
                                   65536 + 16, (1u << 20) + 7};
-    size_t cap = (1u << 20) + 7 + 128;
-    uint8_t *src = malloc(cap), *dst = malloc(cap + 128);
-    if (!src || !dst) {
-        check(0, "malloc for rl_copy");
-        free(src);
-        free(dst);
-        return;
-    }
-    for (size_t i = 0; i < cap; i++) src[i] = (uint8_t)(i * 131 + 7);
-    int ok = 1;
-    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
-        for (size_t da = 0; da < 64; da += (lens[li] > 100000 ? 7 : 1)) {
-            for (size_t sa = 0; sa < 64; sa += 21) {
-                size_t n = lens[li];
-                memset(dst, 0xA5, cap + 128);
-                rl_copy(dst + 32 + da, src + sa, n);
-                if (memcmp(dst + 32 + da, src + sa, n) != 0) ok = 0;
-                for (size_t i = 0; i < 32 + da; i++) ok &= dst[i] == 0xA5;
-                for (size_t i = 32 + da + n; i < 32 + da + n + 32 && i < cap + 128; i++)
-                    ok &= dst[i] == 0xA5;
-            }
-        }
-    }
-    check(ok, "rl_copy: equals memcpy at every relative offset and length, writes no more");
-    free(src);
-    free(dst);
+    check(copies_like_memcpy(rl_copy, lens, sizeof lens / sizeof lens[0], 64, 7, 21,
+                             "malloc for rl_copy"),
+          "rl_copy: equals memcpy at every relative offset and length, writes no more");
 }
 
 /* rl_move equals memmove for overlapping ranges both ways, disjoint ones and
