@@ -352,6 +352,14 @@ static void publish(rl_shm *s, int me, uint32_t *flag, uint32_t v) {
     if (__atomic_load_n(&s->ctrl[me].waiters, __ATOMIC_SEQ_CST)) ring_bell(s->hdr);
 }
 
+/* The store of publish() without its bell, for a flag this rank publishes
+ * right before another: the later publish()'s load of `waiters` follows
+ * both stores, so its bell covers a sleeper on either, and a rank asleep
+ * on the later flag is not woken twice. */
+static void publish_quiet(uint32_t *flag, uint32_t v) {
+    __atomic_store_n(flag, v, __ATOMIC_SEQ_CST);
+}
+
 void rl_shm_wake_all(rl_comm *c) {
     if (c->shm) ring_bell(c->shm->hdr);
 }
@@ -2180,19 +2188,41 @@ static int rooted_v_direct(const rl_shm *s, int gather, uint64_t most, int P) {
  * once, as a gather's leaves do); a larger block is written into the root's
  * output at the place the root's table gives.  The root checks every leaf's
  * size (a disagreement fails there as a desync naming both), copies the
- * slotted blocks out and returns once every writer has acknowledged. */
+ * slotted blocks out and returns once every writer has acknowledged.
+ * With the table in a small slot, every rank also takes one medium step:
+ * blocks up to a medium slot ride there, so those leaves run ahead as a
+ * gather's staged leaves do instead of waiting for the root's table (a
+ * hand-over per op, which a busy host turns into a wake-up).  Whole slots,
+ * where the equal-block gather keeps half: faster here, idle and busy
+ * (docs/experiments.md). */
+enum { GV_SLOT = 1, GV_WRITE = 2, GV_MID = 3 };
+
 static int gather_v_step(rl_comm *c, rl_opdesc *op, char *many, const size_t *counts,
                          const size_t *displs, const char *one, size_t n_own, size_t esz,
                          int root, int lane, size_t tab, uint32_t step) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank, st;
     size_t cap = lane_bytes(s, lane);
+    int mid = lane == SMALL && s->pool[MID].slots && s->pool[MID].bytes > cap;
+    size_t mid_cap = mid ? s->pool[MID].bytes : 0;
+#define GV_HOW(n) ((n) <= cap ? GV_SLOT : (n) <= mid_cap ? GV_MID : GV_WRITE)
+    uint32_t ms = 0;
     op->algo = lane_algo(lane);
     if (r != root) {
-        int slotted = n_own <= cap;
-        if (slotted) rl_copy(in_area(s, r, lane, step), one, n_own);
-        publish_in(c, op, lane, step, slotted ? 1 : 2, n_own);
-        if (!slotted) {
+        int how = GV_HOW(n_own);
+        if (mid && (st = step_begin(c, op, MID, how == GV_MID, &ms)) != RL_OK) return st;
+        if (how == GV_SLOT) rl_copy(in_area(s, r, lane, step), one, n_own);
+        /* The medium flags go up before the table step's in-flag, whose
+         * bell covers them (publish_quiet). */
+        if (how == GV_MID) {
+            op->algo = lane_algo(MID);
+            rl_copy(in_area(s, r, MID, ms), one, n_own);
+            rl_fill_header(in_desc(s, r, MID, ms), c, op, GV_MID, n_own);
+            publish_quiet(lane_in(s, r, MID, ms), ms);
+        }
+        if (mid) publish_quiet(lane_ack(s, r, MID), ms);
+        publish_in(c, op, lane, step, (uint32_t)how, n_own);
+        if (how == GV_WRITE) {
             op->algo = "shm_leaf_write";
             if ((st = wait_in(c, op, lane, root, step, 0, tab)) != RL_OK) return st;
             const char *ra = in_area(s, root, lane, step);
@@ -2204,28 +2234,39 @@ static int gather_v_step(rl_comm *c, rl_opdesc *op, char *many, const size_t *co
         step_ack(c, lane, step);
         return RL_OK;
     }
+    if (mid && (st = step_begin(c, op, MID, 0, &ms)) != RL_OK) return st;
     uint64_t most = 0;
     for (int i = 1; i < P; i++) {
         int q = (r + i) % P;
         uint64_t n = counts[q] * esz;
+        int how = GV_HOW(n);
         rl_hdr got, want;
         if ((st = peek_in(c, op, lane, q, step, &got)) != RL_OK) return st;
-        rl_fill_header(&want, c, op, n <= cap ? 1 : 2, n);
+        rl_fill_header(&want, c, op, (uint32_t)how, n);
         if (memcmp(&got, &want, sizeof got) != 0) {
             rl_fill_header(&want, c, op, got.tag, got.nbytes);
             if (memcmp(&got, &want, sizeof got) == 0) return a2av_desync(c, op, q, n, got.nbytes);
             return rl_check_header(c, op, q, &got, &want);
         }
-        if (n <= cap) rl_copy(many + displs[q] * esz, in_area(s, q, lane, step), n);
-        else if (n > most) most = n;
+        if (how == GV_SLOT) {
+            rl_copy(many + displs[q] * esz, in_area(s, q, lane, step), n);
+        } else if (how == GV_MID) {
+            if ((st = wait_in(c, op, MID, q, ms, GV_MID, n)) != RL_OK) return st;
+            rl_copy(many + displs[q] * esz, in_area(s, q, MID, ms), n);
+        } else if (n > most) {
+            most = n;
+        }
     }
+    if (mid) publish_quiet(lane_ack(s, r, MID), ms);
     step_ack(c, lane, step);
     if (most) op->algo = "shm_leaf_write";
     for (int q = 0; q < P; q++) {
         uint64_t n = counts[q] * esz;
-        if (q != root && n > cap && (st = wait_copy(c, op, lane_ack(s, q, lane), step, q, n)) != RL_OK)
+        if (q != root && GV_HOW(n) == GV_WRITE &&
+            (st = wait_copy(c, op, lane_ack(s, q, lane), step, q, n)) != RL_OK)
             return st;
     }
+#undef GV_HOW
     return RL_OK;
 }
 

@@ -700,14 +700,19 @@ def _rooted_vs(rank, P):
     return bad, algos
 
 
-@pytest.mark.parametrize("P,cma", [(2, 4096), (3, 0), (4, 4096), (4, 0), (8, 4096)])
-def test_gather_v_and_scatter_v_run_over_the_segment(small_chunks, P, cma):
+@pytest.mark.parametrize("P,cma,mid", [(2, 4096, 1024), (3, 0, 1024), (4, 4096, 1024),
+                                       (4, 0, 1024), (8, 4096, 1024), (4, 4096, 512)])
+def test_gather_v_and_scatter_v_run_over_the_segment(small_chunks, P, cma, mid):
     # small_chunks: a scatter's blocks of a few bytes travel with the root's table;
     # the 5000-element block moves in a single copy where that is on, staged
-    # pieces carry the rest
-    _core.set_tuning(shm_cma_bytes=cma)
+    # pieces carry the rest; a gather's leaves put blocks of 100-121 elements
+    # in medium slots of 1 KiB (with 512 bytes, no larger than a small slot, they
+    # write them into the root's output)
+    _core.set_tuning(shm_cma_bytes=cma, shm_mid_slot_bytes=mid)
+    every = set()
     for bad, algos in run_world(_rooted_vs, P, mode="thread", timeout=120):
         assert not bad, bad[:4]
+        every |= algos
         names = {a for _, a in algos}
         assert names <= {"shm_slot", "shm_mid_slot", "shm_copy", "shm_single_copy",
                          "shm_leaf_write"}, algos
@@ -717,26 +722,30 @@ def test_gather_v_and_scatter_v_run_over_the_segment(small_chunks, P, cma):
             assert ("scatter", "shm_single_copy") in algos, algos
         else:
             assert ("gather", "shm_copy") in algos, algos
+    if cma:  # some ranks' blocks outgrow the medium slots: the union over the ranks
+        assert (("gather", "shm_mid_slot") in every) == (mid > 512), every
 
 
-def _rooted_v_desync(rank, P, kind):
-    # the root counts 2 elements for rank 1, which has 3
-    cnt, root = [1, 2], rank == 0
+def _rooted_v_desync(rank, P, kind, k):
+    # the root counts 2k elements for rank 1, which has 3k (k = 1000: blocks
+    # beyond a small slot, in a gather's medium slots)
+    cnt, root = [k, 2 * k], rank == 0
     if kind == "gather_v":
-        return _error_of(lambda: ringlet.gather_v(np.empty(3, np.float32) if root else None,
+        return _error_of(lambda: ringlet.gather_v(np.empty(3 * k, np.float32) if root else None,
                                                   cnt if root else None,
-                                                  np.zeros(1 if root else 3, np.float32),
+                                                  np.zeros(k if root else 3 * k, np.float32),
                                                   timeout=30))
-    return _error_of(lambda: ringlet.scatter_v(np.empty(1 if root else 3, np.float32),
-                                               np.zeros(3, np.float32) if root else None,
+    return _error_of(lambda: ringlet.scatter_v(np.empty(k if root else 3 * k, np.float32),
+                                               np.zeros(3 * k, np.float32) if root else None,
                                                cnt if root else None, timeout=30))
 
 
-@pytest.mark.parametrize("kind", ["gather_v", "scatter_v"])
-def test_rooted_v_sizes_that_differ_fail_as_a_desync_over_shm(kind):
-    res = run_world(_rooted_v_desync, 2, mode="thread", timeout=60, args=(kind,))
+@pytest.mark.parametrize("kind,k", [("gather_v", 1), ("scatter_v", 1), ("gather_v", 1000)])
+def test_rooted_v_sizes_that_differ_fail_as_a_desync_over_shm(kind, k):
+    res = run_world(_rooted_v_desync, 2, mode="thread", timeout=60, args=(kind, k))
     assert "no error" not in res, res
-    assert kind[:-2] in res[1] and "total=12 bytes" in res[1] and "total=8 bytes" in res[1], res
+    assert kind[:-2] in res[1], res
+    assert f"total={12 * k} bytes" in res[1] and f"total={8 * k} bytes" in res[1], res
 
 
 def _all_gather_v_desync(rank, P):
