@@ -57,6 +57,8 @@ def _cases(rank, P):
     expect(ValueError, ["negative"], lambda: ringlet.all_to_all_v(f, [4, 4], f, [-1, 9]))
     expect(ValueError, ["output_counts", "entries"], lambda: ringlet.all_gather_v(f, [4], f[:4]))
     expect(ValueError, ["negative"], lambda: ringlet.all_gather_v(f, [-1, 9], f[:1]))
+    expect(TypeError, ["all_gather_v", "output_counts", "integers"], lambda: ringlet.all_gather_v(f, [4, None], f[:4]))
+    expect(TypeError, ["all_to_all_v", "input_counts", "integers"], lambda: ringlet.all_to_all_v(f, [4, 4], f, 8))
     expect(ValueError, ["sum to 17", "16"], lambda: ringlet.all_gather_v(np.zeros(16, np.float32), [8, 9], np.zeros(9 if rank else 8, np.float32)))
     expect(ValueError, [f"output_counts[{rank}]", "input has 3"], lambda: ringlet.all_gather_v(np.zeros(8, np.float32), [4, 4], np.zeros(3, np.float32)))
     expect(TypeError, ["all_gather_v", "float64", "float32"], lambda: ringlet.all_gather_v(np.zeros(8), [4, 4], np.zeros(4, np.float32)))

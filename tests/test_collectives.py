@@ -126,6 +126,13 @@ def _matrix(rank, P, dtypes, counts, full_roots=True):
         buf[off:off + cnt[rank]] = srcs[rank]
         ringlet.all_gather_v(buf, cnt, buf[off:off + cnt[rank]])
         moved(f"all_gather_v in place n={n}", buf, want)
+    # counts as a numpy array, a tuple and a generator
+    cnt = [(3 * s + 1) % 5 for s in range(P)]
+    srcs = [data(s, cnt[s], np.float64, salt=29) for s in range(P)]
+    for kind, c in [("numpy", np.array(cnt)), ("tuple", tuple(cnt)), ("generator", iter(cnt))]:
+        out = np.zeros(sum(cnt))
+        ringlet.all_gather_v(out, c, srcs[rank])
+        moved(f"all_gather_v counts as a {kind}", out, np.concatenate(srcs))
     # gather_v / scatter_v: rank s's block is (2s + n) % 5 elements (some none), every
     # root, from separate arrays and in place from the root's own block
     for n in counts:

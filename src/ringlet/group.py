@@ -60,17 +60,10 @@ _C = _core.Comm
 _NO = object()  # "no fifth argument" for ProcessGroup._call
 
 
-def _counts(op: str, name: str, counts: Sequence[int], P: int, arr: np.ndarray) -> List[int]:
-    """A per-rank count list of a v-collective, checked: P entries, none negative, their
-    sum within ``arr``."""
-    c = list(map(int, counts))
-    if len(c) != P:
-        raise ValueError(f"{op}: {name} has {len(c)} entries, the group has {P} ranks")
-    if c and min(c) < 0:
-        raise ValueError(f"{op}: {name} has a negative count: {c}")
-    if sum(c) > arr.size:
-        raise ValueError(f"{op}: {name} sum to {sum(c)} elements but the array has {arr.size}")
-    return c
+# _counts(op, name, counts, P, size): a v-collective's count list, checked (P
+# entries, none negative, their sum within the array's `size` elements), as a
+# new list of ints.
+_counts = _core.check_counts
 
 
 def _spread(comm: Any, fn: Callable[..., Any], args: tuple, _b: Any, _c: Any) -> Any:
@@ -378,7 +371,7 @@ class ProcessGroup:
         if o.dtype != i.dtype:
             raise TypeError(f"all_gather_v: output dtype {o.dtype} differs from input dtype "
                             f"{i.dtype}")
-        counts = _counts("all_gather_v", "output_counts", output_counts, self.size, o)
+        counts = _counts("all_gather_v", "output_counts", output_counts, self.size, o.size)
         r = self.rank
         if r >= 0 and counts[r] != i.size:
             raise ValueError(f"all_gather_v: output_counts[{r}] (this rank's) is {counts[r]} "
@@ -436,8 +429,8 @@ class ProcessGroup:
         o = output
         if o.dtype != i.dtype:
             raise TypeError(f"all_to_all: output dtype {o.dtype} differs from input dtype {i.dtype}")
-        oc = _counts("all_to_all_v", "output_counts", output_counts, self.size, o)
-        ic = _counts("all_to_all_v", "input_counts", input_counts, self.size, i)
+        oc = _counts("all_to_all_v", "output_counts", output_counts, self.size, o.size)
+        ic = _counts("all_to_all_v", "input_counts", input_counts, self.size, i.size)
         if oc[self.rank] != ic[self.rank]:
             raise ValueError(f"all_to_all_v: this rank sends itself {ic[self.rank]} elements "
                              f"but expects {oc[self.rank]}")
@@ -528,7 +521,7 @@ class ProcessGroup:
             if o.dtype != i.dtype:
                 raise TypeError(f"gather_v: output dtype {o.dtype} differs from input dtype "
                                 f"{i.dtype}")
-            counts = _counts("gather_v", "output_counts", output_counts, self.size, o)
+            counts = _counts("gather_v", "output_counts", output_counts, self.size, o.size)
             if counts[dst] != i.size:
                 raise ValueError(f"gather_v: output_counts[{dst}] (the root's) is "
                                  f"{counts[dst]} but its input has {i.size} elements")
@@ -573,7 +566,7 @@ class ProcessGroup:
             if o.dtype != i.dtype:
                 raise TypeError(f"scatter_v: output dtype {o.dtype} differs from input dtype "
                                 f"{i.dtype}")
-            counts = _counts("scatter_v", "input_counts", input_counts, self.size, i)
+            counts = _counts("scatter_v", "input_counts", input_counts, self.size, i.size)
             if counts[src] != o.size:
                 raise ValueError(f"scatter_v: input_counts[{src}] (the root's) is "
                                  f"{counts[src]} but its output has {o.size} elements")
