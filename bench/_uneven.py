@@ -1,8 +1,11 @@
 """The harness of the uneven-block benchmarks (all_gather_v.py, all_to_all_v.py,
 rooted_v.py): their command line, the world they run in (ringlet, or Open MPI through
-mpi4py with ``--mpi``), and the interleaved rounds and the table they print."""
+mpi4py with ``--mpi``), and the interleaved rounds and the table they print.  With
+``--busy K`` rank 0 runs K busy-looping processes through the timed rounds (``ringlet
+bench --busy``'s loops), so one command measures a busy host."""
 
 import argparse
+import contextlib
 import time
 from statistics import median
 from typing import Callable, Dict, List
@@ -18,7 +21,11 @@ def parse(doc: str, mpi_help: str, sizes_help: str) -> argparse.Namespace:
     p.add_argument("--sizes", default=SIZES, help=sizes_help + ", comma-separated")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--busy", type=int, default=0, metavar="K",
+                   help="busy-looping processes beside the timed rounds (started by rank 0)")
     a = p.parse_args()
+    if a.busy < 0:
+        p.error(f"--busy must be >= 0, got {a.busy}")
     a.sizes = [int(x) for x in a.sizes.split(",")]
     return a
 
@@ -57,23 +64,38 @@ def run(a: argparse.Namespace, w: World, forms: Callable[[int], Dict[str, Callab
     ``a.iters`` ops back to back each, the slowest rank's time per op; rank 0 prints
     the medians, one row per size (its bytes as ``shown(size)``)."""
     results: Dict[tuple, List[float]] = {}
-    for nbytes in a.sizes:
-        fs = forms(nbytes)
-        for fn in fs.values():
-            fn()  # warm-up: connections, pages
-        for _ in range(a.rounds):
-            for name, fn in fs.items():
-                w.barrier()
-                t0 = time.perf_counter()
-                for _ in range(a.iters):
-                    fn()
-                results.setdefault((nbytes, name), []).append(
-                    w.slowest((time.perf_counter() - t0) / a.iters))
+    busy = contextlib.nullcontext()
+    if a.busy and w.rank == 0:
+        from ringlet.bench.busy import busy_loops
+
+        busy = busy_loops(a.busy)
+    with busy:
+        for nbytes in a.sizes:
+            _size(a, w, forms(nbytes), nbytes, results)
     if w.rank == 0:
         names = list(dict.fromkeys(n for _, n in results))
         wd = max(12, *(len(n) + 2 for n in names))
-        print(f"# {title}; median us per op over {a.rounds} rounds of {a.iters} back to back")
+        load = f", beside {a.busy} busy loops" if a.busy else ""
+        print(f"# {title}; median us per op over {a.rounds} rounds of {a.iters} back to "
+              f"back{load}")
         print("#" + "".join(f"{h:>{wd}}" for h in ["bytes"] + names))
         for nbytes in a.sizes:
             print(" " + f"{shown(nbytes):>{wd}}" + "".join(
                 f"{median(results[(nbytes, n)]) * 1e6:>{wd}.1f}" for n in names))
+
+
+def _size(a: argparse.Namespace, w: World, fs: Dict[str, Callable[[], None]], nbytes: int,
+          results: Dict[tuple, List[float]]) -> None:
+    # A warm-up round first (connections, pages, and the scheduler's view of
+    # the new processes: the first size measured otherwise pays for them).
+    for fn in fs.values():
+        for _ in range(a.iters):
+            fn()
+    for _ in range(a.rounds):
+        for name, fn in fs.items():
+            w.barrier()
+            t0 = time.perf_counter()
+            for _ in range(a.iters):
+                fn()
+            results.setdefault((nbytes, name), []).append(
+                w.slowest((time.perf_counter() - t0) / a.iters))

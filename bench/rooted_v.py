@@ -9,6 +9,7 @@ kept; printed are the medians over ``--rounds`` (docs/algorithms.md, "gather, sc
 gather_v, scatter_v"):
 
     ringlet run -n 4 python3 bench/rooted_v.py
+    ringlet run -n 4 python3 bench/rooted_v.py --busy 2     # beside two busy loops
     RINGLET_TRANSPORT=tcp ringlet run -n 4 python3 bench/rooted_v.py
     mpirun -n 4 --oversubscribe --bind-to none --mca pml ob1 --mca btl sm,self \\
         python3 bench/rooted_v.py --mpi
