@@ -23,6 +23,9 @@ def parse(doc: str, mpi_help: str, sizes_help: str) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--busy", type=int, default=0, metavar="K",
                    help="busy-looping processes beside the timed rounds (started by rank 0)")
+    p.add_argument("--per-barrier", action="store_true",
+                   help="one op per barrier (each timed from the barrier's return), not "
+                        "--iters back to back")
     a = p.parse_args()
     if a.busy < 0:
         p.error(f"--busy must be >= 0, got {a.busy}")
@@ -61,8 +64,9 @@ class World:
 def run(a: argparse.Namespace, w: World, forms: Callable[[int], Dict[str, Callable[[], None]]],
         title: str, shown: Callable[[int], int]) -> None:
     """Per size, the forms ``forms(size)`` gives, interleaved: ``a.rounds`` rounds of
-    ``a.iters`` ops back to back each, the slowest rank's time per op; rank 0 prints
-    the medians, one row per size (its bytes as ``shown(size)``)."""
+    ``a.iters`` ops back to back each (or each after a barrier, ``--per-barrier``), the
+    slowest rank's mean time per op; rank 0 prints the medians, one row per size (its
+    bytes as ``shown(size)``)."""
     results: Dict[tuple, List[float]] = {}
     busy = contextlib.nullcontext()
     if a.busy and w.rank == 0:
@@ -76,8 +80,8 @@ def run(a: argparse.Namespace, w: World, forms: Callable[[int], Dict[str, Callab
         names = list(dict.fromkeys(n for _, n in results))
         wd = max(12, *(len(n) + 2 for n in names))
         load = f", beside {a.busy} busy loops" if a.busy else ""
-        print(f"# {title}; median us per op over {a.rounds} rounds of {a.iters} back to "
-              f"back{load}")
+        how = "one per barrier" if a.per_barrier else "back to back"
+        print(f"# {title}; median us per op over {a.rounds} rounds of {a.iters} {how}{load}")
         print("#" + "".join(f"{h:>{wd}}" for h in ["bytes"] + names))
         for nbytes in a.sizes:
             print(" " + f"{shown(nbytes):>{wd}}" + "".join(
@@ -93,9 +97,17 @@ def _size(a: argparse.Namespace, w: World, fs: Dict[str, Callable[[], None]], nb
             fn()
     for _ in range(a.rounds):
         for name, fn in fs.items():
-            w.barrier()
-            t0 = time.perf_counter()
-            for _ in range(a.iters):
-                fn()
-            results.setdefault((nbytes, name), []).append(
-                w.slowest((time.perf_counter() - t0) / a.iters))
+            if a.per_barrier:
+                spent = 0.0
+                for _ in range(a.iters):
+                    w.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    spent += time.perf_counter() - t0
+            else:
+                w.barrier()
+                t0 = time.perf_counter()
+                for _ in range(a.iters):
+                    fn()
+                spent = time.perf_counter() - t0
+            results.setdefault((nbytes, name), []).append(w.slowest(spent / a.iters))

@@ -10,6 +10,7 @@ gather_v, scatter_v"):
 
     ringlet run -n 4 python3 bench/rooted_v.py
     ringlet run -n 4 python3 bench/rooted_v.py --busy 2     # beside two busy loops
+    ringlet run -n 4 python3 bench/rooted_v.py --per-barrier  # one op per barrier
     RINGLET_TRANSPORT=tcp ringlet run -n 4 python3 bench/rooted_v.py
     mpirun -n 4 --oversubscribe --bind-to none --mca pml ob1 --mca btl sm,self \\
         python3 bench/rooted_v.py --mpi

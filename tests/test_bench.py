@@ -717,17 +717,20 @@ def _busy_anywhere():
 
 def test_uneven_benchmark_runs_beside_busy_loops_and_stops_them():
     # bench/rooted_v.py through bench/_uneven.py: --busy starts the loops on rank 0
-    # for the timed rounds, every form gets a row per size, no loop outlives the job
+    # for the timed rounds (here one op per barrier), every form gets a row per size,
+    # no loop outlives the job
     before = _busy_anywhere()
     script = str(Path(__file__).resolve().parents[1] / "bench" / "rooted_v.py")
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "ringlet.run", "-n", "2", "--timeout", "120", sys.executable,
-         script, "--sizes", "64,8192", "--rounds", "2", "--iters", "3", "--busy", "1"],
+         script, "--sizes", "64,8192", "--rounds", "2", "--iters", "3", "--busy", "1",
+         "--per-barrier"],
         capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     lines = [ln.split("]", 1)[-1].split() for ln in proc.stdout.splitlines()]
-    assert any("beside 1 busy loops" in " ".join(ln) for ln in lines), proc.stdout
+    assert any("one per barrier, beside 1 busy loops" in " ".join(ln) for ln in lines), \
+        proc.stdout
     rows = {ln[0]: [float(x) for x in ln[1:]] for ln in lines if ln and ln[0].isdigit()}
     assert sorted(rows) == ["64", "8192"], proc.stdout
     assert all(len(v) == 4 and all(t > 0 for t in v) for v in rows.values()), rows
