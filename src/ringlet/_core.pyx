@@ -161,8 +161,8 @@ cdef size_t _count_table(counts, int P, size_t *cnt, size_t *displ) except *:
 def check_counts(str op, str name, counts, Py_ssize_t P, Py_ssize_t size):
     """A v-collective's per-rank count list, checked: a new list of P ints, none
     negative, their sum at most ``size`` (the array's elements); else ValueError
-    (TypeError for entries ``int()`` refuses) naming ``op`` and ``name``.  One call where
-    the Python checks cost about 1 us of a small op."""
+    (TypeError for entries ``int()`` refuses) naming ``op`` and ``name``.  Here, not in
+    Python: those checks were much of a small v-op's cost (docs/experiments.md)."""
     cdef list c
     try:
         c = [v if type(v) is int else int(v) for v in counts]
