@@ -181,9 +181,10 @@ int rl_random_bytes(void *buf, size_t n);
       "shared memory: 8 KiB cells per ordered pair of ranks for point-to-point messages (a power "  \
       "of two; below 2: point-to-point stays on TCP)")                                              \
     X(shm_cma_bytes, 64 << 10, "RINGLET_SHM_CMA_BYTES",                                             \
-      "shared memory: all_to_all blocks of at least this many bytes beyond 2 ranks (2 ranks: "      \
-      "shm_cma_pair_bytes; all_gather: beyond 2 ranks blocks larger than two chunks, each rank "    \
-      "writing its block into its peers' outputs; scatter: beyond 2 ranks also larger than "        \
+      "shared memory: all_to_all blocks of at least this many bytes and larger than "              \
+      "shm_chunk_bytes beyond 2 ranks (2 ranks: shm_cma_pair_bytes; all_gather: beyond 2 ranks "    \
+      "blocks larger than two chunks, each rank writing its block into its peers' outputs; "        \
+      "scatter: beyond 2 ranks also larger than "                                                   \
       "shm_chunk_bytes; a 2-rank "                                                                  \
       "broadcast: "                                                                                 \
       "from twice this, the root writing half into the reader; gather: also larger than "           \

@@ -1882,6 +1882,15 @@ static int cma_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, 
     return cma_exchange(c, op, out, src, blk, (size_t)c->rank * blk);
 }
 
+/* Whether all_to_all (and all_to_all_v, by its largest block) reads blocks of
+ * `blk` bytes straight from the peers: at 2 ranks from cma_pair; beyond, from
+ * cma_min and above one chunk, below which the staged pieces ran faster here
+ * (docs/experiments.md, "all_to_all's single copy beyond 2 ranks"). */
+static int a2a_direct(const rl_shm *s, int P, uint64_t blk) {
+    if (P == 2) return s->cma_pair && blk >= s->cma_pair;
+    return s->cma_min && blk >= s->cma_min && blk > s->chunk;
+}
+
 int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size_t blk) {
     rl_shm *s = c->shm;
     int P = c->size, r = c->rank;
@@ -1890,8 +1899,7 @@ int rl_shm_all_to_all(rl_comm *c, rl_opdesc *op, void *out, const void *in, size
     uint32_t step;
     int st;
     note_op(c, op);
-    size_t cma_from = P == 2 ? s->cma_pair : s->cma_min;
-    if (lane == BIG && cma_from && blk >= cma_from) return cma_all_to_all(c, op, out, in, blk);
+    if (lane == BIG && a2a_direct(s, P, blk)) return cma_all_to_all(c, op, out, in, blk);
     op->algo = lane == SMALL ? "shm_slot" : "shm_copy";
     char *dst = out;
     size_t span = blk * (size_t)P;
@@ -2102,8 +2110,7 @@ int rl_shm_all_to_all_v(rl_comm *c, rl_opdesc *op, void *out, const size_t *out_
             if (p != q && e[p].n > most) most = e[p].n;
         from[q] = e[r].n;
     }
-    size_t cma_from = P == 2 ? s->cma_pair : s->cma_min;
-    if (!packed && lane_for(s, most * (uint64_t)P) == BIG && cma_from && most >= cma_from) {
+    if (!packed && lane_for(s, most * (uint64_t)P) == BIG && a2a_direct(s, P, most)) {
         st = a2av_read(c, op, meta, step, &b, most);
         goto done;
     }

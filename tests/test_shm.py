@@ -318,6 +318,16 @@ def _pair_exchanges(rank, P, sizes, pair_by_rank):
     return ok, algo
 
 
+def test_blocks_within_one_chunk_stay_staged_beyond_two_ranks(monkeypatch):
+    # 100 KB blocks: above shm_cma_bytes (64 KiB) but within one staging chunk
+    # (256 KiB), where 3 or more ranks stage every op of _single_copy_ops
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", "65536")
+    res = run_world(_single_copy_ops, 3, mode="process", timeout=60, args=(25_000,))
+    ops = ("all_to_all", "all_gather", "gather", "scatter")
+    assert res == [({o: True for o in ops}, {o: "shm_copy" for o in ops})] * 3, res
+
+
 @pytest.mark.parametrize("pair", [8192, 0])
 def test_two_rank_exchanges_read_the_peer_from_shm_cma_pair_bytes(monkeypatch, pair):
     # 2 ranks: all_gather and all_to_all read blocks from shm_cma_pair_bytes
