@@ -778,12 +778,15 @@ static int hs_io(int fd, void *buf, size_t len, int sending, int64_t deadline, s
     return RL_OK;
 }
 
+/* Only called once the acceptor has proved the secret, and a rejection comes
+ * as a status word: a close here is a peer that exited or died mid-handshake. */
 static int hs_fail(rl_comm *c, const rl_opdesc *op, int peer, int fd, int st, const char *stage) {
     int e = errno;
     close(fd);
     if (st == RL_ERR_PEER_CLOSED)
-        return rl_fail(c, op, RL_ERR_AUTH, peer, 0,
-                       "peer closed the connection during the handshake, %s (secret mismatch?)", stage);
+        return rl_fail(c, op, RL_ERR_PEER_CLOSED, peer, 0,
+                       "peer closed the connection during the handshake, %s, after it had "
+                       "proved the job secret (the peer process exited or was killed)", stage);
     if (st == RL_ERR_TIMEOUT)
         return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0, "handshake timed out %s", stage);
     if (st == RL_ERR_INTERRUPTED)

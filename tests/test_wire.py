@@ -95,7 +95,7 @@ import struct  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
-from ringlet import _auth  # noqa: E402
+from ringlet import _auth, errors as _errors  # noqa: E402
 
 DEADLINE_S = 30.0  # generous: the machine may be oversubscribed
 
@@ -191,6 +191,8 @@ def _respond(listener, key, label_r, label_i, parse, out):
         proof = _recv(conn, 32)
         out["hello"] = hello
         out["proof_ok"] = hmac.compare_digest(proof, _mac(key, label_i, bound, nonce_r))
+        if out.get("die_before_verdict"):
+            return
         conn.sendall((0).to_bytes(4, out.get("order", "little")))
         _recv(conn, 1)  # until the initiator closes
     finally:
@@ -226,6 +228,32 @@ def test_c_connector_follows_the_spec():
     magic, version, kind, job, comm_id, src, dst = struct.unpack("<4sHH16sIII", out["hello"][:36])
     assert (magic, version, kind, job, comm_id, src, dst) == (b"RLTH", 1, 1, job_id, 9, 0, 1)
     assert out["proof_ok"], "the C connector's proof does not follow the spec"
+
+
+def test_an_acceptor_gone_before_its_verdict_is_a_closed_peer_not_a_bad_secret():
+    # A rank killed between proving the secret and answering our proof: the
+    # secrets matched, so the error must say the peer went, not "secret mismatch".
+    secret, job_id = os.urandom(32), os.urandom(16)
+    key = hashlib.sha256(secret).digest()
+    ls, out = _listener(), {"die_before_verdict": True}
+    t = threading.Thread(target=_respond, args=(ls, key, b"ringlet/acc", b"ringlet/con",
+                                                (68, _data_bound), out))
+    t.start()
+    ctx = _ctx(0, 2, secret, job_id)
+    try:
+        ctx.set_peer(1, "127.0.0.1", ls.getsockname()[1])
+        comm = _core.Comm(ctx, 9, 0, [0, 1])
+        with pytest.raises(_errors.PeerClosedError) as ei:
+            comm.connect(1, int(DEADLINE_S * 1000))
+        comm.close()
+    finally:
+        ctx.close()
+        t.join(DEADLINE_S)
+        ls.close()
+    assert out["proof_ok"]
+    msg = str(ei.value)
+    assert "peer 1" in msg and "verdict" in msg and "exited or was killed" in msg, msg
+    assert "mismatch" not in msg, msg
 
 
 def test_python_client_follows_the_spec():
