@@ -330,6 +330,11 @@ int rl_comm_attach_shm_p2p(rl_comm *c, int fd, size_t size, int create, rl_error
 int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms);
 /* 1 when collectives of c run over shared memory. */
 int rl_comm_uses_shm(const rl_comm *c);
+/* Over shared memory: the block size from which ops copy straight between
+ * processes (process_vm_readv), 0 when off.  Off because a rank's set-up
+ * probe failed: *rank is that comm rank, *peer the one it could not read and
+ * *err the read's errno (0: it read another word); else all three -1, -1, 0. */
+int64_t rl_comm_shm_single_copy(const rl_comm *c, int *rank, int *peer, int *err);
 
 /* ---- collectives (algorithms in allreduce.c, bcast.c, ...) ----------- */
 /* All buffers are contiguous.  `count` is in elements of dt. */

@@ -124,7 +124,8 @@ typedef struct {
     uint32_t pad_r[2];
     uint32_t s_ack;  /* small lane: last step finished reading              */
     uint32_t cma_ok; /* 1: this rank read every peer's probe; 2: it could not */
-    uint32_t pad1;
+    uint32_t cma_why; /* cma_ok 2: the first peer it could not read << 16 | the
+                         read's errno (0: the read worked but found another word) */
     /* Single copy: the address, in the owner's memory, of the input that
      * peers read directly for the big-lane step that uses buffer i (and of
      * its probe word during set-up). */
@@ -771,14 +772,35 @@ static int cma_read_raw(pid_t pid, void *dst, uint64_t src, size_t n) {
 
 static void cma_probe(rl_comm *c) {
     rl_shm *s = c->shm;
-    uint32_t ok = 1;
+    uint32_t ok = 1, why = 0;
     for (int q = 0; q < c->size && ok == 1; q++) {
         uint64_t got = 0;
         pid_t pid = (pid_t)__atomic_load_n(&s->ctrl[q].pid, __ATOMIC_ACQUIRE);
         uint64_t at = __atomic_load_n(&s->ctrl[q].xaddr[0], __ATOMIC_ACQUIRE);
-        if (pid <= 0 || cma_read_raw(pid, &got, at, sizeof got) != 0 || got != s->probe) ok = 2;
+        int e = pid <= 0 ? ESRCH : cma_read_raw(pid, &got, at, sizeof got);
+        if (e || got != s->probe) {
+            ok = 2;
+            why = (uint32_t)q << 16 | (uint32_t)(e & 0xffff);
+        }
     }
+    s->ctrl[c->rank].cma_why = why;
     __atomic_store_n(&s->ctrl[c->rank].cma_ok, ok, __ATOMIC_RELEASE);
+}
+
+int64_t rl_comm_shm_single_copy(const rl_comm *c, int *rank, int *peer, int *err) {
+    rl_shm *s = c->shm;
+    *rank = *peer = -1;
+    *err = 0;
+    if (!s || s->cma_min) return s ? (int64_t)s->cma_min : 0;
+    for (int q = 0; q < c->size && s->hdr->cma_bytes; q++)
+        if (__atomic_load_n(&s->ctrl[q].cma_ok, __ATOMIC_ACQUIRE) == 2) {
+            uint32_t why = s->ctrl[q].cma_why;
+            *rank = q;
+            *peer = (int)(why >> 16);
+            *err = (int)(why & 0xffff);
+            break;
+        }
+    return 0;
 }
 
 /* The op's status after a direct read or write of n bytes with the peer q

@@ -138,3 +138,26 @@ def test_no_launcher_notice_quiet_and_launched():
                               timeout=60)
     assert launched.returncode == 0, launched.stderr
     assert "no launcher" not in launched.stderr and "world 1" in launched.stdout
+
+
+def test_info_says_whether_the_kernel_lets_ranks_copy_once(capsys, monkeypatch, tmp_path):
+    from ringlet import _shm
+
+    clear_launcher(monkeypatch)
+    assert cli.main(["info", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["single_copy"] == {"yama_ptrace_scope": _shm.yama_ptrace_scope()}
+    assert cli.main(["info"]) == 0
+    assert ("single copy: " + _shm.single_copy_outlook(_shm.yama_ptrace_scope())
+            in capsys.readouterr().out.splitlines())
+    scope = tmp_path / "ptrace_scope"
+    scope.write_text("1\n")
+    assert _shm.yama_ptrace_scope(str(scope)) == 1
+    assert _shm.yama_ptrace_scope(str(tmp_path / "absent")) is None
+    scope.write_text("garbage")
+    assert _shm.yama_ptrace_scope(str(scope)) is None
+    words = {s: _shm.single_copy_outlook(s) for s in (None, 0, 1, 2, 3)}
+    assert "copied once" in words[None] and "copied once" in words[0]
+    assert "staged" in words[1] and "kernel.yama.ptrace_scope=0" in words[1]
+    assert "CAP_SYS_PTRACE" in words[2] and "staged" in words[3]
+    assert len(set(words.values())) == 5

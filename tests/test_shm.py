@@ -1785,3 +1785,44 @@ def test_a_leaf_that_finished_and_closed_does_not_fail_the_root():
     gone = threading.Event()
     assert run_world(_leaf_leaves_early, 3, mode="thread", timeout=120,
                      args=(gone,)) == [True, True, True]
+
+
+def _one_rank_may_not_read_the_others(rank, P, blk):
+    from ringlet import _shm
+
+    world = _world._current().group
+    before = world.single_copy
+    if rank == P - 1:
+        # Another user: the kernel lets it map the segment handed to it but
+        # not read a root-owned peer's memory (root may still read it).
+        os.setgid(65534)
+        os.setuid(65534)
+    g = ringlet.new_group(list(range(P)))
+    rows = np.arange(blk * P, dtype=np.float32)
+    inp = rows + 1e6 * rank
+    out = np.full(blk * P, -1, np.float32)
+    ringlet.all_to_all(out, inp, group=g)
+    ok = np.array_equal(out, np.concatenate([rows[rank * blk:(rank + 1) * blk] + 1e6 * q
+                                             for q in range(P)]))
+    one = np.full(blk, -1, np.float32)
+    ringlet.scatter(one, inp if rank == 0 else None, src=0, group=g)
+    ok = ok and np.array_equal(one, rows[rank * blk:(rank + 1) * blk])
+    algo = sorted({e["algorithm"] for e in g._coll.trace()[2]
+                   if e["op"] in ("all_to_all", "scatter")})
+    return before, g.single_copy, _shm.single_copy_words(g._coll, g.ranks), bool(ok), algo
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run one rank as another user")
+def test_single_copy_falls_back_to_staging_when_a_rank_may_not_read_its_peers(monkeypatch):
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGLET_SHM_CMA_BYTES", "65536")
+    res = run_world(_one_rank_may_not_read_the_others, 3, mode="process", timeout=90,
+                    args=(100_000,))
+    for rank, (before, after, words, ok, algo) in enumerate(res):
+        assert before == 65536 and after == 0, (rank, before, after)
+        assert ok and algo == ["shm_copy"], (rank, ok, algo)
+        # The probe that failed is named the same on every rank: who, whom, why.
+        assert words == ("single copy off: world rank 2 may not read the memory of world rank "
+                         f"0 (process_vm_readv: {os.strerror(1)}; the kernel's ptrace rules, "
+                         "e.g. Yama's ptrace_scope, docs/launching.md), so large messages are "
+                         "staged through the segment"), (rank, words)

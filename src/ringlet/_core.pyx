@@ -568,6 +568,16 @@ cdef class Comm:
         """"shm" when collectives run over a shared-memory segment, else "tcp"."""
         return "shm" if rl_comm_uses_shm(self._h()) else "tcp"
 
+    @property
+    def single_copy(self):
+        """(bytes, rank, peer, errno): the block size from which shared-memory
+        ops copy straight between processes (0: off; 0 over TCP too) and, when
+        a rank's set-up probe turned it off, that rank, the peer it could not
+        read and the read's errno (0: it read another word); else -1, -1, 0."""
+        cdef int rank, peer, err
+        cdef int64_t n = rl_comm_shm_single_copy(self._h(), &rank, &peer, &err)
+        return (n, rank, peer, err)
+
     def connect(self, int peer, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
         cdef int st

@@ -107,8 +107,54 @@ def setup(world: Any, comm: Any, ranks: Sequence[int], timeout: float,
         c.shm_ready(max(1, int((deadline - time.monotonic()) * 1000)))
     log(world.rank, 1, f"communicator {comm.comm_id}: transport shm ({P} ranks, segment "
                        f"{size} bytes" + (f"; point to point: {comms[1][1]} bytes)"
-                                          if len(comms) > 1 else ")"))
+                                          if len(comms) > 1 else ")")
+        + "; " + single_copy_words(comm, ranks))
     return "shm"
+
+
+YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+def yama_ptrace_scope(path: str = YAMA_PTRACE_SCOPE) -> Optional[int]:
+    """The kernel's Yama ptrace_scope, or None where Yama is absent (or unreadable)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def single_copy_outlook(scope: Optional[int]) -> str:
+    """What a Yama ptrace_scope means for single copy between ranks of one host."""
+    if scope is None:
+        return ("no Yama module: ranks of one user may read each other's memory, so large "
+                "shared-memory messages are copied once (each group probes it at set-up)")
+    if scope == 0:
+        return ("Yama ptrace_scope 0: ranks of one user may read each other's memory, so large "
+                "shared-memory messages are copied once (each group probes it at set-up)")
+    if scope == 1:
+        return ("Yama ptrace_scope 1: ranks started side by side may not read each other's "
+                "memory, so large shared-memory messages are staged through the segment "
+                "(root: sysctl kernel.yama.ptrace_scope=0; docs/launching.md)")
+    if scope == 2:
+        return ("Yama ptrace_scope 2: only processes with CAP_SYS_PTRACE may read another's "
+                "memory, so large shared-memory messages are staged through the segment "
+                "unless the ranks hold it")
+    return (f"Yama ptrace_scope {scope}: no process may read another's memory, so large "
+            f"shared-memory messages are staged through the segment")
+
+
+def single_copy_words(comm: Any, ranks: Sequence[int]) -> str:
+    """What the comm's set-up probe decided about single copy, for the log."""
+    n, who, peer, err = comm.single_copy
+    if n:
+        return f"single copy from {n}-byte blocks"
+    if who < 0:
+        return "single copy off (RINGLET_SHM_CMA_BYTES=0)"
+    why = os.strerror(err) if err else "it read another word than the peer wrote"
+    return (f"single copy off: world rank {ranks[who]} may not read the memory of world rank "
+            f"{ranks[peer]} (process_vm_readv: {why}; the kernel's ptrace rules, e.g. Yama's "
+            f"ptrace_scope, docs/launching.md), so large messages are staged through the segment")
 
 
 def _create(world: Any, comm: Any, comms: list, key: bytes, rec_key: str, P: int,

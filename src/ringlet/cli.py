@@ -55,7 +55,8 @@ def info_dict() -> Dict[str, Any]:
     when missing), ``launch`` (None when no launcher is detected, else source,
     ranks and master; ``{"error": ...}`` for an invalid launcher environment),
     ``secret`` ("set", "not set" or "invalid: ..."; never the secret), ``transport``
-    (``RINGLET_TRANSPORT``'s mode and this process's host id, or ``{"error": ...}``), ``env``
+    (``RINGLET_TRANSPORT``'s mode and this process's host id, or ``{"error": ...}``),
+    ``single_copy`` (the kernel's Yama ``ptrace_scope``, None without Yama), ``env``
     (launcher variables, secrets redacted) and ``core`` (the build facts, or
     ``{"error": ...}`` when the extension is not built).
     """
@@ -91,6 +92,12 @@ def info_dict() -> Dict[str, Any]:
         d["transport"] = {"mode": transport_mode(), "host_id": host_id()}
     except (ValueError, ImportError) as exc:
         d["transport"] = {"error": str(exc)}
+    try:
+        from ._shm import yama_ptrace_scope
+
+        d["single_copy"] = {"yama_ptrace_scope": yama_ptrace_scope()}
+    except ImportError as exc:
+        d["single_copy"] = {"error": str(exc)}
     try:
         from ._topology import bind_mode
 
@@ -144,6 +151,13 @@ def info_lines() -> List[str]:
                "shm": "shared memory only (a group spanning hosts fails)",
                "tcp": "TCP only"}[t["mode"]]
         lines.append(f"transport: {t['mode']} ({how}); host id {t['host_id']}")
+    sc = d["single_copy"]
+    if "error" in sc:
+        lines.append(f"single copy: unknown ({sc['error']})")
+    else:
+        from ._shm import single_copy_outlook
+
+        lines.append("single copy: " + single_copy_outlook(sc["yama_ptrace_scope"]))
     b = d["binding"]
     if "error" in b:
         lines.append(f"cpu binding: invalid ({b['error']})")

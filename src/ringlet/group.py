@@ -156,6 +156,19 @@ class ProcessGroup:
         return self._coll.transport
 
     @property
+    def single_copy(self) -> Optional[int]:
+        """Over shared memory, the block size in bytes from which large
+        messages are copied straight from one rank's buffer into another's
+        (``process_vm_readv``; docs/algorithms.md, "Single copy"); 0 when they
+        are staged through the segment instead: ``RINGLET_SHM_CMA_BYTES=0``, or
+        some rank of the group may not read its peers' memory (the kernel's
+        ptrace rules; ``RINGLET_DEBUG=INFO`` logs which, docs/launching.md).
+        None over TCP, on a non-member or after shutdown."""
+        if self._coll is None or self._closed or self._coll.transport != "shm":
+            return None
+        return self._coll.single_copy[0]
+
+    @property
     def timeout(self) -> float:
         """Default deadline in seconds of every operation of this group."""
         return self._timeout
