@@ -49,6 +49,35 @@ def _comm0(rep):
     return next(c for c in rep["communicators"] if c["comm_id"] == 0)
 
 
+def test_a_failure_dump_under_way_holds_back_the_other_caller(monkeypatch):
+    # The rank's own failure and the watcher's cancel race to dump; the one
+    # that finds a dump under way must wait for its file, or the process may
+    # exit (killing the watcher thread) before the record is written.
+    import threading
+    import types
+
+    started, release, order = threading.Event(), threading.Event(), []
+
+    def slow_dump(world, reason, directory=None):
+        started.set()
+        release.wait(60)
+        order.append(("written", reason))
+
+    monkeypatch.setattr(trace, "dump", slow_dump)
+    world = types.SimpleNamespace()
+    first = threading.Thread(target=trace.on_failure, args=(world, None, "cancelled by rank 0"))
+    first.start()
+    assert started.wait(60)
+    second = threading.Thread(target=lambda: (trace.on_failure(world, DesyncError("x")),
+                                              order.append(("returned", None))))
+    second.start()
+    second.join(0.5)  # room to return early, which it must not
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert order == [("written", "cancelled by rank 0"), ("returned", None)], order
+
+
 # ---- one rank skips a collective: the others time out --------------------------
 def _skip_one(rank, P):
     for _ in range(3):

@@ -177,18 +177,22 @@ def dump_all(reason: str) -> List[str]:
 
 
 _FAILURES = (CollectiveTimeout, DesyncError, PeerClosedError)
+# Held through a failure dump: the rank's own failure and the watcher's cancel
+# race to dump, and the loser must not return (and the process exit, killing
+# the watcher thread) before the winner's file is written.
+_failure_dump = threading.Lock()
 
 
 def on_failure(world: Any, exc: Optional[BaseException], reason: str = "") -> None:
     """A group of ``world`` failed (``exc``) or was cancelled because another
     rank failed (``reason``): dump once per world failure."""
-    if exc is not None and not isinstance(exc, _FAILURES):
-        return
-    with _lock:
+    with _failure_dump:
+        if exc is not None and not isinstance(exc, _FAILURES):
+            return
         if getattr(world, "_trace_dumped", False):
             return
+        dump(world, f"{type(exc).__name__}: {exc}" if exc is not None else reason)
         world._trace_dumped = True
-    dump(world, f"{type(exc).__name__}: {exc}" if exc is not None else reason)
 
 
 def on_close(world: Any) -> None:
