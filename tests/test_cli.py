@@ -155,7 +155,8 @@ def test_info_says_whether_the_kernel_lets_ranks_copy_once(capsys, monkeypatch, 
     assert _shm.yama_ptrace_scope(str(scope)) == 1
     assert _shm.yama_ptrace_scope(str(tmp_path / "absent")) is None
     scope.write_text("garbage")
-    assert _shm.yama_ptrace_scope(str(scope)) is None
+    with pytest.raises(ValueError, match="not a number"):
+        _shm.yama_ptrace_scope(str(scope))
     words = {s: _shm.single_copy_outlook(s) for s in (None, 0, 1, 2, 3)}
     assert "copied once" in words[None] and "copied once" in words[0]
     assert "staged" in words[1] and "kernel.yama.ptrace_scope=0" in words[1]

@@ -116,12 +116,20 @@ YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 def yama_ptrace_scope(path: str = YAMA_PTRACE_SCOPE) -> Optional[int]:
-    """The kernel's Yama ptrace_scope, or None where Yama is absent (or unreadable)."""
+    """The kernel's Yama ptrace_scope, or None where Yama is absent.
+
+    Raises:
+        OSError, ValueError: the setting exists but cannot be read as a number.
+    """
     try:
         with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
+            text = f.read()
+    except FileNotFoundError:
         return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"{path} holds {text.strip()[:40]!r}, not a number") from None
 
 
 def single_copy_outlook(scope: Optional[int]) -> str:

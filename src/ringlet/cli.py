@@ -96,7 +96,7 @@ def info_dict() -> Dict[str, Any]:
         from ._shm import yama_ptrace_scope
 
         d["single_copy"] = {"yama_ptrace_scope": yama_ptrace_scope()}
-    except ImportError as exc:
+    except (ImportError, OSError, ValueError) as exc:
         d["single_copy"] = {"error": str(exc)}
     try:
         from ._topology import bind_mode
