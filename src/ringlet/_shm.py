@@ -134,12 +134,10 @@ def yama_ptrace_scope(path: str = YAMA_PTRACE_SCOPE) -> Optional[int]:
 
 def single_copy_outlook(scope: Optional[int]) -> str:
     """What a Yama ptrace_scope means for single copy between ranks of one host."""
-    if scope is None:
-        return ("no Yama module: ranks of one user may read each other's memory, so large "
-                "shared-memory messages are copied once (each group probes it at set-up)")
-    if scope == 0:
-        return ("Yama ptrace_scope 0: ranks of one user may read each other's memory, so large "
-                "shared-memory messages are copied once (each group probes it at set-up)")
+    if scope is None or scope == 0:
+        return (("no Yama module" if scope is None else "Yama ptrace_scope 0")
+                + ": ranks of one user may read each other's memory, so large shared-memory "
+                "messages are copied once (each group probes it at set-up)")
     if scope == 1:
         return ("Yama ptrace_scope 1: ranks started side by side may not read each other's "
                 "memory, so large shared-memory messages are staged through the segment "
