@@ -8,9 +8,18 @@ slowest rank's time.
 
 Sweep: ``--ops`` (default all_reduce) from ``--min`` to ``--max`` bytes of
 float32, by factors of 4, through ``torch.distributed`` calls.
-DDP: ``DistributedDataParallel`` on an MLP of ``--layers`` Linear(width, width)
-+ ReLU (``--width 2048 --layers 6``: 25.2 M parameters), ``--batch`` rows per
-rank (small by default, so communication dominates), SGD step included;
+DDP: ``DistributedDataParallel`` with an SGD step, on ``--model``:
+
+- ``mlp``: ``--layers`` Linear(width, width) + ReLU (``--width 2048 --layers 6``:
+  25.2 M parameters), ``--batch`` rows per rank. Each weight is read and
+  written several times per step (forward, backward, optimizer), so on a host
+  with few cores per rank its compute is most of the step.
+- ``embedding``: a recommendation-style model, an EmbeddingBag(vocab, dim) with
+  dense gradients (``--vocab 393216 --dim 64``: 25.2 M parameters) summing
+  ``--bag`` rows per sample, then Linear(dim, 256) + ReLU + Linear(256, 1).
+  A step touches few rows but reduces the whole table's gradient: the case
+  where communication dominates.
+
 ``--bucket-view`` passes ``gradient_as_bucket_view=True`` (gradients live in
 DDP's buckets: no copy into them before the all_reduce and out after).
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -47,8 +57,12 @@ def _args(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--target-s", type=float, default=0.05,
                     help="about this long per round and cell (at least one op)")
+    ap.add_argument("--model", default="mlp", choices=("mlp", "embedding"))
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=393216)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--bag", type=int, default=20, help="rows summed per sample (embedding)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5, help="DDP rounds (one step each backend)")
     ap.add_argument("--bucket-view", action="store_true",
@@ -121,22 +135,50 @@ def sweep(a, groups, P):
     return rows
 
 
-def ddp(a, groups, P):
-    torch.manual_seed(0)
+def _build(a):
+    """A fresh model of ``--model``'s shape (weights set by the caller)."""
+    if a.model == "embedding":
+        return nn.ModuleDict({"emb": nn.EmbeddingBag(a.vocab, a.dim, mode="sum"),
+                              "head": nn.Sequential(nn.Linear(a.dim, 256), nn.ReLU(),
+                                                    nn.Linear(256, 1))})
     layers = []
     for _ in range(a.layers):
         layers += [nn.Linear(a.width, a.width), nn.ReLU()]
-    base = nn.Sequential(*layers)
+    return nn.Sequential(*layers)
+
+
+def _data(a, rank):
+    g = torch.Generator().manual_seed(1 + rank)
+    if a.model == "embedding":
+        idx = torch.randint(0, a.vocab, (a.batch, a.bag), generator=g)
+        return idx, torch.randn(a.batch, 1, generator=g)
+    return torch.randn(a.batch, a.width, generator=g), torch.randn(a.batch, a.width, generator=g)
+
+
+class _Rec(nn.Module):
+    """The embedding model as one module DDP can wrap."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx):
+        return self.inner["head"](self.inner["emb"](idx))
+
+
+def ddp(a, groups, P):
+    torch.manual_seed(0)
+    base = _build(a)
     nparams = sum(p.numel() for p in base.parameters())
+    wrap = _Rec if a.model == "embedding" else (lambda m: m)
     models = {}
     for name, g in groups.items():
-        m = nn.Sequential(*[type(l)(a.width, a.width) if isinstance(l, nn.Linear) else nn.ReLU()
-                            for l in layers])
+        m = _build(a)
         m.load_state_dict(base.state_dict())
+        m = wrap(m)
         models[name] = (DDP(m, process_group=g, gradient_as_bucket_view=a.bucket_view),
                         torch.optim.SGD(m.parameters(), lr=1e-4))
-    x = torch.randn(a.batch, a.width)
-    y = torch.randn(a.batch, a.width)
+    x, y = _data(a, dist.get_rank())
 
     def step(name):
         model, opt = models[name]
@@ -156,18 +198,17 @@ def ddp(a, groups, P):
         for name in (names if r % 2 == 0 else names[::-1]):
             times[name].append(step(name))
     # The compute-only floor: the same step without DDP.
-    plain = nn.Sequential(*[type(l)(a.width, a.width) if isinstance(l, nn.Linear) else nn.ReLU()
-                            for l in layers])
+    plain = wrap(_build(a))
     opt = torch.optim.SGD(plain.parameters(), lr=1e-4)
     local = []
-    for _ in range(a.steps):
+    for _ in range(a.steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad()
         nn.functional.mse_loss(plain(x), y).backward()
         opt.step()
         local.append(time.perf_counter() - t0)
-    return {"params": nparams, "ranks": P, "batch": a.batch, "bucket_view": a.bucket_view,
-            "local_ms": statistics.median(local) * 1e3,
+    return {"model": a.model, "params": nparams, "ranks": P, "batch": a.batch,
+            "bucket_view": a.bucket_view, "local_ms": statistics.median(local[1:]) * 1e3,
             **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}}
 
 
@@ -185,7 +226,9 @@ def main(argv=None) -> None:
     P, rank = dist.get_world_size(), dist.get_rank()
     groups = {"ringlet": dist.group.WORLD,
               "gloo": dist.new_group(list(range(P)), backend="gloo")}
-    out = {"ranks": P, "threads": torch.get_num_threads()}
+    # The allocator decides whether a step faults its gradients in afresh (docs/benchmarks.md).
+    alloc = {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD") if os.environ.get(k)}
+    out = {"ranks": P, "threads": torch.get_num_threads(), "allocator": alloc or "default"}
     if not a.no_sweep:
         out["sweep"] = sweep(a, groups, P)
     if not a.no_ddp:
@@ -201,8 +244,9 @@ def main(argv=None) -> None:
                       f"{row['gloo_us']:.1f} | {row['gloo_us'] / row['ringlet_us']:.2f}x |")
         if "ddp" in out:
             d = out["ddp"]
-            print(f"\nDDP step, {d['params'] / 1e6:.1f} M parameters, {P} ranks, batch "
-                  f"{d['batch']} per rank, median of {a.steps} interleaved steps (ms)\n")
+            print(f"\nDDP step, {d['model']}, {d['params'] / 1e6:.1f} M parameters, {P} ranks, batch "
+                  f"{d['batch']} per rank, median of {a.steps} interleaved steps (ms), allocator "
+                  f"{out['allocator']}\n")
             print("| ranks | no DDP | ringlet | gloo | gloo / ringlet |")
             print("|---:|---:|---:|---:|---:|")
             print(f"| {P} | {d['local_ms']:.1f} | {d['ringlet_ms']:.1f} | {d['gloo_ms']:.1f} | "

@@ -840,6 +840,41 @@ def test_gloo_peer(capsys, tmp_path):
     assert len(rows) == 3 and all(r["wrong"] == 0 and r["in_place"] for r in rows)
 
 
+def test_torch_bench_both_models_and_the_allocator_it_ran_with(tmp_path):
+    # bench/torch_bench.py under ringlet run: a two-size sweep and the DDP step of each
+    # model, shrunk; the JSON names the model, its parameter count and the allocator setting.
+    script = str(Path(__file__).resolve().parents[1] / "bench" / "torch_bench.py")
+    tunables = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
+    cases = (("embedding", ["--vocab", "1000", "--dim", "8", "--bag", "3", "--bucket-view"],
+              1000 * 8 + (8 * 256 + 256) + (256 + 1), {"GLIBC_TUNABLES": tunables}),
+             ("mlp", ["--width", "32", "--layers", "2", "--min", "8", "--max", "32"],
+              2 * (32 * 32 + 32), "default"))
+    for model, args, params, alloc in cases:
+        js = tmp_path / f"{model}.json"
+        env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("GLIBC_TUNABLES", None)
+        env.pop("LD_PRELOAD", None)
+        if alloc != "default":
+            env.update(alloc)
+        sweep_args = [] if model == "mlp" else ["--no-sweep"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "ringlet.run", "-n", "2", "--timeout", "120", sys.executable,
+             script, "--model", model, "--steps", "2", "--rounds", "1", *sweep_args, *args,
+             "--json", str(js)],
+            capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, proc.stderr + proc.stdout
+        out = json.loads(js.read_text())
+        d = out["ddp"]
+        assert (d["model"], d["params"], d["ranks"], out["allocator"]) == (model, params, 2, alloc)
+        assert d["ringlet_ms"] > 0 and d["gloo_ms"] > 0 and d["local_ms"] > 0, d
+        assert f"DDP step, {model}," in proc.stdout
+        if model == "mlp":
+            assert [r["bytes"] for r in out["sweep"]] == [8, 32]
+            assert all(r["ringlet_us"] > 0 and r["gloo_us"] > 0 for r in out["sweep"])
+        else:
+            assert "sweep" not in out
+
+
 def test_missing_peer_is_skipped_with_the_pip_command(capsys, monkeypatch):
     monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None)
     code, out, err = bench(capsys, "barrier", "-n", "2", "-i", "2", "-w", "0", "--vs",
