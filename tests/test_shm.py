@@ -482,6 +482,7 @@ def _all_reduce_direct_once_busy(rank, P):
 def test_an_all_reduce_beyond_its_bound_reads_directly_while_the_host_is_busy(monkeypatch):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGLET_SHM_CMA_ALL_REDUCE_BYTES", "1048576")
+    monkeypatch.setenv("RINGLET_BUSY_BLOCK", "0")  # the first all_reduce: idle (the helper)
     res = run_world(_all_reduce_direct_once_busy, 2, mode="process", timeout=120)
     for verdict, algos in res:
         assert verdict == "direct", res
@@ -1501,8 +1502,10 @@ def _paged(nbytes, huge):
 def _until_direct_beside_busy_loops(rank, step):
     # Run step() (one operation; it returns the algorithms traced so far, or
     # None for wrong data) until one went straight from a peer's buffer.  The
-    # first runs on the idle host; then rank 0 starts busy loops beside the job
-    # (and stops them on every exit).
+    # first runs with the busy test off (RINGLET_BUSY_BLOCK=0: the host counts as
+    # idle whatever else runs on it); then every rank turns the test on and rank
+    # 0 starts busy loops beside the job (and stops them on every exit).
+    assert _core.get_tuning()["busy_block"] == 0, "the caller sets RINGLET_BUSY_BLOCK=0"
     loops = []
     try:
         deadline = time.monotonic() + 90  # the busy test reads windows of 100 ms
@@ -1510,6 +1513,7 @@ def _until_direct_beside_busy_loops(rank, step):
             algos = step()
             if algos is None:
                 return "wrong data", []
+            _core.set_tuning(busy_block=1)
             if rank == 0 and not loops:
                 loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
                          for _ in range((os.cpu_count() or 1) + 2)]
@@ -1548,6 +1552,7 @@ def test_large_messages_go_direct_while_the_host_is_busy(monkeypatch):
     monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
     monkeypatch.delenv("RINGLET_SHM_P2P_DIRECT", raising=False)  # the default: when busy
     monkeypatch.setenv("RINGLET_SHM_CMA_ANY_BYTES", "0")  # else 1 MiB goes direct idle too
+    monkeypatch.setenv("RINGLET_BUSY_BLOCK", "0")  # the first exchange: idle (the helper)
     res = run_world(_direct_once_busy, 2, mode="process", timeout=120)
     for verdict, algos in res:
         assert verdict == "direct", res
