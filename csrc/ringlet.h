@@ -335,6 +335,10 @@ int rl_comm_uses_shm(const rl_comm *c);
  * probe failed: *rank is that comm rank, *peer the one it could not read and
  * *err the read's errno (0: it read another word); else all three -1, -1, 0. */
 int64_t rl_comm_shm_single_copy(const rl_comm *c, int *rank, int *peer, int *err);
+/* Declare process `pid` (and so its descendants) allowed to read this process's
+ * memory under Yama's ptrace_scope 1 (prctl PR_SET_PTRACER; 0 undeclares).
+ * 0, or the errno: EINVAL where Yama is absent or pid does not exist. */
+int rl_shm_set_ptracer(long pid);
 
 /* ---- collectives (algorithms in allreduce.c, bcast.c, ...) ----------- */
 /* All buffers are contiguous.  `count` is in elements of dt. */

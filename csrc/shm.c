@@ -49,6 +49,7 @@
 #include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -768,6 +769,15 @@ static int cma_read_raw(pid_t pid, void *dst, uint64_t src, size_t n) {
         n -= (size_t)got;
     }
     return 0;
+}
+
+int rl_shm_set_ptracer(long pid) {
+#ifdef PR_SET_PTRACER
+    return prctl(PR_SET_PTRACER, (unsigned long)pid, 0UL, 0UL, 0UL) == 0 ? 0 : errno;
+#else
+    (void)pid;
+    return ENOSYS;
+#endif
 }
 
 static void cma_probe(rl_comm *c) {

@@ -160,5 +160,6 @@ def test_info_says_whether_the_kernel_lets_ranks_copy_once(capsys, monkeypatch, 
     words = {s: _shm.single_copy_outlook(s) for s in (None, 0, 1, 2, 3)}
     assert "copied once" in words[None] and "copied once" in words[0]
     assert "staged" in words[1] and "kernel.yama.ptrace_scope=0" in words[1]
+    assert "RINGLET_PTRACER=parent" in words[1]
     assert "CAP_SYS_PTRACE" in words[2] and "staged" in words[3]
     assert len(set(words.values())) == 5

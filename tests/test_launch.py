@@ -207,3 +207,54 @@ def test_no_secret_off_loopback_is_refused(tmp_path):
     finally:
         os.environ.update(env_backup)
     assert not _world.is_initialized()
+
+
+# Each rank writes its parent's pid and what RINGLET_PTRACER=parent did with the ranks'
+# parents (the debug line), then runs a collective.
+PTRACER_SCRIPT = textwrap.dedent("""
+    import os, sys, numpy as np, ringlet
+    ringlet.init(timeout=60)
+    x = np.ones(4, np.float32)
+    ringlet.all_reduce(x)
+    assert np.all(x == ringlet.get_world_size()), x
+    with open(os.path.join(sys.argv[1], f"{ringlet.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getppid()))
+    ringlet.shutdown()
+""")
+
+
+@pytest.mark.parametrize("launcher", ["ringlet run", "mpirun"])
+def test_ptracer_parent_is_the_launcher_every_rank_shares(tmp_path, launcher):
+    # RINGLET_PTRACER=parent declares the ranks' common parent only under Yama's
+    # ptrace_scope 1. Whatever this kernel has, each real launcher must give the ranks of
+    # a host one parent, and every rank must learn all of them through init.
+    from ringlet import _shm
+
+    script = tmp_path / "job.py"
+    script.write_text(PTRACER_SCRIPT)
+    env = dict(RINGLET_PTRACER="parent", RINGLET_DEBUG="INFO")
+    if launcher == "mpirun":
+        cmd = [openmpi_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script),
+               str(tmp_path)]
+        proc = subprocess.Popen(cmd, env=openmpi_env(**env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    else:
+        cmd = [sys.executable, "-m", "ringlet.run", "-n", "3", str(script), str(tmp_path)]
+        proc = subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    parents = {int((tmp_path / f"{r}.pid").read_text()) for r in range(3)}
+    assert len(parents) == 1, parents
+    (parent,) = parents
+    if launcher == "ringlet run":
+        assert parent == proc.pid  # the trampoline execs the rank in the launcher's child
+    scope = _shm.yama_ptrace_scope()
+    lines = [ln for ln in (out + err).splitlines() if "RINGLET_PTRACER=parent" in ln]
+    assert len(lines) == 3, out + err
+    if scope == 1:
+        want = f"declared this host's ranks' parent (pid {parent}) the ptracer"
+    else:
+        yama = "no Yama module" if scope is None else f"Yama ptrace_scope {scope}"
+        want = f"no ptracer declared ({yama}; parents of this host's ranks [{parent}])"
+    assert all(want in ln for ln in lines), (want, lines)

@@ -8,6 +8,7 @@ several chunks and the small/chunked all_reduce switch is crossed.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import mmap
@@ -1528,6 +1529,43 @@ def _until_direct_beside_busy_loops(rank, step):
             p.wait()
 
 
+def test_ptracer_is_declared_only_for_one_common_parent_under_yama_1(monkeypatch):
+    assert _shm.ptracer_to_declare("parent", 1, [700, 700, 700]) == 700
+    assert _shm.ptracer_to_declare("parent", 1, [700]) == 700
+    # Parents that differ (ranks started apart), or init: nothing narrower to declare.
+    assert _shm.ptracer_to_declare("parent", 1, [700, 701]) is None
+    assert _shm.ptracer_to_declare("parent", 1, [1, 1]) is None
+    # Off by default; no Yama or scope 0 need nothing; 2 and 3 ignore declarations.
+    for mode, scope in (("none", 1), ("parent", None), ("parent", 0), ("parent", 2),
+                        ("parent", 3)):
+        assert _shm.ptracer_to_declare(mode, scope, [700, 700]) is None, (mode, scope)
+    monkeypatch.delenv("RINGLET_PTRACER", raising=False)
+    assert _shm.ptracer_mode() == "none"
+    monkeypatch.setenv("RINGLET_PTRACER", " Parent ")
+    assert _shm.ptracer_mode() == "parent"
+    monkeypatch.setenv("RINGLET_PTRACER", "any")
+    with pytest.raises(ValueError, match="RINGLET_PTRACER must be one of none, parent"):
+        _shm.ptracer_mode()
+
+
+def test_set_ptracer_reaches_the_kernel():
+    # With Yama the declaration takes (and 0 takes it back); without it the kernel
+    # refuses the call with EINVAL. A pid that does not exist is EINVAL either way.
+    free = 1 << 22
+    while os.path.exists(f"/proc/{free}"):
+        free += 1
+    with pytest.raises(OSError) as e:
+        _core.set_ptracer(free)
+    assert e.value.errno == errno.EINVAL and "PR_SET_PTRACER" in str(e.value)
+    if _shm.yama_ptrace_scope() is None:
+        with pytest.raises(OSError) as e:
+            _core.set_ptracer(os.getppid())
+        assert e.value.errno == errno.EINVAL
+    else:
+        _core.set_ptracer(os.getppid())
+        _core.set_ptracer(0)
+
+
 def _direct_once_busy(rank, P):
     # Ping-pong 1 MiB until a message goes straight from the sender's buffer
     # (through the ring while the host is idle).
@@ -1829,5 +1867,6 @@ def test_single_copy_falls_back_to_staging_when_a_rank_may_not_read_its_peers(mo
         # The probe that failed is named the same on every rank: who, whom, why.
         assert words == ("single copy off: world rank 2 may not read the memory of world rank "
                          f"0 (process_vm_readv: {os.strerror(1)}; the kernel's ptrace rules, "
-                         "e.g. Yama's ptrace_scope, docs/launching.md), so large messages are "
+                         "e.g. Yama's ptrace_scope: RINGLET_PTRACER=parent, docs/launching.md), "
+                         "so large messages are "
                          "staged through the segment"), (rank, words)

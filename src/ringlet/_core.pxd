@@ -96,6 +96,7 @@ cdef extern from "ringlet.h" nogil:
     int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms)
     int rl_comm_uses_shm(const rl_comm *c)
     int64_t rl_comm_shm_single_copy(const rl_comm *c, int *rank, int *peer, int *err)
+    int rl_shm_set_ptracer(long pid)
     size_t rl_comm_trace(const rl_comm *c, rl_trace_entry *out, size_t max, uint64_t *total)
     size_t rl_comm_trace_capacity(const rl_comm *c)
 

@@ -26,6 +26,8 @@ cdef extern from *:
     const char *RL_BUILD_FLAGS
     const char *RL_COMPILER_VERSION "__VERSION__"
 
+import os as _os
+
 from ringlet import errors as _errors
 
 cnp.import_array()
@@ -230,6 +232,14 @@ def simd_info():
 
 def host_busy():
     return bool(rl_host_busy())
+
+
+def set_ptracer(long pid):
+    """Let process ``pid`` and its descendants read this process's memory under
+    Yama's ptrace_scope 1 (0 takes it back).  Raises OSError with the kernel's errno."""
+    cdef int e = rl_shm_set_ptracer(pid)
+    if e:
+        raise OSError(e, f"{_os.strerror(e)}: prctl(PR_SET_PTRACER, {pid})")
 
 
 def huge_page_bytes(x):

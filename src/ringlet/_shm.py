@@ -26,7 +26,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from . import _auth, _core
 from ._envvars import choice
@@ -132,6 +132,35 @@ def yama_ptrace_scope(path: str = YAMA_PTRACE_SCOPE) -> Optional[int]:
         raise ValueError(f"{path} holds {text.strip()[:40]!r}, not a number") from None
 
 
+PTRACER_ENV = "RINGLET_PTRACER"
+PTRACER_CHOICES = ("none", "parent")
+
+
+def ptracer_mode(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``RINGLET_PTRACER`` checked: "none" (unset: ranks keep the kernel's ptrace rules) or
+    "parent" (under Yama's ptrace_scope 1, ranks with one common parent declare it)."""
+    return choice(PTRACER_ENV, PTRACER_CHOICES, environ)
+
+
+def ptracer_to_declare(mode: str, scope: Optional[int], ppids: Sequence[int]) -> Optional[int]:
+    """The process a rank declares as its ptracer, or None for none.
+
+    Only with ``RINGLET_PTRACER=parent`` and Yama's ptrace_scope 1, which lets a
+    process read another's memory when it descends from the process that other
+    declared: ``ppids`` are the parents of this host's ranks (this one's
+    included), and when they are one process other than init (the launcher:
+    ``ringlet run``, mpirun's daemon, torchrun's agent, slurmstepd), every rank
+    declaring it lets its siblings read it (single copy).
+    """
+    if mode != "parent" or scope != 1:
+        return None
+    parents = set(ppids)
+    if len(parents) != 1:
+        return None
+    (parent,) = parents
+    return parent if parent > 1 else None
+
+
 def single_copy_outlook(scope: Optional[int]) -> str:
     """What a Yama ptrace_scope means for single copy between ranks of one host."""
     if scope is None or scope == 0:
@@ -141,7 +170,8 @@ def single_copy_outlook(scope: Optional[int]) -> str:
     if scope == 1:
         return ("Yama ptrace_scope 1: ranks started side by side may not read each other's "
                 "memory, so large shared-memory messages are staged through the segment "
-                "(root: sysctl kernel.yama.ptrace_scope=0; docs/launching.md)")
+                "(RINGLET_PTRACER=parent lets ranks of one launcher read each other; root: "
+                "sysctl kernel.yama.ptrace_scope=0; docs/launching.md)")
     if scope == 2:
         return ("Yama ptrace_scope 2: only processes with CAP_SYS_PTRACE may read another's "
                 "memory, so large shared-memory messages are staged through the segment "
@@ -160,7 +190,8 @@ def single_copy_words(comm: Any, ranks: Sequence[int]) -> str:
     why = os.strerror(err) if err else "it read another word than the peer wrote"
     return (f"single copy off: world rank {ranks[who]} may not read the memory of world rank "
             f"{ranks[peer]} (process_vm_readv: {why}; the kernel's ptrace rules, e.g. Yama's "
-            f"ptrace_scope, docs/launching.md), so large messages are staged through the segment")
+            f"ptrace_scope: RINGLET_PTRACER=parent, docs/launching.md), so large messages are "
+            f"staged through the segment")
 
 
 def _create(world: Any, comm: Any, comms: list, key: bytes, rec_key: str, P: int,

@@ -97,6 +97,7 @@ class World:
         self.host_ids: List[str] = []
         self.own_cpus = False  # this world set the own_cpus knob (reset at close)
         self.unbind_cpus: Optional[List[int]] = None  # the CPU set before RINGLET_BIND's
+        self.ptracer: Optional[int] = None  # the pid RINGLET_PTRACER declared (undone at close)
         self.algo = "auto"
         self.model: Any = None
 
@@ -305,6 +306,12 @@ class World:
         if self.own_cpus:
             self.own_cpus = False
             _core.set_tuning(own_cpus=0)
+        if self.ptracer is not None:
+            self.ptracer = None
+            try:
+                _core.set_ptracer(0)
+            except OSError:
+                pass
         for st in (self.store, self._fail_store):
             if st:
                 try:
@@ -761,11 +768,12 @@ def _size_mismatch(rank: int, size: int, other: int, other_size: int) -> str:
 
 
 def _exchange_endpoints(world: World, timeout: float) -> None:
-    from ._shm import transport_mode
+    from ._shm import ptracer_mode, transport_mode
     from ._topology import bind_mode, cpu_digest, cpu_ranges, machine_id
 
     store, ctx, p = world.store, world.ctx, world.prefix
     bind = bind_mode()
+    ptracer = ptracer_mode()
     try:
         my_cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -776,6 +784,7 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     store.set(f"{p}ep/{world.rank}",
               json.dumps({"ep": f"{world.host}:{ctx.port}", "size": world.size,
                           "host_id": world.host_ids[0], "pid": os.getpid(),
+                          "ppid": os.getppid(),
                           "machine": machine_id(world.host_ids[0]),
                           "cpus": cpu_digest(my_cpus),
                           "cpuset": ranges if len(ranges) <= _CPUSET_CHARS else ""}).encode())
@@ -783,7 +792,7 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     if world.rank == 0:
         # In rank order: a rank with another world size is caught as soon as
         # the ranks below it have joined, never after the whole timeout.
-        table, hosts, pids, digests, sets, machines = [], [], [], [], [], []
+        table, hosts, pids, ppids, digests, sets, machines = [], [], [], [], [], [], []
         for r in range(world.size):
             entry = json.loads(join.get(f"{p}ep/{r}").decode())
             if entry["size"] != world.size:
@@ -793,10 +802,12 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
             table.append(entry["ep"])
             hosts.append(str(entry.get("host_id", "")))
             pids.append(int(entry.get("pid", 0)))
+            ppids.append(int(entry.get("ppid", 0)))
             digests.append(str(entry.get("cpus", "")))
             sets.append(str(entry.get("cpuset", "")))
             machines.append(str(entry.get("machine", hosts[-1])))
         store.set(f"{p}ep/all", json.dumps({"eps": table, "hosts": hosts, "pids": pids,
+                                            "ppids": ppids,
                                             "cpus": digests, "cpusets": sets,
                                             "machines": machines,
                                             "algo": world.algo,
@@ -808,6 +819,7 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
         table = rec["eps"]
         hosts = rec.get("hosts") or world.host_ids * len(table)
         pids = rec.get("pids") or []
+        ppids = rec.get("ppids") or []
         digests = rec.get("cpus") or []
         sets = rec.get("cpusets") or []
         machines = rec.get("machines") or list(hosts)
@@ -847,11 +859,42 @@ def _exchange_endpoints(world: World, timeout: float) -> None:
     # other host ids (containers, network namespaces) never share a block.
     shm = transport_mode() != "tcp"
     peers = [r for r, h in enumerate(hosts) if h == hosts[world.rank] and r != world.rank]
+    if shm and peers and len(ppids) == world.size:
+        _declare_ptracer(world, ptracer, [ppids[r] for r in [world.rank] + peers])
     if bind == "auto" and shm and peers and my_cpus \
             and len(pids) == len(digests) == world.size:
         _bind_cpus(world, machines, pids, digests, my_cpus)
     if shm and not world.own_cpus and len(pids) == len(sets) == world.size:
         _note_own_cpus(world, machines, pids, sets)
+
+
+def _declare_ptracer(world: World, mode: str, ppids: List[int]) -> None:
+    """RINGLET_PTRACER=parent under Yama's ptrace_scope 1: declare this host's ranks'
+    common parent, so that they may read each other's memory (single copy)."""
+    from ._shm import ptracer_to_declare, yama_ptrace_scope
+    from .trace import log
+
+    if mode == "none":
+        return
+    try:
+        scope = yama_ptrace_scope()
+        yama = "no Yama module" if scope is None else f"Yama ptrace_scope {scope}"
+    except (OSError, ValueError) as exc:
+        scope, yama = None, f"Yama's setting unreadable: {exc}"
+    parent = ptracer_to_declare(mode, scope, ppids)
+    if parent is None:
+        log(world.rank, 1, f"RINGLET_PTRACER=parent: no ptracer declared ({yama}; parents of "
+                           f"this host's ranks {sorted(set(ppids))})")
+        return
+    try:
+        _core.set_ptracer(parent)
+    except OSError as exc:
+        log(world.rank, 1, f"RINGLET_PTRACER=parent: could not declare pid {parent} the "
+                           f"ptracer: {exc}")
+        return
+    world.ptracer = parent
+    log(world.rank, 1, f"RINGLET_PTRACER=parent: declared this host's ranks' parent (pid "
+                       f"{parent}) the ptracer, so that they may read this rank's memory")
 
 
 def _bind_cpus(world: World, machines: List[str], pids: List[int], digests: List[str],
