@@ -146,10 +146,17 @@ def test_info_says_whether_the_kernel_lets_ranks_copy_once(capsys, monkeypatch, 
     clear_launcher(monkeypatch)
     assert cli.main(["info", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["single_copy"] == {"yama_ptrace_scope": _shm.yama_ptrace_scope()}
+    assert d["single_copy"] == {"yama_ptrace_scope": _shm.yama_ptrace_scope(), "ptracer": "none"}
     assert cli.main(["info"]) == 0
     assert ("single copy: " + _shm.single_copy_outlook(_shm.yama_ptrace_scope())
             in capsys.readouterr().out.splitlines())
+    monkeypatch.setenv("RINGLET_PTRACER", "parent")
+    assert cli.main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["single_copy"]["ptracer"] == "parent"
+    monkeypatch.setenv("RINGLET_PTRACER", "all")
+    assert cli.main(["info", "--json"]) == 0
+    assert "RINGLET_PTRACER must be one of" in json.loads(capsys.readouterr().out)[
+        "single_copy"]["error"]
     scope = tmp_path / "ptrace_scope"
     scope.write_text("1\n")
     assert _shm.yama_ptrace_scope(str(scope)) == 1
@@ -163,3 +170,7 @@ def test_info_says_whether_the_kernel_lets_ranks_copy_once(capsys, monkeypatch, 
     assert "RINGLET_PTRACER=parent" in words[1]
     assert "CAP_SYS_PTRACE" in words[2] and "staged" in words[3]
     assert len(set(words.values())) == 5
+    # The opt-in changes the words only where it acts: scope 1.
+    assert all(_shm.single_copy_outlook(s, "parent") == words[s] for s in (None, 0, 2, 3))
+    opted = _shm.single_copy_outlook(1, "parent")
+    assert "RINGLET_PTRACER=parent" in opted and "copy large shared-memory messages once" in opted

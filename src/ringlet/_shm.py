@@ -161,8 +161,14 @@ def ptracer_to_declare(mode: str, scope: Optional[int], ppids: Sequence[int]) ->
     return parent if parent > 1 else None
 
 
-def single_copy_outlook(scope: Optional[int]) -> str:
-    """What a Yama ptrace_scope means for single copy between ranks of one host."""
+def single_copy_outlook(scope: Optional[int], ptracer: str = "none") -> str:
+    """What a Yama ptrace_scope (and ``RINGLET_PTRACER``) means for single copy between
+    ranks of one host."""
+    if scope == 1 and ptracer == "parent":
+        return ("Yama ptrace_scope 1 and RINGLET_PTRACER=parent: ranks whose parent is one "
+                "launcher declare it their ptracer and copy large shared-memory messages "
+                "once; ranks with different parents stage them through the segment "
+                "(docs/security.md)")
     if scope is None or scope == 0:
         return (("no Yama module" if scope is None else "Yama ptrace_scope 0")
                 + ": ranks of one user may read each other's memory, so large shared-memory "

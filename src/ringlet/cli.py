@@ -93,9 +93,9 @@ def info_dict() -> Dict[str, Any]:
     except (ValueError, ImportError) as exc:
         d["transport"] = {"error": str(exc)}
     try:
-        from ._shm import yama_ptrace_scope
+        from ._shm import ptracer_mode, yama_ptrace_scope
 
-        d["single_copy"] = {"yama_ptrace_scope": yama_ptrace_scope()}
+        d["single_copy"] = {"yama_ptrace_scope": yama_ptrace_scope(), "ptracer": ptracer_mode()}
     except (ImportError, OSError, ValueError) as exc:
         d["single_copy"] = {"error": str(exc)}
     try:
@@ -157,7 +157,8 @@ def info_lines() -> List[str]:
     else:
         from ._shm import single_copy_outlook
 
-        lines.append("single copy: " + single_copy_outlook(sc["yama_ptrace_scope"]))
+        lines.append("single copy: " + single_copy_outlook(sc["yama_ptrace_scope"],
+                                                           sc["ptracer"]))
     b = d["binding"]
     if "error" in b:
         lines.append(f"cpu binding: invalid ({b['error']})")
