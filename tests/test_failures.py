@@ -523,3 +523,46 @@ def test_ctrl_c_interrupts_a_blocked_call_and_tells_the_peers():
     kind, took = res[0]
     assert kind == "interrupted" and took < 5, res  # the call checks signals every slice
     assert res[1][0] != "completed" and res[1][1] < 10, res
+
+
+# ---- a cancel from another thread against close ---------------------------------
+_CANCEL_VS_CLOSE = """
+import sys, threading, ringlet
+ringlet.init(world_size=1, rank=0, timeout=30)
+for i in range(int(sys.argv[1])):
+    g = ringlet.new_group([0])
+    comm, stop = g._coll, threading.Event()
+
+    def hammer():  # as the world's watcher does when a peer fails during a shutdown
+        while not stop.is_set():
+            try:
+                comm.cancel(3, "a peer failed")
+            except ringlet.RingletError:  # closed: the only way it may end
+                return
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    g._close()
+    stop.set()
+    t.join()
+print("survived", flush=True)
+ringlet.shutdown()
+"""
+
+
+def test_a_cancel_from_another_thread_never_frees_the_comm_under_it(tmp_path):
+    # The watcher cancels every group (GIL released in C) while the rank's own thread may
+    # be closing them; the communicator must not be freed under the cancel. Before the
+    # guard this crashed (SIGSEGV) within 300 rounds every time; in a child process so
+    # that a crash fails the test, not the session.
+    import subprocess
+    import sys
+
+    script = tmp_path / "race.py"
+    script.write_text(_CANCEL_VS_CLOSE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for k in [k for k in env if k.startswith("RINGLET_") and k != "RINGLET_TRACE_DIR"]:
+        del env[k]
+    out = subprocess.run([sys.executable, str(script), "2000"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-2000:])

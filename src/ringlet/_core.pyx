@@ -27,6 +27,7 @@ cdef extern from *:
     const char *RL_COMPILER_VERSION "__VERSION__"
 
 import os as _os
+import threading as _threading
 
 from ringlet import errors as _errors
 
@@ -428,8 +429,12 @@ cdef class Comm:
     cdef Context owner
     cdef readonly int rank, size
     cdef readonly unsigned int comm_id
+    # Held by cancel and abort, which other threads call with the GIL released, and by
+    # close: the communicator is never freed under them.
+    cdef object _guard
 
     def __cinit__(self, Context ctx, unsigned int comm_id, int rank, world_ranks):
+        self._guard = _threading.Lock()
         cdef rl_error err
         cdef int n = len(world_ranks)
         cdef int *w = <int *>malloc(sizeof(int) * max(n, 1))
@@ -456,8 +461,10 @@ cdef class Comm:
             self.c = NULL
 
     def close(self):
-        cdef rl_comm *c = self.c
-        self.c = NULL
+        cdef rl_comm *c
+        with self._guard:
+            c = self.c
+            self.c = NULL
         if c != NULL:
             rl_comm_destroy(c)
 
@@ -495,19 +502,23 @@ cdef class Comm:
 
     def cancel(self, int status, str reason):
         """Poison from any thread and wake a call blocked in this comm."""
-        cdef rl_comm *c = self._h()
+        cdef rl_comm *c
         cdef bytes r = reason.encode()[:500]
         cdef const char *rp = r
-        with nogil:
-            rl_comm_cancel(c, status, rp)
+        with self._guard:
+            c = self._h()
+            with nogil:
+                rl_comm_cancel(c, status, rp)
 
     def abort(self, int status, str reason):
         """Poison, tell connected peers (ABORT frames) and close the sockets."""
-        cdef rl_comm *c = self._h()
+        cdef rl_comm *c
         cdef bytes r = reason.encode()[:500]
         cdef const char *rp = r
-        with nogil:
-            rl_comm_abort(c, status, rp)
+        with self._guard:
+            c = self._h()
+            with nogil:
+                rl_comm_abort(c, status, rp)
 
     @property
     def seq(self):
