@@ -500,6 +500,9 @@ def _interrupt_when_blocked(tid, sent):
 
 def _interrupt(rank, P):
     if rank == 0:
+        # A job started in the background (nohup, a non-interactive shell's &) inherits
+        # SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sent = []
         threading.Thread(target=_interrupt_when_blocked,
                          args=(threading.main_thread().native_id, sent), daemon=True).start()
