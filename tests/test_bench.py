@@ -185,8 +185,44 @@ def test_batch_times_back_to_back_operations_and_divides(monkeypatch):
     assert backend.calls == (1 + 4) * 5
     assert row["batch"] == 5 and row["iters"] == 4
     assert row["time_us"] == pytest.approx(1000.0)  # per operation, not per batch
+    assert row["time_rank_mean_us"] == pytest.approx(1000.0)  # one rank: its own time
     with pytest.raises(ValueError, match="--batch must be >= 1"):
         SweepConfig("all_reduce", [64], batch=0).validate(1)
+
+
+class _PairedBackend(_ClockedBackend):
+    """Two ranks, the other one's clock reading ``other`` times this one's in every
+    sample: the collectives of the measuring loop combine both."""
+
+    size = 2
+
+    def __init__(self, op_s: float, other: float):
+        super().__init__(op_s)
+        self.other = other
+
+    def max_f64(self, a):
+        a = np.asarray(a, np.float64)
+        return np.maximum(a, a * self.other)
+
+    def sum_i64(self, a):
+        a = np.asarray(a, np.int64)
+        return a + np.rint(a * self.other).astype(np.int64)
+
+
+@pytest.mark.parametrize("op", ["broadcast", "sendrecv"])
+def test_rows_keep_the_slowest_rank_and_the_ranks_mean(monkeypatch, op):
+    # The other rank's clock runs 3x ours (it left the barrier first): the row's
+    # time is its time, the ranks' mean (nccl-tests' default report) twice ours.
+    backend = _PairedBackend(op_s=1e-3, other=3.0)
+    monkeypatch.setattr(sweep_mod.time, "perf_counter", backend.clock)
+    (row,) = run_sweep(backend, SweepConfig(op, [64], iters=5, warmup=0, budget_s=0, batch=4))
+    one_way = 0.5 if op == "sendrecv" else 1.0
+    assert row["time_us"] == pytest.approx(3000.0 * one_way)
+    assert row["time_rank_mean_us"] == pytest.approx(2000.0 * one_way)
+    # The rounds' median keeps it, and a CSV has the column.
+    agg = report.aggregate([[dict(row, time_rank_mean_us=m)] for m in (1.0, 5.0, 2.0)])
+    assert agg[0]["time_rank_mean_us"] == 2.0
+    assert "time_rank_mean_us" in report.COLUMNS
 
 
 def test_batch_shrinks_where_a_slow_operation_would_overrun_the_budget(monkeypatch):
@@ -305,6 +341,14 @@ def test_targets_verdict_pairs_rounds():
     assert ("- broadcast 8 B, us per round (ns of the CPU-to-CPU round trip before the job, "
             "/ after it): ringlet 20.0 (100/480), 34.0 (480/?), 21.0 (100/?); "
             "mpi-sm 22.0 (100/480)") in text, text
+    assert "ranks' mean time" not in text  # a file without the ranks' mean
+    # With the ranks' mean in the file, the missed cell is judged by it too, paired by round.
+    for r in rr + doc["rows"]:
+        r["time_rank_mean_us"] = r["time_us"] / (3.0 if r["system"] == "ringlet" else 2.0)
+    text = t.summary(doc)
+    assert ("- the same cells by the ranks' mean time (nccl-tests' default report; the verdict "
+            "counts the slowest rank): broadcast 8 B 1.17 (4.3 against mpi-sm 5.4 us)") in text, text
+    assert "Target 1: **missed** in 1 of 1 cells" in text  # the verdict is the slowest rank's
 
 
 def _target_rows(system_times, rnd=None, op="all_reduce", size=8):
@@ -502,6 +546,7 @@ def test_short_sweep_every_op_checks_and_writes_files(capsys, tmp_path):
         # algbw is size over the median time, in GB/s (percentile orderings
         # hold by construction and prove nothing)
         assert r["time_us"] > 0
+        assert 0 < r["time_rank_mean_us"] <= r["time_us"] + 1e-3  # a mean is never above the max
         assert r["algbw"] == pytest.approx(r["size"] / (r["time_us"] * 1e-6) / 1e9, rel=1e-9)
         assert r["busbw"] == pytest.approx(r["algbw"] * busbw_factor(r["op"], 2))
     ar = [r["size"] for r in rows if r["op"] == "all_reduce"]

@@ -24,8 +24,8 @@ __all__ = ["COLUMNS", "environment_info", "aggregate", "format_header", "format_
 
 # Row fields, in CSV column order (environment columns follow).
 COLUMNS = ("system", "op", "nranks", "size", "count", "type", "redop", "root", "time_us",
-           "p10_us", "p90_us", "algbw", "busbw", "wrong", "iters", "inflight", "batch",
-           "in_place", "offset", "rounds")
+           "p10_us", "p90_us", "time_rank_mean_us", "algbw", "busbw", "wrong", "iters",
+           "inflight", "batch", "in_place", "offset", "rounds")
 
 
 def environment_info(versions: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
@@ -86,6 +86,8 @@ def aggregate(rounds: Sequence[Sequence[Dict[str, Any]]]) -> List[Dict[str, Any]
         first["time_us"] = t
         first["p10_us"] = median(r["p10_us"] for r in rows)
         first["p90_us"] = median(r["p90_us"] for r in rows)
+        if all("time_rank_mean_us" in r for r in rows):
+            first["time_rank_mean_us"] = median(r["time_rank_mean_us"] for r in rows)
         factor = first["busbw"] / first["algbw"] if first["algbw"] else 0.0
         first["algbw"] = first["size"] / (t * 1e-6) / 1e9 if t > 0 else 0.0
         first["busbw"] = first["algbw"] * factor

@@ -21,7 +21,9 @@ Timing method (per size):
      all-reduce of every rank's list after the loop), divided by
      ``inflight``.  Reported: median, 10th and 90th percentile.  For
      ``sendrecv`` (ping-pong between ranks 0 and 1) the time is half the
-     round trip.
+     round trip.  The row also keeps the median of the ranks' mean time
+     (``time_rank_mean_us``): what nccl-tests reports by default, where a
+     rank that left the barrier late counts for its share only.
   5. With ``in_place``, all_gather's input is the rank's own block of the
      output (nccl-tests' in-place column; what FSDP and ZeRO call): nothing
      to copy locally.  all_reduce, broadcast and reduce have one buffer and
@@ -570,9 +572,11 @@ def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, A
         warm = min(warm, int(0.25 * cfg.budget_s / est))
     if warm:
         _timed(backend, cfg, sets, warm)
-    times = backend.max_f64(_timed(backend, cfg, sets, iters)) / (inflight * cfg.batch)
-    if cfg.op == "sendrecv":
-        times = times / 2.0  # one-way latency: half the round trip
+    own = _timed(backend, cfg, sets, iters)
+    per_op = inflight * cfg.batch * (2.0 if cfg.op == "sendrecv" else 1.0)  # one way: half
+    times = backend.max_f64(own) / per_op
+    ns = backend.sum_i64(np.rint(own * 1e9).astype(np.int64))
+    rank_mean = ns.astype(np.float64) / (n * 1e9) / per_op
     wrong_total = int(backend.sum_i64(np.array([wrong], dtype=np.int64))[0])
     med, p10, p90 = (float(x) for x in np.percentile(times, [50, 10, 90]))
     algbw = lay.size / med / 1e9 if med > 0 else 0.0
@@ -582,6 +586,7 @@ def measure_size(backend: Backend, cfg: SweepConfig, nbytes: int) -> Dict[str, A
         "redop": cfg.redop if cfg.op in REDUCING else "-",
         "root": cfg.root if cfg.op in ROOTED else -1,
         "time_us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6,
+        "time_rank_mean_us": float(np.median(rank_mean)) * 1e6,
         "algbw": algbw, "busbw": algbw * busbw_factor(cfg.op, n),
         "wrong": wrong_total if cfg.check else -1, "iters": int(times.size),
         "inflight": inflight, "batch": cfg.batch, "in_place": cfg.in_place,
