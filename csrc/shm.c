@@ -26,7 +26,8 @@
  * the first few microseconds' worth while other processes keep the host
  * busy, as wait.c tells; after
  * the first few microseconds yielding the core every 64 polls, and sooner
- * when rl_tune.spin_yield says ranks outnumber cores), then sleeps on the
+ * when rl_tune.spin_yield says ranks outnumber cores: at every one of the
+ * first polls of an op up to a chunk), then sleeps on the
  * segment's bell with FUTEX_WAIT in slices of at most 50 ms.  It counts
  * itself first in the `waiters` of the rank that writes the flag; that rank
  * rings the bell (bump + FUTEX_WAKE) when it publishes only while its count
@@ -65,6 +66,7 @@
 #define SHM_SLICE_NS 50000000LL
 #define SHM_SPIN_HOT 512
 #define SHM_YIELD_LOST_NS 50000
+#define SHM_YIELD_FIRST 64
 /* wait_copy polls for a peer's single copy at up to this rate's time, and
  * at most this long: beyond, a wake-up is small beside the copy. */
 #define SHM_COPY_BYTES_PER_NS 5
@@ -516,10 +518,16 @@ static int wait_flag_for(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32
         if (spin_ns > 0) hot = INT64_MAX; /* no yield: it would hand the core to them */
     }
     int64_t until = spin_ns > 0 ? rl_now_ns() + spin_ns : 0;
+    /* When the job's own ranks outnumber the cores, the rank this one waits
+     * for is often queued on this core: the first polls of an op up to a
+     * chunk each yield, handing it over at once.  Larger ops keep polling
+     * between yields, where handing over on every poll cost their caches
+     * (docs/experiments.md, "Yielding at once when ranks outnumber cores"). */
+    int64_t eager = rl_tune.spin_yield && op->total <= c->shm->chunk ? SHM_YIELD_FIRST : 0;
     for (int64_t i = 0; i < spin || until; i++) {
         cpu_relax();
         if (reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) return RL_OK;
-        if ((i & 63) == 63) {
+        if (i < eager || (i & 63) == 63) {
             /* An abort or a cancel ends the spin at once: a yield can cost a
              * time slice on a busy host, and the spin holds several. */
             if (__atomic_load_n(&c->shm->hdr->abort_set, __ATOMIC_RELAXED) || c->poisoned) break;
