@@ -27,7 +27,9 @@ import ringlet
 from ringlet.checkpoint import (AsyncCheckpointer, CheckpointError, ShardedTensor, ShardSpec,
                                 load, save, verify)
 from ringlet.checkpoint import _region
+from ringlet.checkpoint import commit as commit_mod
 from ringlet.checkpoint import format as ckfmt
+from ringlet.checkpoint.format import is_checkpoint_dir
 from ringlet.testing import WorldError, run_world
 
 from _launchers import clean_env  # noqa: E402
@@ -691,8 +693,82 @@ def test_manifest_that_leaves_a_hole_is_caught(tmp_path):
     del m["tensors"]["w"]["pieces"][1]
     with open(mpath, "wb") as fh:  # resealed: a writer's bug, not damage
         fh.write(ckfmt.manifest_bytes(m))
-    with pytest.raises(CheckpointError, match="does not cover tensor 'w'"):
+    with pytest.raises(CheckpointError, match="do not tile tensor 'w'.*cover 50 of the 100"):
         load({"w": np.zeros(100)}, path)
+    with pytest.raises(CheckpointError, match="do not tile tensor 'w'"):
+        verify(path)
+
+
+def _resealed_pieces(path, edit):
+    """Rewrite the manifest's pieces of 'w' through ``edit(pieces, shard_bytes)``, resealed."""
+    mpath = os.path.join(path, "manifest.json")
+    m = json.load(open(mpath))
+    pieces = m["tensors"]["w"]["pieces"]
+    data = open(os.path.join(path, pieces[0]["file"]), "rb").read()
+    m["tensors"]["w"]["pieces"] = edit(pieces, data)
+    with open(mpath, "wb") as fh:
+        fh.write(ckfmt.manifest_bytes(m))
+
+
+def test_manifest_pieces_that_overlap_around_a_hole_are_caught(tmp_path):
+    # Rows 0-1 and row 0 again hold 12 elements, as many as the tensor: a count
+    # of the copied elements cannot see that row 2 was never stored.
+    import hashlib
+
+    path = str(tmp_path / "ck")
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    save({"w": w}, path)
+
+    def edit(pieces, data):
+        p = pieces[0]
+        def part(rows):
+            n = rows * 16
+            return dict(p, box={"offsets": [0, 0], "lengths": [rows, 4]}, nbytes=n,
+                        chunks=[hashlib.sha256(data[p["offset"]:p["offset"] + n]).hexdigest()])
+        return [part(2), part(1)]
+
+    _resealed_pieces(path, edit)
+    t = np.full((3, 4), -7, np.float32)
+    with pytest.raises(CheckpointError, match="do not tile tensor 'w'.*overlap"):
+        load({"w": t}, path)
+    assert np.all(t == -7)  # refused before a byte was copied
+
+
+@pytest.mark.parametrize("how,match", [
+    ("both", "malformed"), ("box_outside", "malformed"), ("flat_outside", "malformed")])
+def test_manifest_piece_outside_its_tensor_is_caught(tmp_path, how, match):
+    path = str(tmp_path / "ck")
+    save({"w": np.arange(12.0).reshape(3, 4)}, path)
+
+    def edit(pieces, _data):
+        p = pieces[0]
+        if how == "both":
+            p["flat"] = [0, 12]
+        elif how == "box_outside":
+            p["box"] = {"offsets": [1, 0], "lengths": [3, 4]}
+        else:
+            del p["box"]
+            p["flat"] = [0, 13]
+        return pieces
+
+    _resealed_pieces(path, edit)
+    for fn in (lambda: load({"w": np.zeros((3, 4))}, path), lambda: verify(path)):
+        with pytest.raises(CheckpointError, match=match):
+            fn()
+
+
+def test_verify_names_a_deeply_nested_header_as_corrupted(tmp_path):
+    # json.loads raises RecursionError, not ValueError, on deep nesting.
+    import struct
+
+    path = str(tmp_path / "ck")
+    save({"w": np.zeros(1000)}, path)
+    f = os.path.join(path, "rank00000.safetensors")
+    size = os.path.getsize(f)
+    with open(f, "wb") as fh:  # the same size, the header '[[[[...'
+        fh.write(struct.pack("<Q", size - 8) + b"[" * (size - 8))
+    with pytest.raises(CheckpointError, match="corrupted safetensors header"):
+        verify(path)
 
 
 @pytest.mark.parametrize("offset", [1 << 63, 10 ** 30, None])
@@ -818,12 +894,16 @@ def test_write_failure_on_one_rank_aborts_and_names_it(tmp_path, monkeypatch):
     ("value", "value 'step' differs between rank 0"),
     ("mixed", "full array on rank 0 but a ShardedTensor"),
     ("path", "different checkpoint paths"),
+    ("chunk", "different chunk_bytes: 4096 on rank 0 but 8192 on rank 1"),
+    ("split", "different split_bytes: 64 on rank 0 but 128 on rank 1"),
 ])
 def test_inconsistent_ranks_are_rejected_on_every_rank(tmp_path, case, match):
+    # chunk_bytes and split_bytes that differ by rank once committed a
+    # checkpoint that load then refused.
     path = str(tmp_path / "ck")
 
     def body(r, P):
-        sd, p = {"step": 1}, path
+        sd, p, kw = {"step": 1}, path, {}
         if case == "shape":
             sd["w"] = np.zeros(4 + r)
         elif case == "overlap":
@@ -835,9 +915,13 @@ def test_inconsistent_ranks_are_rejected_on_every_rank(tmp_path, case, match):
         elif case == "mixed":
             sd["w"] = np.zeros(4) if r == 0 else ShardedTensor(np.zeros(4), ShardSpec.flat(
                 (4,), 0, 4))
+        elif case == "chunk":
+            sd["w"], kw = np.arange(5000.0), {"chunk_bytes": 4096 << r}
+        elif case == "split":
+            sd["w"], kw = np.arange(64.0), {"split_bytes": 64 << r}
         else:
             p = path + str(r)
-        save(sd, p)
+        save(sd, p, **kw)
 
     res = run_world(errors_of(body), 2)
     for kind, exc in res:
@@ -861,6 +945,123 @@ def test_identical_shards_on_several_ranks_are_deduplicated(tmp_path):
     w = np.zeros(10)
     load({"w": w}, path)
     assert np.array_equal(w, g)
+
+
+def test_load_refuses_ranks_that_read_different_checkpoints(tmp_path):
+    # Each rank picking "the latest" itself while a save lands would otherwise
+    # fill one model from two steps.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    save({"w": np.full(4, 1.0)}, a)
+    save({"w": np.full(4, 2.0)}, b)
+
+    def body(r, P):
+        return load({"w": np.zeros(4)}, a if r == 0 else b)
+
+    res = run_world(errors_of(body), 2)
+    for kind, exc in res:
+        assert kind == "CheckpointError", (kind, exc)
+        assert "ranks read different checkpoints" in str(exc)
+        assert repr(a) in str(exc) and repr(b) in str(exc) and "rank 1" in str(exc)
+    # The same checkpoint under two names (a copy) is one checkpoint.
+    shutil.copytree(a, str(tmp_path / "copy"))
+    got = run_world(lambda r, P: load({"w": np.zeros(4)}, a if r == 0 else
+                                      str(tmp_path / "copy")).directory, 2)
+    assert got == [a, str(tmp_path / "copy")]
+
+
+def test_load_refuses_ranks_that_pass_different_strict(tmp_path):
+    path = str(tmp_path / "ck")
+    save({"w": np.ones(4), "extra": 1}, path)
+
+    def body(r, P):
+        return load({"w": np.zeros(4)}, path, strict=r == 0)
+
+    res = run_world(errors_of(body), 2)
+    for kind, exc in res:
+        assert kind == "ValueError", (kind, exc)
+        assert "different strict: True on rank 0 but False on rank 1" in str(exc)
+
+
+def _crash_between_steps_2_and_3(path, gen):
+    save({"w": np.full(3, float(gen))}, path)
+    os.rename(path, commit_mod.old_path(path))
+
+
+def test_an_empty_directory_where_the_checkpoint_was_keeps_the_old_one(tmp_path):
+    # After a crash between steps 2 and 3, start-up code that makes the
+    # directory (os.makedirs(..., exist_ok=True)) must not cost the old one.
+    path = str(tmp_path / "ck")
+    _crash_between_steps_2_and_3(path, 1)
+    os.mkdir(path)
+    w = np.zeros(3)
+    res = load({"w": w}, path)
+    assert np.all(w == 1.0) and res.directory == commit_mod.old_path(path)
+    save({"w": np.full(3, 2.0)}, path)
+    assert load({"w": w}, path).directory == path and np.all(w == 2.0)
+    assert leftovers(path) == []
+
+
+def test_other_data_where_the_checkpoint_was_keeps_both(tmp_path):
+    path = str(tmp_path / "ck")
+    _crash_between_steps_2_and_3(path, 1)
+    os.mkdir(path)
+    (tmp_path / "ck" / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="holds the latest checkpoint"):
+        save({"w": np.full(3, 2.0)}, path)
+    assert (tmp_path / "ck" / "keep.txt").read_text() == "precious"
+    assert is_checkpoint_dir(commit_mod.old_path(path))
+
+
+def test_a_previous_checkpoint_that_will_not_go_fails_no_save(tmp_path, monkeypatch):
+    # On NFS a reader holding an old shard open leaves a file that cannot be
+    # removed: the save that replaced it is committed all the same, and the
+    # next save tidies what is left.
+    path = str(tmp_path / "ck")
+    save({"w": np.full(3, 1.0)}, path)
+    real = shutil.rmtree
+    monkeypatch.setattr(commit_mod.shutil, "rmtree", lambda p, ignore_errors=False: None)
+    save({"w": np.full(3, 2.0)}, path)
+    w = np.zeros(3)
+    assert load({"w": w}, path).directory == path and np.all(w == 2.0)
+    assert [e.split("-")[0] for e in leftovers(path)] == [".ck.trash"]
+    monkeypatch.setattr(commit_mod.shutil, "rmtree", real)
+    real_rename = os.rename
+
+    def no_trash(src, dst):  # not even the move aside succeeds
+        if ".trash-" in dst:
+            raise PermissionError(13, "Permission denied", dst)
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(commit_mod.os, "rename", no_trash)
+    save({"w": np.full(3, 3.0)}, path)
+    assert load({"w": w}, path).directory == path and np.all(w == 3.0)
+    assert ".ck.old" in leftovers(path)
+    monkeypatch.setattr(commit_mod.os, "rename", real_rename)
+    save({"w": np.full(3, 4.0)}, path)
+    assert np.all(load({"w": w}, path).state_dict["w"] == 4.0) and leftovers(path) == []
+
+
+def test_a_strided_replicated_array_is_split_without_copying_it_whole(tmp_path):
+    import tracemalloc
+
+    save_mod = importlib.import_module("ringlet.checkpoint.save")  # the module
+
+    big = np.arange(512 * 256, dtype=np.float64).reshape(512, 256).T  # 1 MiB, strided
+    reg = _region.Region((0, 0), big.shape, 1000, 1000 + big.size // 4)
+    tracemalloc.start()
+    try:
+        arr, shape = save_mod._piece_array(big, reg)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert shape == (big.size // 4,)
+    assert np.array_equal(arr, big.reshape(-1)[1000:1000 + big.size // 4])
+    assert peak < big.nbytes // 2, peak  # a quarter, not the whole array
+    path = str(tmp_path / "ck")
+    run_world(lambda r, P: save({"w": big}, path, split_bytes=1024), 3)
+    w = np.zeros((256, 512))
+    load({"w": w}, path)
+    assert np.array_equal(w, big)
 
 
 def test_refuses_to_replace_other_data(tmp_path):

@@ -167,3 +167,37 @@ def view(region: Region, storage: np.ndarray, box: Box) -> np.ndarray:
     raw = storage[first:].view(np.dtype((np.void, isz)))
     return as_strided(raw, shape=box[1],
                       strides=tuple(s * isz for s in c_strides(region.ext))).view(storage.dtype)
+
+
+def check_cover(key: str, shape: Tuple[int, ...], items: List[Tuple[int, "Region"]]) -> None:
+    """Distinct pieces of a sharded tensor must not overlap and must cover it."""
+    n = numel(shape)
+    flat = all(reg.ext == shape and not any(reg.off) for _, reg in items)
+    if flat:  # FSDP-style ranges: sort and sweep
+        order = sorted(items, key=lambda it: (it[1].start, it[1].stop))
+        for (ra, a), (rb, b) in zip(order, order[1:]):
+            if b.start < a.stop:
+                raise ValueError(f"{key!r}: the flat shards of rank {ra} [{a.start}, {a.stop}) "
+                                 f"and rank {rb} [{b.start}, {b.stop}) overlap")
+    elif items:
+        owner, lo, hi = [], [], []
+        for i, (_r, reg) in enumerate(items):
+            for off, ext in reg.boxes():
+                owner.append(i)
+                lo.append(off)
+                hi.append([o + e for o, e in zip(off, ext)])
+        lo_a = np.array(lo, dtype=np.int64).reshape(len(lo), len(shape))
+        hi_a = np.array(hi, dtype=np.int64).reshape(len(hi), len(shape))
+        own = np.array(owner)
+        # boxes i and j overlap when they overlap along every dimension
+        hit = np.all((lo_a[:, None, :] < hi_a[None, :, :]) & (lo_a[None, :, :] < hi_a[:, None, :]),
+                     axis=2) & (own[:, None] != own[None, :])
+        if hit.any():
+            i, j = np.argwhere(hit)[0]
+            ra, rb = items[own[i]][0], items[own[j]][0]
+            raise ValueError(f"{key!r}: the shards of rank {ra} and rank {rb} overlap "
+                             f"(identical shards are allowed, partial overlaps are not)")
+    covered = sum(reg.size for _, reg in items)
+    if covered != n:
+        raise ValueError(f"{key!r}: the shards of all ranks cover {covered} of the {n} elements "
+                         f"of shape {shape}; every element must be held by some rank")

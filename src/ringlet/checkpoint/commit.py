@@ -11,14 +11,16 @@ The commit, after every rank has written and fsynced its shard file:
    directory;
 2. if ``name`` exists: rename it to ``.name.old``, fsync ``parent``;
 3. rename the temporary directory to ``name``, fsync ``parent``;
-4. remove ``.name.old``, fsync ``parent``.
+4. rename ``.name.old`` to ``.name.trash-<random>``, fsync ``parent``, remove
+   it (best effort: the save is committed; the next save tidies what is left).
 
 A crash (SIGKILL, power loss) at any point leaves a loadable checkpoint:
 
 * before step 2 completes: ``name`` is the old checkpoint, untouched; the
   temporary directory is garbage (removed by the next save);
 * between 2 and 3: ``name`` is missing and ``.name.old`` is the complete old
-  checkpoint: ``load`` reads it from there, the next save renames it back;
+  checkpoint: ``load`` reads it from there, the next save renames it back
+  (also when something has since made ``name`` an empty directory);
 * after 3: ``name`` is the new checkpoint; a leftover ``.name.old`` (whole or
   half removed) is deleted by the next save.
 
@@ -52,16 +54,57 @@ def _tmp_prefix(path: str) -> str:
     return f".{os.path.basename(path)}.tmp-"
 
 
+def _trash_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.trash-"
+
+
+def _vacant(path: str) -> bool:
+    """``path`` holds no checkpoint and nothing else: missing, or an empty directory
+    (say, made by start-up code after a crash between steps 2 and 3)."""
+    if not os.path.lexists(path):
+        return True
+    return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+
+
+def _discard(path: str, old: str) -> None:
+    """Step 4: move ``old`` out of the way, then remove it, best effort.
+
+    The new checkpoint is committed by then: a file that will not go (an open
+    file's ``.nfs*`` stand-in on NFS) leaves garbage for the next save to
+    tidy, never a failed save or a ``.name.old`` that blocks the next commit.
+    """
+    parent = os.path.dirname(path)
+    trash = os.path.join(parent, _trash_prefix(path) + secrets.token_hex(8))
+    try:
+        os.rename(old, trash)
+        fsync_dir(parent)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def recover(path: str) -> None:
-    """Finish what a crashed commit left: restore or remove ``.name.old``."""
+    """Finish what a crashed commit left: restore or remove ``.name.old``.
+
+    Raises:
+        FileExistsError: ``.name.old`` holds the latest checkpoint but ``path``
+            holds something else; ringlet removes neither.
+    """
     old = old_path(path)
     if not os.path.lexists(old):
         return
     parent = os.path.dirname(path)
-    if not os.path.lexists(path) and is_checkpoint_dir(old):
-        os.rename(old, path)  # crash between steps 2 and 3: the old one is the latest
-    else:
-        shutil.rmtree(old)  # crash after step 3 (or during step 4)
+    if is_checkpoint_dir(path) or not is_checkpoint_dir(old):
+        _discard(path, old)  # crash after step 3 (or during step 4)
+        return
+    # A crash between steps 2 and 3: the old one is the latest checkpoint.
+    if not _vacant(path):
+        raise FileExistsError(f"{old!r} holds the latest checkpoint (a commit crashed after "
+                              f"moving it aside) but {path!r} holds something else; move one "
+                              f"of them away")
+    if os.path.lexists(path):
+        os.rmdir(path)
+    os.rename(old, path)
     fsync_dir(parent)
 
 
@@ -70,7 +113,7 @@ def resolve_for_load(path: str) -> str:
     if is_checkpoint_dir(path):
         return path
     old = old_path(path)
-    if not os.path.lexists(path) and is_checkpoint_dir(old):
+    if _vacant(path) and is_checkpoint_dir(old):
         return old
     if os.path.isdir(path):
         raise FileNotFoundError(f"{path!r} is not a checkpoint (it has no manifest.json)")
@@ -96,11 +139,11 @@ def prepare(path: str) -> str:
         if not is_checkpoint_dir(path) and os.listdir(path):
             raise FileExistsError(f"{path!r} is a non-empty directory that is not a ringlet "
                                   f"checkpoint; refusing to replace it")
-    prefix = _tmp_prefix(path)
+    prefixes = (_tmp_prefix(path), _trash_prefix(path))
     for entry in os.listdir(parent):
-        if entry.startswith(prefix):  # left by a save that crashed
+        if entry.startswith(prefixes):  # left by a save that crashed, or by step 4
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-    tmp = os.path.join(parent, prefix + secrets.token_hex(8))
+    tmp = os.path.join(parent, _tmp_prefix(path) + secrets.token_hex(8))
     os.mkdir(tmp)
     return tmp
 
@@ -120,8 +163,7 @@ def commit(tmp: str, path: str) -> None:
     fsync_dir(parent)
     _failpoint("renamed")
     if old is not None:
-        shutil.rmtree(old)
-        fsync_dir(parent)
+        _discard(path, old)
 
 
 def abort(tmp: Optional[str]) -> None:

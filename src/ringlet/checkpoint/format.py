@@ -44,6 +44,7 @@ from typing import Any, Dict, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import SAFETENSORS_CODES
+from ._region import Region, check_cover, numel
 from .errors import CheckpointError
 
 FORMAT = "ringlet-checkpoint"
@@ -171,6 +172,13 @@ def manifest_bytes(manifest: Dict[str, Any]) -> bytes:
     return _canonical(body)
 
 
+def manifest_digest(manifest: Dict[str, Any]) -> str:
+    """SHA-256 of a parsed manifest's canonical form (its seal, for version 2):
+    equal on two ranks exactly when they read the same checkpoint."""
+    return hashlib.sha256(_canonical({k: v for k, v in manifest.items()
+                                      if k != MANIFEST_SHA})).hexdigest()
+
+
 def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
     data = manifest_bytes(manifest)
     path = os.path.join(directory, MANIFEST)
@@ -252,12 +260,37 @@ def _nats(v: Any) -> bool:
 
 
 def _region_ok(p: Dict[str, Any], t: Dict[str, Any]) -> bool:
-    """A piece covers a box (offsets, lengths per dimension) or a flat range."""
+    """A piece covers a box (offsets, lengths per dimension) or a flat range, not
+    both, inside the tensor."""
     box, flat = p.get("box"), p.get("flat")
+    if ("box" in p) == ("flat" in p):
+        return False
     if isinstance(box, dict):
         return (_nats(box.get("offsets")) and _nats(box.get("lengths"))
-                and len(box["offsets"]) == len(box["lengths"]) == len(t["shape"]))
-    return _nats(flat) and len(flat) == 2 and flat[0] <= flat[1]
+                and len(box["offsets"]) == len(box["lengths"]) == len(t["shape"])
+                and all(o + n <= d for o, n, d in zip(box["offsets"], box["lengths"],
+                                                      t["shape"])))
+    return (_nats(flat) and len(flat) == 2 and flat[0] <= flat[1]
+            and flat[1] <= numel(t["shape"]))
+
+
+def _cover_error(key: str, t: Dict[str, Any]) -> str:
+    """Whether a tensor's pieces tile it exactly (a load checks only what it copies,
+    and overlapping pieces could hide a hole from that count)."""
+    shape = tuple(t["shape"])
+    items = []
+    for p in t["pieces"]:
+        if "flat" in p:
+            reg = Region((0,) * len(shape), shape, *p["flat"])
+        else:
+            reg = Region.whole_box(p["box"]["offsets"], p["box"]["lengths"])
+        if reg.size:
+            items.append((p.get("rank"), reg))
+    try:
+        check_cover(key, shape, items)
+    except ValueError as exc:
+        return f"its pieces do not tile tensor {key!r}: {exc}"
+    return ""
 
 
 def _manifest_entries_error(m: Dict[str, Any]) -> str:
@@ -288,6 +321,9 @@ def _manifest_entries_error(m: Dict[str, Any]) -> str:
                 return (f"a piece of tensor {key!r} lies beyond the end of file {p['file']!r} "
                         f"(offset {p['offset']} + {p['nbytes']} bytes > "
                         f"{m['files'][p['file']]['size']})")
+        bad = _cover_error(key, t)
+        if bad:
+            return bad
     return ""
 
 

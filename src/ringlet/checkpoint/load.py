@@ -269,10 +269,23 @@ def load(state_dict_template: Dict[str, Any], path: Any, *, group: Any = None,
     try:
         directory, manifest, flat, missing, not_requested, values = _prepare(
             state_dict_template, path)
-        payload = [missing, not_requested]
+        payload = [missing, not_requested, directory, _fmt.manifest_digest(manifest),
+                   bool(strict)]
     except Exception as exc:  # noqa: BLE001 - voted so no rank waits on this one
         error = exc
     got = agree(comm, what, error, payload)
+    # Every rank must fill its arrays from one checkpoint (not one rank from the
+    # last step and another from a save committed meanwhile), under one rule.
+    b = next((r for r, g in enumerate(got) if g[3] != got[0][3]), None)
+    if b is not None:
+        raise CheckpointError(f"{what}: ranks read different checkpoints: rank 0 read "
+                              f"{got[0][2]!r} (manifest {got[0][3][:12]}) but rank {b} read "
+                              f"{got[b][2]!r} (manifest {got[b][3][:12]}); every rank must "
+                              f"load the same one", rank=comm.rank, op="load")
+    b = next((r for r, g in enumerate(got) if g[4] != got[0][4]), None)
+    if b is not None:
+        raise ValueError(f"{what}: ranks passed different strict: {got[0][4]} on rank 0 but "
+                         f"{got[b][4]} on rank {b}; every rank must pass the same")
     unexpected = sorted(set.intersection(*(set(g[1]) for g in got)))
     missing_by_rank = {r: g[0] for r, g in enumerate(got) if g[0]}
     if strict and (missing_by_rank or unexpected):
@@ -325,7 +338,7 @@ def _verify_file(fpath: str, meta: dict, pieces: List[Tuple[str, dict]], chunk: 
         tree = hashlib.sha256(head + body)
         try:
             header = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             header = None
         if not isinstance(header, dict):
             raise CheckpointError(f"shard file {fpath!r} has a corrupted safetensors header",

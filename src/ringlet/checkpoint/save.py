@@ -39,7 +39,7 @@ import numpy as np
 
 from . import commit as _commit
 from ._comm import Comm, agree, describe
-from ._region import Region, numel
+from ._region import Region, check_cover, numel, view
 from ._state import canonical, flatten
 from .errors import CheckpointError
 from .format import (DEFAULT_CHUNK_BYTES, FORMAT, VERSION, dtype_name, shard_file_name,
@@ -106,40 +106,6 @@ def region_json(region: Region, shape: Tuple[int, ...]) -> dict:
     raise AssertionError(f"a planned piece is neither a box nor a flat range: {region}")
 
 
-def _check_cover(key: str, shape: Tuple[int, ...], items: List[Tuple[int, Region]]) -> None:
-    """Distinct pieces of a sharded tensor must not overlap and must cover it."""
-    n = numel(shape)
-    flat = all(reg.ext == shape and not any(reg.off) for _, reg in items)
-    if flat:  # FSDP-style ranges: sort and sweep
-        order = sorted(items, key=lambda it: (it[1].start, it[1].stop))
-        for (ra, a), (rb, b) in zip(order, order[1:]):
-            if b.start < a.stop:
-                raise ValueError(f"{key!r}: the flat shards of rank {ra} [{a.start}, {a.stop}) "
-                                 f"and rank {rb} [{b.start}, {b.stop}) overlap")
-    elif items:
-        owner, lo, hi = [], [], []
-        for i, (_r, reg) in enumerate(items):
-            for off, ext in reg.boxes():
-                owner.append(i)
-                lo.append(off)
-                hi.append([o + e for o, e in zip(off, ext)])
-        lo_a = np.array(lo, dtype=np.int64).reshape(len(lo), len(shape))
-        hi_a = np.array(hi, dtype=np.int64).reshape(len(hi), len(shape))
-        own = np.array(owner)
-        # boxes i and j overlap when they overlap along every dimension
-        hit = np.all((lo_a[:, None, :] < hi_a[None, :, :]) & (lo_a[None, :, :] < hi_a[:, None, :]),
-                     axis=2) & (own[:, None] != own[None, :])
-        if hit.any():
-            i, j = np.argwhere(hit)[0]
-            ra, rb = items[own[i]][0], items[own[j]][0]
-            raise ValueError(f"{key!r}: the shards of rank {ra} and rank {rb} overlap "
-                             f"(identical shards are allowed, partial overlaps are not)")
-    covered = sum(reg.size for _, reg in items)
-    if covered != n:
-        raise ValueError(f"{key!r}: the shards of all ranks cover {covered} of the {n} elements "
-                         f"of shape {shape}; every element must be held by some rank")
-
-
 class Plan:
     """What every rank writes; identical on every rank."""
 
@@ -203,7 +169,7 @@ def make_plan(descs: List[str], split_bytes: int) -> Plan:
             if reg.size:
                 uniq.setdefault(reg.key(), (r, reg))  # holders are in rank order: lowest wins
         items = list(uniq.values())
-        _check_cover(key, shape0, items)
+        check_cover(key, shape0, items)
         tensors[key]["pieces"] = sorted(items, key=lambda it: it[0])
 
     # Replicated arrays: split the big ones across their holders, place the
@@ -248,8 +214,15 @@ def _piece_array(leaf: Any, reg: Region) -> Tuple[np.ndarray, Tuple[int, ...]]:
         return leaf.local, (reg.ext if reg.is_whole_box else (reg.size,))
     if reg.is_whole_box:
         return leaf, tuple(leaf.shape)
-    flat = np.ascontiguousarray(leaf).reshape(-1)
-    return flat[reg.start:reg.stop], (reg.size,)
+    if leaf.flags.c_contiguous:
+        return leaf.reshape(-1)[reg.start:reg.stop], (reg.size,)
+    # A strided array (a transposed weight): copy this rank's range only, box
+    # by box, not the whole array.
+    out = np.empty(reg.size, dtype=leaf.dtype)
+    whole = Region.whole_box((0,) * leaf.ndim, tuple(leaf.shape))
+    for box in reg.boxes():
+        view(reg, out, box)[...] = view(whole, leaf, box)
+    return out, (reg.size,)
 
 
 class SaveJob:
@@ -281,12 +254,22 @@ class SaveJob:
             except Exception as exc:  # noqa: BLE001 - voted, then re-raised
                 error = exc
         try:
-            got = agree(self.comm, self.what, error, [desc, tmp, self.path])
+            got = agree(self.comm, self.what, error,
+                        [desc, tmp, self.path, self.chunk_bytes, self.split_bytes])
             self.tmp = got[0][1]
             paths = sorted({g[2] for g in got})
             if len(paths) > 1:
                 raise ValueError(f"ranks passed different checkpoint paths: {paths}; every "
                                  f"rank must name the same directory")
+            # Rank 0's chunk size goes into the manifest and every rank's split
+            # decides who writes what: a rank that differs would commit a
+            # checkpoint that cannot be loaded.
+            for i, name in ((3, "chunk_bytes"), (4, "split_bytes")):
+                a = got[0][i]
+                b = next((r for r, g in enumerate(got) if g[i] != a), None)
+                if b is not None:
+                    raise ValueError(f"ranks passed different {name}: {a} on rank 0 but "
+                                     f"{got[b][i]} on rank {b}; every rank must pass the same")
             self.plan_ = make_plan([g[0] for g in got], self.split_bytes)
         except BaseException:
             if self.comm.rank == 0:
