@@ -109,9 +109,12 @@ class Store:
             attempts += 1
             left = max(deadline - time.monotonic(), 0.01)  # one last short try at the deadline
             try:
+                # Each silent try waits twice as long as the last: a store that
+                # accepts late (rank 0 starved, a full accept queue) answers later
+                # than its own 5 s handshake window.
                 return _auth.open_connection(
                     self.host, self.port, self._secret, _PURPOSE, connect_timeout=min(left, 5.0),
-                    deadline=min(deadline, time.monotonic() + _SILENT_S))
+                    deadline=min(deadline, time.monotonic() + _SILENT_S * (1 << silent)))
             except _auth.HandshakeAborted as exc:
                 last = f"handshake interrupted: {exc}"  # server restarting or overloaded
                 silent = 0
@@ -122,7 +125,8 @@ class Store:
                 silent += 1
                 if silent >= 2 or time.monotonic() >= deadline:
                     # A store answers a hello from its loop at once, and drops a
-                    # silent handshake itself after 5 s: this is another program.
+                    # silent handshake itself 5 s after accepting it: after 5 and
+                    # then 10 s of silence this is another program.
                     raise RendezvousError(
                         f"{self._where} accepted the connection but never answered the ringlet "
                         f"handshake ({last}, {silent} time(s)): it is not a ringlet store "

@@ -28,6 +28,7 @@ import errno
 import heapq
 import itertools
 import logging
+import resource
 import secrets
 import selectors
 import socket
@@ -36,6 +37,7 @@ import time
 from typing import Deque, Dict, List, Optional, Set, Tuple
 
 from .. import _auth
+from .._timeout import seconds
 from ..errors import AuthenticationError
 from .protocol import (I64 as _I64, MAX_KEY_BYTES, MAX_REQUEST as _MAX_REQUEST,
                        MAX_TIMEOUT_MS as _MAX_TIMEOUT_MS, MAX_VALUE_BYTES, OP_ADD, OP_CHECK,
@@ -61,6 +63,15 @@ _HELLO, _PROOF, _READY = 0, 1, 2
 
 
 _MAX_SELECT_S = 3600.0
+
+
+def _default_max_handshakes() -> int:
+    # The store lives in rank 0, beside the job's own sockets and files.
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return _MAX_HANDSHAKES
+    return max(16, min(_MAX_HANDSHAKES, soft // 8))
+
 
 class _Conn:
     """One client connection as the selector loop sees it."""
@@ -116,7 +127,9 @@ class StoreServer:
         job_id: identifier handed to every client (16 random bytes if None).
         handshake_timeout: seconds a new connection gets to authenticate.
         max_handshakes: unauthenticated connections held at once; beyond it
-            the oldest is dropped to make room (genuine clients retry).
+            the oldest is dropped to make room (genuine clients retry).  None:
+            512, and at most an eighth of this process's descriptor limit, so a
+            flood cannot take the descriptors the job itself needs.
     Attributes:
         host, port: where it listens.  job_id: bytes.
         rejected: connections refused so far (failed, stalled or evicted
@@ -134,7 +147,7 @@ class StoreServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
                  job_id: Optional[bytes] = None, handshake_timeout: float = 5.0,
-                 max_handshakes: int = _MAX_HANDSHAKES) -> None:
+                 max_handshakes: Optional[int] = None) -> None:
         if not isinstance(host, str) or not host:
             raise TypeError(f"host must be a non-empty str, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -145,8 +158,11 @@ class StoreServer:
             job_id = secrets.token_bytes(16)
         if not isinstance(job_id, (bytes, bytearray)) or not 1 <= len(job_id) <= 64:
             raise ValueError("job_id must be 1..64 bytes")
-        if not handshake_timeout or handshake_timeout <= 0:
-            raise ValueError(f"handshake_timeout must be positive, got {handshake_timeout!r}")
+        handshake_timeout = seconds(handshake_timeout, "handshake_timeout")  # NaN refused
+        if handshake_timeout > 600:  # a window, not a deadline: inf would keep stalled peers
+            raise ValueError(f"handshake_timeout must be at most 600 s, got {handshake_timeout!r}")
+        if max_handshakes is None:
+            max_handshakes = _default_max_handshakes()
         if isinstance(max_handshakes, bool) or not isinstance(max_handshakes, int) \
                 or max_handshakes < 1:
             raise ValueError(f"max_handshakes must be a positive int, got {max_handshakes!r}")
@@ -186,15 +202,23 @@ class StoreServer:
             raise
         self.host = host
         self.port = self._listener.getsockname()[1]
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._listener, selectors.EVENT_READ, "listener")
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._thread = threading.Thread(target=self._run, name=f"ringlet-store:{self.port}",
-                                        daemon=True)
-        self._thread.start()
+        owned = [self._listener]
+        try:  # out of descriptors (a flood) or threads: nothing stays open, the port freed
+            self._wake_r, self._wake_w = socket.socketpair()
+            owned += [self._wake_r, self._wake_w]
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            self._sel = selectors.DefaultSelector()
+            owned.append(self._sel)
+            self._sel.register(self._listener, selectors.EVENT_READ, "listener")
+            self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+            self._thread = threading.Thread(target=self._run, name=f"ringlet-store:{self.port}",
+                                            daemon=True)
+            self._thread.start()
+        except BaseException:
+            for o in reversed(owned):
+                o.close()
+            raise
 
     # ---- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -333,15 +357,22 @@ class StoreServer:
                     self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE
                 self._warn.warn("store: accept failed: %s", exc)
                 return
-            sock.setblocking(False)
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if len(self._pending) >= self._max_handshakes:
-                self._evict_oldest(f"{len(self._pending)} handshakes pending")
-            conn = _Conn(sock, addr, time.monotonic() + self._hs_timeout)
+            try:
+                sock.setblocking(False)
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if len(self._pending) >= self._max_handshakes:
+                    self._evict_oldest(f"{len(self._pending)} handshakes pending")
+                conn = _Conn(sock, addr, time.monotonic() + self._hs_timeout)
+                self._sel.register(sock, selectors.EVENT_READ, conn)
+            except (OSError, ValueError) as exc:
+                # A peer that reset at once, or the selector out of room: that
+                # one connection goes, the loop serves on.
+                sock.close()
+                self._warn.warn("store: could not take a connection from %s: %s", addr, exc)
+                continue
             self._conns.add(conn)
             self._pending[conn] = None
-            self._sel.register(sock, selectors.EVENT_READ, conn)
             heapq.heappush(self._timers, (conn.deadline, next(self._seq), conn))
             # A client sends its hello right after connecting: answer it now,
             # so it leaves the evictable HELLO state at once.
@@ -451,7 +482,12 @@ class StoreServer:
                 self._reply(conn, ST_ERROR, f"key {key!r} holds a value that is not a counter "
                                             f"({len(old)} bytes)".encode())
                 return
-            new = str(cur + amount).encode()
+            total = cur + amount
+            if not -(1 << 63) <= total < (1 << 63):  # counters are int64, as the reply's reader
+                self._reply(conn, ST_ERROR, f"adding {amount} to key {key!r} leaves the int64 "
+                                            f"range of a counter".encode())
+                return
+            new = str(total).encode()
             self._set(key, new)
             self._reply(conn, ST_OK, new)
         elif op == OP_CHECK:
