@@ -173,6 +173,55 @@ def test_state_dict_round_trip(cls, kw):
         cls(clone, lr=0.1).load_state_dict({"state": {}, "param_groups": []})
 
 
+@pytest.mark.parametrize("cls,kw", [(optim.SGD, dict(lr=0.1, momentum=0.9)),
+                                    (optim.AdamW, dict(lr=0.1, amsgrad=True))])
+def test_a_scalar_parameter_resumes_exactly(cls, kw):
+    # A scalar parameter's buffers are 0-d arrays; loaded as Python floats they
+    # were never updated again, and the resumed run drifted.
+    a, b = nn.Parameter(np.array(1.0)), nn.Parameter(np.array(1.0))
+    oa, ob = cls([a], **kw), cls([b], **kw)
+    for p, o in ((a, oa), (b, ob)):
+        p.grad = np.array(0.5)
+        o.step()
+    ob.load_state_dict(oa.state_dict())
+    for i in range(4):
+        for p, o in ((a, oa), (b, ob)):
+            p.grad = np.array(0.3 * i - 0.2)
+            o.step()
+    assert a.data.tobytes() == b.data.tobytes()
+    wrong = oa.state_dict()
+    name = next(k for k, v in wrong["state"][0].items() if isinstance(v, np.ndarray))
+    wrong["state"][0][name] = np.zeros((3, 4))
+    with pytest.raises(ValueError, match=rf"'{name}' of parameter 0 has shape \(3, 4\)"):
+        cls([nn.Parameter(np.array(0.0))], **kw).load_state_dict(wrong)
+
+
+def test_load_refuses_another_optimizers_state_and_changes_nothing_when_it_fails():
+    ps = _params()
+    gs = _grads(ps, 2)
+    sgd = _run(optim.SGD, ps, gs, lr=0.1, momentum=0.9)
+    adam = optim.AdamW([nn.Parameter(p.data.copy()) for p in ps], lr=0.01)
+    with pytest.raises(ValueError, match=r"\['dampening', 'momentum', 'nesterov'\].*AdamW"):
+        adam.load_state_dict(sgd.state_dict())
+    sd = sgd.state_dict()
+    sd["param_groups"][0] = {"params": sd["param_groups"][0]["params"], "lr": 0.1}
+    sd["state"][0] = {"exp_avg": sd["state"][0]["momentum_buffer"]}
+    fresh = optim.SGD([nn.Parameter(p.data.copy()) for p in ps], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="'exp_avg' of parameter 0 is not SGD state"):
+        fresh.load_state_dict(sd)
+    two = optim.SGD([{"params": ps[:1]}, {"params": ps[1:]}], lr=0.1)
+    bad = two.state_dict()
+    bad["param_groups"][0]["lr"] = 0.5
+    bad["param_groups"][1]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        two.load_state_dict(bad)
+    assert [g["lr"] for g in two.param_groups] == [0.1, 0.1]  # group 0 untouched too
+    adam_sd = _run(optim.AdamW, ps, gs, lr=0.01).state_dict()
+    adam_sd["state"][0]["step"] = -3
+    with pytest.raises(ValueError, match="'step' of parameter 0 must be a count"):
+        optim.AdamW(ps, lr=0.01).load_state_dict(adam_sd)
+
+
 def test_bad_arguments():
     ps = _params()
     with pytest.raises(ValueError, match="empty"):

@@ -57,6 +57,10 @@ class Optimizer:
     Subclasses implement ``_check_group(group)`` and ``step()``.
     """
 
+    # Per-parameter state: arrays shaped like the parameter, and counts.
+    _STATE_ARRAYS: frozenset = frozenset()
+    _STATE_COUNTS: frozenset = frozenset()
+
     def __init__(self, params: Iterable[Any], defaults: Dict[str, Any]) -> None:
         if isinstance(params, np.ndarray) or hasattr(params, "data"):
             raise TypeError(f"{type(self).__name__}: params must be an iterable of Parameters or "
@@ -152,10 +156,22 @@ class Optimizer:
         if len(saved) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(saved)} parameter groups, the optimizer "
                              f"has {len(self.param_groups)}")
+        kind = type(self).__name__
+        # Everything is checked before anything changes: a failed load leaves
+        # the optimizer as it was.
+        groups = []
         for i, (sg, g) in enumerate(zip(saved, self.param_groups)):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"state_dict group {i} has {len(sg['params'])} parameters, the "
                                  f"optimizer's group has {len(g['params'])}")
+            hp = {k: v for k, v in sg.items() if k != "params"}
+            unknown = set(hp) - set(self.defaults)
+            if unknown:
+                raise ValueError(f"state_dict group {i} has hyper-parameters {sorted(unknown)} "
+                                 f"that {kind} does not know (the state of another optimizer?)")
+            candidate = {**g, **hp}
+            self._check_group(candidate)
+            groups.append(candidate)
         new_state: Dict[int, Dict[str, Any]] = {}
         by_saved_index = {}
         for sg, g in zip(saved, self.param_groups):
@@ -168,20 +184,29 @@ class Optimizer:
             p = by_saved_index[key]
             entry = {}
             for name, v in s.items():
-                if isinstance(v, np.ndarray) and v.ndim > 0:
+                if name in self._STATE_ARRAYS:
+                    # A scalar parameter's buffers are 0-d arrays: kept arrays, so
+                    # that step() goes on updating them in place.
+                    v = np.asarray(v)
                     if v.shape != p.data.shape:
                         raise ValueError(f"state_dict: state '{name}' of parameter {key} has "
                                          f"shape {v.shape}, the parameter has {p.data.shape}")
                     v = np.array(v, dtype=p.data.dtype, copy=True)
-                elif isinstance(v, np.ndarray):
-                    v = v.item()
+                elif name in self._STATE_COUNTS:
+                    c = v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v
+                    if isinstance(c, bool) or not isinstance(c, (int, np.integer, float)) \
+                            or c < 0 or c != int(c):
+                        raise ValueError(f"state_dict: state '{name}' of parameter {key} must "
+                                         f"be a count >= 0, got {v!r}")
+                    v = int(c)
+                else:
+                    raise ValueError(f"state_dict: state '{name}' of parameter {key} is not "
+                                     f"{kind} state (known: "
+                                     f"{sorted(self._STATE_ARRAYS | self._STATE_COUNTS)})")
                 entry[name] = v
             new_state[id(p)] = entry
-        for sg, g in zip(saved, self.param_groups):
-            hp = {k: v for k, v in sg.items() if k != "params"}
-            candidate = {**g, **hp}
-            self._check_group(candidate)
-            g.update(hp)
+        for g, candidate in zip(self.param_groups, groups):
+            g.update(candidate)
         self.state = new_state
 
     def __repr__(self) -> str:
@@ -214,6 +239,8 @@ class SGD(Optimizer):
 
         opt = SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     """
+
+    _STATE_ARRAYS = frozenset({"momentum_buffer"})
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> None:
@@ -272,6 +299,9 @@ class AdamW(Optimizer):
 
         opt = AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     """
+
+    _STATE_ARRAYS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+    _STATE_COUNTS = frozenset({"step"})
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
