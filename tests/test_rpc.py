@@ -51,10 +51,17 @@ class CustomError(Exception):
     pass
 
 
+class UnprintableError(Exception):
+    def __str__(self):
+        return self.detail  # never set: str() itself raises AttributeError
+
+
 @rpc.register
 def fail(kind):
     if kind == "value":
         raise ValueError("bad value 42")
+    if kind == "unprintable":
+        raise UnprintableError()
     raise CustomError("custom failure")
 
 
@@ -213,6 +220,12 @@ def _exceptions(rank, n):
         fut = rpc.rpc_async(1, fail, args=("custom",))
         exc = fut.exception(timeout=20)
         out["custom"] = (type(exc).__name__, exc.remote_type, exc.remote_message)
+        # An exception whose str() fails still gets its reply (the caller once
+        # waited out its timeout).
+        t0 = time.monotonic()
+        exc = rpc.rpc_async(1, fail, args=("unprintable",), timeout=15).exception(timeout=20)
+        out["unprintable"] = (type(exc).__name__, exc.remote_type, exc.remote_message,
+                              time.monotonic() - t0)
         # the worker that raised keeps serving
         out["after"] = rpc.rpc_sync(1, whoami, args=("ok",))
     rpc.shutdown()
@@ -226,6 +239,9 @@ def test_remote_exceptions():
     assert fn.endswith("fail") and "ValueError: bad value 42" in text and "Remote traceback" in text
     name, rtype, rmsg = out["custom"]
     assert name == "RemoteError" and rtype.endswith("CustomError") and rmsg == "custom failure"
+    name, rtype, rmsg, took = out["unprintable"]
+    assert name == "RemoteError" and rtype.endswith("UnprintableError"), out["unprintable"]
+    assert "str() of the" in rmsg and "AttributeError" in rmsg and took < 15, out["unprintable"]
     assert out["after"] == [1, "ok"]
 
 

@@ -172,6 +172,10 @@ def test_encode_limits():
         ser.encode(["x" * 11], limits=Limits(max_bytes_len=10))
     with pytest.raises(ValueError, match="max_frame_bytes=1000"):
         ser.encode(np.zeros(1000, np.uint8), limits=Limits(max_frame_bytes=1000))
+    # Many small items, none of which checks the size by itself, are refused too
+    # (the peer would drop the connection, failing every call on it).
+    with pytest.raises(ValueError, match="max_frame_bytes=1048576"):
+        ser.encode([0.0] * 200_000, limits=Limits(max_frame_bytes=1 << 20))
     with pytest.raises(ValueError, match="max_ndim=2"):
         ser.encode(np.zeros((1, 1, 1)), limits=Limits(max_ndim=2))
     with pytest.raises(ValueError, match="max_depth"):

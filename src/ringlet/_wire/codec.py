@@ -416,6 +416,9 @@ def encode(
     enc = _Encoder(limits, allow_pickle, ext_encode)
     try:
         enc.add(value, 0)
+        # Small items (floats, ints, None) check no size as they go: the
+        # whole frame is checked once here, before anything is sent.
+        enc._check_size()
     except _EncodeError as e:
         parts = list(reversed(e.path))
         if len(parts) > 12:  # deep paths (cycles) would flood the message

@@ -183,10 +183,11 @@ class _Dispatch:
                     enc = ser.encode(value, limits=self._peer_limits[peer], allow_pickle=self._pickle_with(peer),
                                      ext_encode=self._ext_encoder(transferred, deadline), what=f"result of {fn!r}")
                     kind = K_RESULT
-                except (TypeError, ValueError, RingletError) as e:
+                except Exception as e:  # noqa: BLE001 - any failure becomes the one reply
                     self._release_transferred(transferred)
                     transferred = []
-                    error = (type(e).__name__, f"the result cannot be sent back: {e}", "")
+                    error = (type(e).__name__, f"the result cannot be sent back: "
+                             f"{_exc_info(e)[1]}", "")
             if error is not None:
                 enc = ser.encode([error[0], error[1], error[2], fn])
                 kind = K_ERROR

@@ -55,8 +55,17 @@ class _BadRequest(Exception):
 def _exc_info(exc: BaseException) -> Tuple[str, str, str]:
     t = type(exc)
     name = t.__qualname__ if t.__module__ in ("builtins", "__main__") else f"{t.__module__}.{t.__qualname__}"
-    tb = "".join(traceback.format_exception(t, exc, exc.__traceback__))
-    return name, str(exc)[:_MAX_ERROR_TEXT], tb[-_MAX_ERROR_TEXT:]
+    # A user's exception whose __str__ itself fails must still reach the
+    # caller: every request gets its one reply.
+    try:
+        text = str(exc)
+    except Exception as e:  # noqa: BLE001
+        text = f"<str() of the {name} failed: {type(e).__name__}: {e}>"
+    try:
+        tb = "".join(traceback.format_exception(t, exc, exc.__traceback__))
+    except Exception:  # noqa: BLE001 - the traceback formats str(exc) too
+        tb = ""
+    return name, text[:_MAX_ERROR_TEXT], tb[-_MAX_ERROR_TEXT:]
 
 
 def _is_int(x: Any) -> bool:

@@ -72,12 +72,14 @@ def send_buffers(
     while i < len(views):
         if stop is not None and stop.is_set():
             raise Stopped()
+        # Checked on every pass, not only when a poll times out: a peer that
+        # reads a byte now and then must not stretch the frame past it.
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(f"{what}: peer {peer} did not accept data before the deadline",
+                                    peer=peer if isinstance(peer, int) else None, op="rpc")
         try:
             sent = sock.sendmsg(views[i : i + _MAX_IOV], (), _NOSIGNAL)
         except socket.timeout:
-            if time.monotonic() > deadline:
-                raise CollectiveTimeout(f"{what}: peer {peer} did not accept data before the deadline",
-                                        peer=peer if isinstance(peer, int) else None, op="rpc") from None
             continue
         except InterruptedError:
             continue
@@ -101,6 +103,7 @@ def recv_exact_into(
     deadline: Optional[float],
     stop: Optional[threading.Event] = None,
     idle_ok: bool = False,
+    budget: Optional[float] = None,
     peer: Any = None,
     what: str = "rpc recv",
 ) -> None:
@@ -112,7 +115,8 @@ def recv_exact_into(
         stop: when set, the call raises ``Stopped`` at the next poll.
         idle_ok: waiting for the *first* byte has no deadline (an idle
             connection between frames is normal); once a byte has arrived the
-            rest must come before ``deadline``.
+            rest must come before ``deadline``, or, with ``budget``, within
+            ``budget`` seconds of that first byte.
 
     Raises:
         PeerClosedError: EOF or reset before ``mv`` was full.
@@ -123,13 +127,15 @@ def recv_exact_into(
     while got < n:
         if stop is not None and stop.is_set():
             raise Stopped()
+        # On every pass: a peer that sends a byte now and then must not
+        # stretch the frame past its deadline.
+        if deadline is not None and not (idle_ok and got == 0) and time.monotonic() > deadline:
+            raise CollectiveTimeout(f"{what}: peer {peer} stalled in the middle of a frame "
+                                    f"({got} of {n} bytes received)",
+                                    peer=peer if isinstance(peer, int) else None, op="rpc")
         try:
             k = sock.recv_into(mv[got:])
         except socket.timeout:
-            if deadline is not None and not (idle_ok and got == 0) and time.monotonic() > deadline:
-                raise CollectiveTimeout(f"{what}: peer {peer} stalled in the middle of a frame "
-                                        f"({got} of {n} bytes received)",
-                                        peer=peer if isinstance(peer, int) else None, op="rpc") from None
             continue
         except InterruptedError:
             continue
@@ -141,6 +147,8 @@ def recv_exact_into(
             if stop is not None and stop.is_set():
                 raise Stopped()
             raise _closed_error(what, peer)
+        if got == 0 and budget is not None:
+            deadline = time.monotonic() + budget  # the frame's clock starts at its first byte
         got += k
 
 
@@ -179,7 +187,12 @@ class Connection:
         if deadline is None:
             deadline = time.monotonic() + self.frame_timeout
         bufs = ser.encode_frame(kind, req_id, encoded)
-        with self.send_lock:
+        # Behind another thread's long send, this frame's deadline still holds.
+        if not self.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise CollectiveTimeout(f"rpc send to worker {self.peer_name!r}: another send held the "
+                                    f"connection until this frame's deadline",
+                                    peer=self.peer_rank, op="rpc")
+        try:
             if self.closed:
                 raise PeerClosedError(
                     f"rpc connection to worker {self.peer_name!r} (rank {self.peer_rank}) is closed"
@@ -191,6 +204,8 @@ class Connection:
             except BaseException as e:
                 self._close_locked(e)
                 raise
+        finally:
+            self.send_lock.release()
 
     def recv_frame(self, *, limits: ser.Limits, allow_pickle: bool, ext_decode: Any = None):
         """Wait (without deadline, but stoppable) for the next frame and decode it.
@@ -208,7 +223,7 @@ class Connection:
         """
         head = bytearray(ser.HEADER_SIZE)
         who = f"rpc recv from worker {self.peer_name!r}"
-        recv_exact_into(self.sock, memoryview(head), deadline=time.monotonic() + self.frame_timeout,
+        recv_exact_into(self.sock, memoryview(head), deadline=None, budget=self.frame_timeout,
                         stop=self.stop, idle_ok=True, peer=self.peer_rank, what=who)
         header = ser.parse_header(bytes(head), limits)
         deadline = time.monotonic() + self.frame_timeout
