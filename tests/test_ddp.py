@@ -452,3 +452,61 @@ def _layout_mismatch(rank, n):
 def test_different_replicas_are_rejected():
     with pytest.raises(WorldError, match="different parameter layout"):
         run_world(_layout_mismatch, 2)
+
+    # Options and buffers that decide the broadcasts: once found only as a
+    # desync or a timeout in the first mismatched collective.
+    def option(rank, n, kw):
+        try:
+            DDP(make_model(), **(kw if rank == 1 else {}))
+        except ValueError as exc:
+            return str(exc)
+
+    for kw in (dict(broadcast_buffers=False), dict(init_sync=False)):
+        for msg in run_world(option, 2, args=(kw,)):
+            assert msg and "broadcast_buffers or init_sync than rank 0" in msg, (kw, msg)
+
+    def buffers(rank, n):
+        m = make_model()
+        m.register_buffer("running", np.zeros(3 + rank))
+        try:
+            DDP(m)
+        except ValueError as exc:
+            return str(exc)
+
+    assert all(m and "different buffers" in m for m in run_world(buffers, 2))
+
+
+def test_wrapping_a_wrapped_module_again_is_refused():
+    # Both wrappers' hooks fired: the second copied a buffer the first was
+    # still reducing, and the error then blamed "became ready twice".
+    def body(rank, n):
+        model = make_model()
+        first = DDP(model)
+        with pytest.raises(ValueError, match="already wrapped by another DistributedDataParallel"):
+            DDP(model)
+        first.remove_hooks()
+        second = DDP(model)  # fine once the first let go
+        x, y = batches(1, seed=3 + rank)[0]
+        second.backward(nn.cross_entropy(second(x), y)[1])
+        second.sync_gradients()
+        return [p.grad.copy() for p in model.parameters()]
+
+    a, b = run_world(body, 2)
+    for ga, gb in zip(a, b):
+        np.testing.assert_array_equal(ga, gb)
+
+
+def test_float16_gradients_average_without_overflow():
+    # A weight gradient of 200 x 200 = 40000 on each of 2 ranks sums to inf in
+    # float16 (largest 65504); the mean, 40000, fits.  Each rank divides first.
+    def body(rank, n):
+        model = nn.Linear(2, 1, dtype=np.float16, rng=0)
+        ddp = DDP(model)
+        out = ddp(np.full((1, 2), 200, np.float16))
+        ddp.backward(np.full(out.shape, 200, np.float16))
+        ddp.sync_gradients()
+        return model.weight.grad.copy(), model.bias.grad.copy()
+
+    for w, b in run_world(body, 2):
+        assert w.dtype == np.float16 and np.all(w == 40000), w
+        assert np.all(b == 200), b

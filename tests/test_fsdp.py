@@ -342,6 +342,22 @@ def test_mixed_precision_float16_computes_in_half_and_keeps_float32_shards():
             np.testing.assert_allclose(sd[k], want[k], rtol=0, atol=5e-3, err_msg=k)
 
 
+def test_float16_reduction_averages_without_overflow():
+    # 200 x 200 = 40000 per weight on each rank: a float16 sum of 2 ranks is
+    # inf, the mean fits.  Each rank divides before the reduce_scatter.
+    mp = MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float16)
+
+    def body(rank, n):
+        f = FSDP(nn.Linear(4, 1, dtype=np.float32, rng=0), mixed_precision=mp)
+        out = f(np.full((1, 4), 200.0, np.float32))
+        f.backward(np.full(out.shape, 200, out.dtype))
+        return np.concatenate([p.grad.ravel() for p in f.parameters()])
+
+    shards = run_world(body, 2)
+    flat = np.concatenate(shards)[:5]  # 4 weights, 1 bias, then padding
+    np.testing.assert_array_equal(flat, [40000, 40000, 40000, 40000, 200])
+
+
 def test_mixed_precision_bfloat16_gathers_rounded_values():
     ml_dtypes = require("ml_dtypes")
     data = batches(3, dtype=np.float32)

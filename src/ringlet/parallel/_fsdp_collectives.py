@@ -186,8 +186,11 @@ def reduce_grads(fsdp: Any, fg: _FlatGroup) -> None:
             out = fg.shard.grad
         else:
             out = mem.alloc("comm", fg.layout.shard_numel, fg.reduce_dtype)
-        work = ringlet.reduce_scatter(out, inp, ringlet.ReduceOp.AVG, group=sh.pg,
-                                      async_op=True)
+        op = ringlet.ReduceOp.AVG
+        if inp.dtype == np.float16:  # its sum can overflow where the mean does not
+            comm_hooks.divide_first(inp, sh.size)
+            op = ringlet.ReduceOp.SUM
+        work = ringlet.reduce_scatter(out, inp, op, group=sh.pg, async_op=True)
         fsdp.stats["reduce_scatters"] += 1
         fsdp._pending.append(_Pending(fg, work, inp, out, 1))
     else:

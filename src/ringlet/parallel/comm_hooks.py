@@ -82,10 +82,21 @@ def allreduce_hook(state: Any, bucket: Any) -> Any:
     """Default hook: average ``bucket.buffer()`` in place with ``ReduceOp.AVG``.
 
     The C core divides each reduced chunk once, on one rank, before the chunks
-    are gathered, so every rank ends with the same bits.
+    are gathered, so every rank ends with the same bits.  A float16 buffer is
+    divided by the world size on each rank first and then summed: its sum can
+    overflow where the mean does not.
     """
-    return ringlet.all_reduce(bucket.buffer(), ringlet.ReduceOp.AVG, group=bucket.group,
-                              async_op=True)
+    buf = bucket.buffer()
+    if buf.dtype == np.float16:
+        divide_first(buf, bucket.world_size)
+        return ringlet.all_reduce(buf, ringlet.ReduceOp.SUM, group=bucket.group, async_op=True)
+    return ringlet.all_reduce(buf, ringlet.ReduceOp.AVG, group=bucket.group, async_op=True)
+
+
+def divide_first(buf: np.ndarray, n: int) -> None:
+    """Divide a gradient buffer by ``n`` in place, before it is summed over ``n`` ranks."""
+    if n > 1:
+        np.divide(buf, n, out=buf)
 
 
 def fp16_compress(state: Any, bucket: Any) -> Any:

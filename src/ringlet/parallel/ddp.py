@@ -119,11 +119,19 @@ class DistributedDataParallel:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("DistributedDataParallel: the module has no trainable parameters")
+        for n, p in named:
+            # Two wrappers' hooks would both fire: the second copies a buffer the
+            # first is still reducing.  (A copied parameter carries no hooks.)
+            if any(isinstance(getattr(h, "__self__", None), DistributedDataParallel)
+                   for h in p._hooks.values()):
+                raise ValueError(f"DistributedDataParallel: parameter '{n}' is already wrapped "
+                                 f"by another DistributedDataParallel; call its remove_hooks() "
+                                 f"before wrapping the module again")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._build_buckets(int(self.bucket_cap_mb * (1 << 20)))
-        self._verify_replicas()
+        self._verify_replicas(bool(init_sync))
 
         self._hook: Callable[[Any, GradBucket], Any] = comm_hooks.allreduce_hook
         self._hook_state: Any = None
@@ -186,20 +194,26 @@ class DistributedDataParallel:
                     np.copyto(slot, p.grad, casting="unsafe")
                 p.grad = slot
 
-    def _verify_replicas(self) -> None:
+    def _verify_replicas(self, init_sync: bool) -> None:
         # Different layouts would make buckets of different sizes meet in one
-        # all-reduce; compare a digest once, with names of what differs.
+        # all-reduce, and different buffers or broadcast options mismatched
+        # broadcasts; compare a digest once, with names of what differs.
         if self.world_size == 1:
             return
         layout = [(n, p.shape, str(p.dtype)) for n, p in zip(self._names, self._params)]
-        mine = layout_digest((layout, self.bucket_cap_mb, self.find_unused_parameters))
+        frozen = [(n, p.shape, str(p.dtype)) for n, p in self.module.named_parameters()
+                  if not p.requires_grad]
+        bufs = [(n, b.shape, str(b.dtype)) for n, b in self.module.named_buffers()]
+        mine = layout_digest((layout, frozen, bufs, self.bucket_cap_mb,
+                              self.find_unused_parameters, self.broadcast_buffers, init_sync))
         got = gather_layouts(mine, self.group)
         bad = [r for r, g in enumerate(got) if g[0] != got[0][0]]
         if bad:
             raise ValueError(f"DistributedDataParallel: ranks {bad} have a different parameter "
-                             f"layout (names, shapes, dtypes), bucket_cap_mb or "
-                             f"find_unused_parameters than rank 0; build the same model with the "
-                             f"same options everywhere")
+                             f"layout (names, shapes, dtypes, trainable or frozen), different "
+                             f"buffers, or a different bucket_cap_mb, find_unused_parameters, "
+                             f"broadcast_buffers or init_sync than rank 0; build the same model "
+                             f"with the same options everywhere")
 
     # ---- per-iteration state -------------------------------------------------------------
     def _reset_iteration(self) -> None:

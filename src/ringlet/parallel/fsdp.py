@@ -214,6 +214,7 @@ class FullyShardedDataParallel:
         self.overlap_reduce = overlap_reduce
         self.mixed_precision = mixed_precision
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.sync_module_states = bool(sync_module_states)
         self._resolve_groups(group, mesh, shard_size)
         self.reshard_after_forward = self.strategy in (ShardingStrategy.FULL_SHARD,
                                                        ShardingStrategy.HYBRID_SHARD)
@@ -226,7 +227,7 @@ class FullyShardedDataParallel:
         units = plan_units(module, policy)
         self._build(module, units)
         self._verify()
-        self._materialise_shards(bool(sync_module_states))
+        self._materialise_shards(self.sync_module_states)
         self._wrap(module)
 
         self._pending: Deque[_Pending] = deque()
@@ -359,10 +360,11 @@ class FullyShardedDataParallel:
         units = [(u.unit_name, [(fg.dtype.str, fg.requires_grad,
                                  [(n, p.shape) for n, p in zip(fg.names, fg.params)])
                                 for fg in u.flat_groups]) for u in self._units]
+        bufs = [(n, b.shape, str(b.dtype)) for n, b in self.module.named_buffers()]
         return repr((self.strategy.name, self.shard_world_size, self.replicate_world_size,
                      None if mp is None else (str(mp.param_dtype), str(mp.reduce_dtype)),
-                     self.prefetch, self.overlap_reduce, self.broadcast_buffers, units,
-                     [e[1] for e in self._entries]))
+                     self.prefetch, self.overlap_reduce, self.broadcast_buffers,
+                     self.sync_module_states, units, [e[1] for e in self._entries], bufs))
 
     def _verify(self) -> None:
         """All ranks must agree on model layout and options, and the groups must form a grid."""
