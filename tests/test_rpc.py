@@ -701,3 +701,101 @@ def test_pickle_needs_opt_in_on_both_sides():
 def test_pickle_allowed_with_opt_in():
     out = run_world(_pickle, 2, args=([True, True],), timeout=60)[0]
     assert out == ("ok", [1, {1, 2}], {0, 1, 2})
+
+
+def test_transport_deadlines_hold_against_a_trickling_peer():
+    # Deadlines were checked only when a 0.2 s poll timed out: a peer that
+    # sends a byte now and then stretched a frame without bound.
+    from ringlet._wire import codec
+    from ringlet.rpc.transport import Connection, recv_exact_into
+
+    a, b = socket.socketpair()
+    a.settimeout(0.2)
+    done = threading.Event()
+
+    def trickle():
+        while not done.wait(0.05):
+            try:
+                b.send(b"x")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CollectiveTimeout, match="stalled in the middle of a frame"):
+            recv_exact_into(a, memoryview(bytearray(10_000)), deadline=t0 + 0.5)
+        took = time.monotonic() - t0
+    finally:
+        done.set()
+        t.join(10)
+    assert took < 5, took  # at 20 bytes/s the read once took over 8 minutes
+
+    # A send behind another thread's long send keeps its own deadline.
+    conn = Connection(a, peer_rank=1, peer_name="w1", stop=threading.Event(), frame_timeout=60)
+    conn.send_lock.acquire()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match="another send held the connection"):
+            conn.send_frame(1, 7, codec.encode(["f", (), {}]), deadline=t0 + 0.3)
+        assert time.monotonic() - t0 < 5
+    finally:
+        conn.send_lock.release()
+    a.close()
+    b.close()
+
+    # A header's clock starts at its first byte: a connection idle for longer
+    # than the frame timeout then takes a frame that arrives in two parts.
+    a, b = socket.socketpair()
+    a.settimeout(0.2)
+    conn = Connection(a, peer_rank=1, peer_name="w1", stop=threading.Event(), frame_timeout=1.0)
+    frame = b"".join(bytes(x) for x in codec.encode_frame(2, 1, codec.encode(5)))
+    gate = threading.Event()
+
+    def idle_then_split():
+        gate.wait(1.5)  # idle past the frame timeout
+        b.sendall(frame[:1])
+        gate.wait(0.4)  # two polls apart, well within the frame's second
+        b.sendall(frame[1:])
+
+    t = threading.Thread(target=idle_then_split, daemon=True)
+    t.start()
+    try:
+        assert conn.recv_frame(limits=codec.DEFAULT_LIMITS, allow_pickle=False)[1] == 5
+    finally:
+        t.join(10)
+        a.close()
+        b.close()
+
+
+def _remote_to_self_whose_argument_is_gone(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=10)
+    out = None
+    if rank == 0:
+        held = rpc.remote(1, "Counter", args=(0,))
+        held.confirmed()
+        ringlet.barrier()
+        ringlet.barrier()  # w1 has shut its agent down
+        t0 = time.monotonic()
+        mine = rpc.remote(0, whoami, args=(held,))  # needs w1 to count the argument
+        try:
+            mine.to_here(timeout=30)
+        except RingletError as exc:
+            out = (type(exc).__name__, str(exc), time.monotonic() - t0)
+        rpc.shutdown(graceful=False)
+    else:
+        ringlet.barrier()
+        rpc.shutdown(graceful=False)
+        ringlet.barrier()
+    ringlet.barrier()
+    return out
+
+
+def test_remote_to_self_settles_when_its_request_fails():
+    # The owner's entry was made before the request was sent; a request that
+    # failed before it ran left it pending, and to_here() waited out its timeout.
+    out = run_world(_remote_to_self_whose_argument_is_gone, 2, timeout=90)[0]
+    assert out is not None
+    kind, msg, took = out
+    assert "not ready" not in msg and took < 10, out

@@ -54,7 +54,7 @@ from .listener import _Listener
 from .pool import _Pool
 from .protocol import (_ARG_SLOTS, _MAX_HANDSHAKES, AUTH_PURPOSE, HANDSHAKE_TIMEOUT, K_CALL,
                        K_CLOSE, K_ERROR, K_REMOTE, K_RESULT, K_RREF_CALL, K_RREF_FETCH,
-                       PROTOCOL_VERSION, WorkerInfo)  # noqa: F401 - re-exported
+                       PROTOCOL_VERSION, WorkerInfo, _exc_info)  # noqa: F401 - re-exported
 from .refcounts import _RefCounts
 from .rref import OwnedTable, RRef, RRefKey
 from .timers import _Timers
@@ -395,6 +395,14 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
             err = ProtocolError(f"bad reply from {self._label(conn.peer_rank)}: {type(e).__name__}: {e}",
                                 rank=self.rank, peer=conn.peer_rank, op="rpc")
         finally:
+            # A send that failed closed the connection under this reader: the
+            # other calls on it fail for that reason, not a peer that closed.
+            cause = conn.close_reason if conn.closed else None
+            if cause is not None and cause is not err and not self.stop.is_set():
+                err = PeerClosedError(f"the connection to {self._label(conn.peer_rank)} was "
+                                      f"closed after a send on it failed ({cause})",
+                                      rank=self.rank, peer=conn.peer_rank, op="rpc")
+                err.__cause__ = cause
             conn.close(err)
             with self._clock:
                 if self._out.get(conn.peer_rank) is conn:
@@ -433,6 +441,16 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
             if precreated:
                 self.owned.decref(key)
             raise
+        if precreated:
+            # A request that fails before it runs (an argument whose owner is
+            # gone) must still settle the entry: its readers would wait out
+            # their timeouts, and graceful shutdown with them.
+            def settle(f: Future) -> None:
+                exc = f.exception()
+                if exc is not None:
+                    self.owned.fail_pending(key, _exc_info(exc))
+
+            fut.add_done_callback(settle)
         return RRef(_agent=self, _owner=dst, _key=key, _created=fut)
 
     def rref_fetch(self, rref: RRef, timeout: Any) -> Future:

@@ -87,6 +87,15 @@ class OwnedTable:
         for w in waiters:
             w(entry)
 
+    def fail_pending(self, key: RRefKey, error: Tuple[str, str, str]) -> None:
+        """Record ``error`` as the value of an entry that is still pending (its
+        creating request failed before it could run); a ready entry is kept."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.ready:
+                return
+        self.set_result(key, error=error)
+
     def when_ready(self, key: RRefKey, callback: Callable[[_Owned], None]) -> None:
         """Run ``callback(entry)`` once the value exists (now, if it already does).
 
