@@ -799,3 +799,29 @@ def test_remote_to_self_settles_when_its_request_fails():
     assert out is not None
     kind, msg, took = out
     assert "not ready" not in msg and took < 10, out
+
+
+def _timer_thread_blocked(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        unblock = threading.Event()
+        first = rpc.rpc_async("w1", wait_for, args=("tb-release", 15.0, 1), timeout=0.3)
+        # A callback of a timed-out call runs on the timer thread and blocks it.
+        first.add_done_callback(lambda f: unblock.wait(30))
+        t0 = time.monotonic()
+        try:
+            rpc.rpc_sync("w1", wait_for, args=("tb-release", 15.0, 2), timeout=0.3)
+        except CollectiveTimeout as exc:
+            out = (str(exc), time.monotonic() - t0)
+        unblock.set()
+        rpc.rpc_sync("w1", set_event, args=("tb-release",))
+    rpc.shutdown()
+    return out
+
+
+def test_a_wait_ends_past_the_deadline_when_the_timer_thread_is_blocked():
+    # rpc_sync waited on its future's timer only; a done-callback holding the
+    # timer thread kept it waiting as long as the callback ran.
+    msg, took = run_world(_timer_thread_blocked, 2, timeout=90)[0]
+    assert "timer did not fire" in msg and took < 20, (msg, took)

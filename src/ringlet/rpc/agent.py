@@ -231,6 +231,7 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         self._check_open()
         deadline = time.monotonic() + timeout
         fut = Future(desc, rank=self.rank, peer=dst)
+        fut._deadline = deadline
         transferred: List[Tuple[int, RRefKey]] = []
         try:
             enc = ser.encode(payload, limits=self._peer_limits[dst], allow_pickle=self._pickle_with(dst),

@@ -15,6 +15,9 @@ __all__ = ["Future", "RemoteError"]
 _log = logging.getLogger("ringlet.rpc")
 
 
+_TIMER_GRACE_S = 5.0  # past a call's deadline, before a wait stops trusting its timer
+
+
 class RemoteError(RingletError):
     """A function called over RPC raised; this carries what was raised, where.
 
@@ -55,7 +58,8 @@ class Future:
         weights = fut.result(timeout=10)
     """
 
-    __slots__ = ("_desc", "_rank", "_peer", "_event", "_lock", "_value", "_exc", "_callbacks")
+    __slots__ = ("_desc", "_rank", "_peer", "_event", "_lock", "_value", "_exc", "_callbacks",
+                 "_deadline")
 
     def __init__(self, description: str = "rpc", *, rank: Optional[int] = None, peer: Optional[int] = None) -> None:
         self._desc = description
@@ -66,6 +70,10 @@ class Future:
         self._value: Any = None
         self._exc: Optional[BaseException] = None
         self._callbacks: List[Callable[["Future"], None]] = []
+        # The call's deadline (time.monotonic()), set by the agent: a wait
+        # without a timeout ends a little after it even if the timer thread,
+        # which completes timed-out calls, is held up by a done-callback.
+        self._deadline: Optional[float] = None
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._exc is not None else "done")
@@ -81,7 +89,16 @@ class Future:
         if self._event.is_set():
             return
         t0 = time.monotonic()
+        late = timeout is None and self._deadline is not None
+        if late:
+            timeout = max(0.0, self._deadline - t0) + _TIMER_GRACE_S
         if not self._event.wait(timeout):
+            if late:
+                raise CollectiveTimeout(
+                    f"{self._desc}: no result {_TIMER_GRACE_S:g} s past the call's deadline "
+                    f"(its timer did not fire: is a done-callback blocking the RPC timer "
+                    f"thread?)", rank=self._rank, peer=self._peer, op=self._desc,
+                    waited=time.monotonic() - t0)
             raise CollectiveTimeout(
                 f"{self._desc}: no result after waiting {time.monotonic() - t0:.3g} s "
                 "(the call is still pending)", rank=self._rank, peer=self._peer,
