@@ -59,3 +59,26 @@ def test_ddp_hook_fsdp2_match_gloo_and_one_process():
                          env=_env(), capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert len(re.findall(r"OK rank=\d size=2 hook_calls=\d+", out.stdout)) == 2, out.stdout
+
+
+def test_one_rank_world_makes_and_destroys_subgroups():
+    # new_group in a world of one took a communicator id from a store that a world of
+    # one does not have; destroy_process_group(group) left the ringlet group open.
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "import ringlet.torch\n"
+        "dist.init_process_group('ringlet', rank=0, world_size=1, store=dist.HashStore())\n"
+        "g = dist.new_group([0])\n"
+        "t = torch.ones(3)\n"
+        "dist.all_reduce(t, group=g)\n"
+        "assert torch.all(t == 1)\n"
+        "rg = g.ringlet_group\n"
+        "dist.destroy_process_group(g)\n"
+        "assert rg._closed, 'the subgroup is still open'\n"
+        "t = torch.ones(2)\n"
+        "dist.all_reduce(t)\n"
+        "dist.destroy_process_group()\n"
+        "print('OK one')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "OK one" in out.stdout, out.stdout + out.stderr[-4000:]

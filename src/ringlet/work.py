@@ -141,6 +141,18 @@ class SerialExecutor:
         self._closed = False
 
     def submit(self, fn: Callable[[], Any], work: Work) -> Work:
+        if self._thread is threading.current_thread():
+            # Issued by a done-callback of this executor's own job (a torch
+            # future's .then(), as PowerSGD's hook): queued behind the callback
+            # it would never start.  It runs here, next in issue order, which
+            # is also where a rank whose job finished first runs the callback.
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                work._finish(exc=exc)
+            else:
+                work._finish(result)
+            return work
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._name}: executor is shut down")

@@ -217,6 +217,54 @@ t = full(1.0, 1)
 dist.all_reduce(t, group=timed)
 assert t.item() == P
 
+# all_to_all_single checks its splits as torch documents them (they once sent the rows
+# the splits named and left the rest unwritten, without an error)
+refused(lambda: dist.all_to_all_single(torch.empty(P, 2), torch.empty(P, 2),
+                                       [1] * (P - 1) + [0], None),
+        f"output_split_sizes {[1] * (P - 1) + [0]} must be {P} sizes >= 0 summing to the "
+        f"output's {P} rows")
+refused(lambda: dist.all_to_all_single(torch.empty(P + 1), torch.empty(P + 1)),
+        f"size {P + 1} is not divisible by the group size {P}")
+refused(lambda: dist.all_to_all_single(torch.empty(P + 1), torch.empty(P), None, [1] * P),
+        f"output has {P + 1} rows, not divisible by the group size {P}")
+
+# Work.wait(timeout): honoured (torch's future-wrapping Work refused any finite timeout)
+t = full(1.0, 10)
+w = dist.all_reduce(t, async_op=True)
+assert w.wait(timeout=timedelta(seconds=120)) and torch.all(t == P)
+if r == 0:
+    x = torch.empty(1)
+    w = dist.irecv(x, src=1, tag=99)
+    try:
+        w.wait(timeout=timedelta(milliseconds=200))
+    except RuntimeError as exc:
+        assert "not finished" in str(exc), str(exc)
+    else:
+        raise AssertionError("a wait on a receive nobody sent did not time out")
+dist.barrier()
+if r == 1:
+    dist.send(torch.tensor([5.0]), 0, tag=99)
+if r == 0:
+    assert w.wait() and x.item() == 5.0
+
+# A future's callback that issues ops on the same group and waits for them (torch's
+# PowerSGD hook does): it runs on the group's progress thread, and the ops it issued were
+# once queued behind it for good.
+def chained(f):
+    u = full(2.0, 8)
+    dist.all_reduce(u, async_op=True).get_future().wait()
+    v = full(3.0, 8)
+    dist.all_reduce(v)  # a blocking call from the callback too
+    return f.value()[0][:8] + u + v
+
+
+big = full(1.0, 1 << 18)
+fut = dist.all_reduce(big, async_op=True).get_future().then(chained)
+assert torch.all(fut.wait() == 6 * P)
+t = full(1.0)
+dist.all_reduce(t)  # the group goes on as before
+assert torch.all(t == P)
+
 dist.barrier()
 print(f"OK rank={r} size={P}", flush=True)
 dist.destroy_process_group()

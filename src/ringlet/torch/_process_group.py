@@ -47,6 +47,23 @@ def _op(opts: Any) -> ReduceOp:
     return op
 
 
+def _splits(what: str, sizes: Optional[List[int]], t: torch.Tensor, P: int,
+            rank: int) -> List[int]:
+    """all_to_all_single's rows per rank for one side, checked as torch documents
+    them: P sizes summing to the first dimension, or none and an even split."""
+    rows = t.shape[0] if t.dim() > 0 else 1
+    if not sizes:
+        if rows % P:
+            raise ValueError(f"all_to_all_single on rank {rank}: {what} has {rows} rows, not "
+                             f"divisible by the group size {P}; pass {what}_split_sizes")
+        return [rows // P] * P
+    sizes = [int(c) for c in sizes]
+    if len(sizes) != P or any(c < 0 for c in sizes) or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single on rank {rank}: {what}_split_sizes {sizes} must be "
+                         f"{P} sizes >= 0 summing to the {what}'s {rows} rows")
+    return sizes
+
+
 def _done_work() -> Any:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result([])
@@ -128,6 +145,15 @@ class RingletProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"RingletProcessGroup(rank={self.rank()}, size={self.size()}, {self._g!r})"
 
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group(group)``: close a subgroup's ringlet group
+        (its sockets, segment and threads); the world group stays until
+        ``ringlet.shutdown()``."""
+        if self._g is not _world_group_or_none():
+            self._g._close()
+
+    abort = shutdown
+
     # ---- plumbing -----------------------------------------------------------------
     def _t(self, opts: Any) -> Optional[float]:
         # None: the ringlet group's own deadline (equal to torch's), its fast path.
@@ -171,7 +197,7 @@ class RingletProcessGroup(dist.ProcessGroup):
                 fut.set_result(result)
 
         last._add_done_callback(done)
-        return _create_work_from_future(fut)
+        return _Work(fut, last)
 
     # ---- collectives -------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
@@ -304,8 +330,8 @@ class RingletProcessGroup(dist.ProcessGroup):
         # Splits count rows (the first dimension); ringlet counts elements.
         orow = output[0].numel() if output.dim() > 0 and output.shape[0] else 1
         irow = input[0].numel() if input.dim() > 0 and input.shape[0] else 1
-        oc = list(output_split_sizes) if output_split_sizes else [output.shape[0] // P] * P
-        ic = list(input_split_sizes) if input_split_sizes else [input.shape[0] // P] * P
+        oc = _splits("output", output_split_sizes, output, P, self.rank())
+        ic = _splits("input", input_split_sizes, input, P, self.rank())
         w = self._g.all_to_all_v(output, [c * orow for c in oc], input, [c * irow for c in ic],
                                  async_op=a, timeout=t)
         return self._work([w], [output])
@@ -373,34 +399,49 @@ class RingletProcessGroup(dist.ProcessGroup):
         return _SourceWork(self._work([w], tensors), w)
 
 
-class _SourceWork(dist.Work):
+class _Work(dist.Work):
+    """The torch Work of an asynchronous op: its torch future, completed when the
+    ringlet work ``w`` is; ``wait(timeout)`` honours a finite timeout (torch's
+    future-wrapping Work refuses one)."""
+
+    def __init__(self, fut: torch.futures.Future, w: ringlet.Work) -> None:
+        super().__init__()
+        self._fut, self._w = fut, w
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is not None:
+            t = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+            if t > 0:
+                self._w.wait(t)  # CollectiveTimeout (a RuntimeError) when it passes first
+        self._fut.wait()  # set right after the ringlet work finishes
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        return self._fut.done() and self._w.exception() is None
+
+    def exception(self) -> Any:
+        return self._w.exception()
+
+    def result(self) -> List[torch.Tensor]:
+        return self._fut.value()
+
+
+class _SourceWork(_Work):
     """A receive from any source: torch asks its Work for the sender
     (``_source_rank``, in the group's numbering) once it is done."""
 
-    def __init__(self, inner: Any, work: ringlet.Work) -> None:
-        super().__init__()
-        self._inner, self._w = inner, work
-
-    def wait(self, timeout: Any = None) -> bool:
-        return self._inner.wait() if timeout is None else self._inner.wait(timeout)
-
-    def get_future(self) -> torch.futures.Future:
-        return self._inner.get_future()
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def result(self) -> List[torch.Tensor]:
-        return self._inner.result()
+    def __init__(self, inner: _Work, work: ringlet.Work) -> None:
+        super().__init__(inner._fut, inner._w)
+        self._src = work
 
     def _source_rank(self) -> int:
-        return self._w.result()
+        return self._src.result()
 
     source_rank = _source_rank
 
@@ -434,13 +475,21 @@ def create_process_group(opts: Any, backend_options: Any = None) -> RingletProce
     from ringlet import _world
 
     world = _world._current()
-    if opts.group_rank == 0:
+    if world.size == 1:  # no store: ids from the world group's count, as ringlet.new_group
+        wg = _world_group()
+        wg._ngroups += 1
+        comm_id = 2 * (wg._ngroups + 1)
+    elif opts.group_rank == 0:
         comm_id = 2 * world.store.add(world.prefix + "next_comm", 1)
         opts.store.set(_COMM_KEY, str(comm_id))
     else:
         comm_id = int(opts.store.get(_COMM_KEY).decode())
     g = world.make_group(comm_id, ranks, timeout)  # torch's order: group rank = index
     return RingletProcessGroup(g, timeout)
+
+
+def _world_group_or_none() -> Optional["ringlet.ProcessGroup"]:
+    return _world_group() if ringlet.is_initialized() else None
 
 
 def _world_group() -> "ringlet.ProcessGroup":
