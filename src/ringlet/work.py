@@ -121,6 +121,16 @@ class Work:
         return f"<ringlet.Work {self._op} {state}>"
 
 
+def _execute(fn: Callable[[], Any], work: Work) -> None:
+    """Run ``fn`` and finish ``work`` with its result or its error."""
+    try:
+        result = fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+        work._finish(exc=exc)
+    else:
+        work._finish(result)
+
+
 class SerialExecutor:
     """Runs submitted calls one at a time, in order, on one daemon thread.
 
@@ -146,12 +156,7 @@ class SerialExecutor:
             # future's .then(), as PowerSGD's hook): queued behind the callback
             # it would never start.  It runs here, next in issue order, which
             # is also where a rank whose job finished first runs the callback.
-            try:
-                result = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                work._finish(exc=exc)
-            else:
-                work._finish(result)
+            _execute(fn, work)
             return work
         with self._lock:
             if self._closed:
@@ -179,15 +184,11 @@ class SerialExecutor:
                         return
                 continue
             try:
-                result = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                work._finish(exc=exc)
-            else:
-                work._finish(result)
+                _execute(fn, work)
             finally:
                 # Drop our references now: an idle worker must not keep the last
                 # closure (and the buffers it captured) alive until the next item.
-                fn = work = result = None
+                fn = work = None
                 with self._lock:
                     self._busy -= 1
                     if not self._busy:
