@@ -57,6 +57,9 @@ def test_slurm_multi_node_variables_and_overrides():
         (3, 4, 1, 2, "slurm")
     assert e.master_addr == "127.0.0.1"  # first node of the *step*, resolved
     assert e.master_port == 20000 + 123456 % 20000
+    # A second step of the job, running beside the first, listens elsewhere.
+    assert detect(dict(env, SLURM_STEP_ID="0")).master_port == 20000 + 123456 % 20000
+    assert detect(dict(env, SLURM_STEP_ID="1")).master_port == 20000 + (123456 + 7919) % 20000
     env.update(MASTER_ADDR="10.9.9.9", MASTER_PORT="5555")
     e = detect(env)
     assert (e.master_addr, e.master_port) == ("10.9.9.9", 5555)

@@ -262,6 +262,49 @@ def test_bad_launcher_arguments(capsys):
         runmod.main(["x.py"])  # -n is required
 
 
+def test_launcher_numbers_and_rsh_are_checked(capsys):
+    # NaN passed every check: --timeout nan spun the launcher, --grace nan never killed.
+    for args, why in ((["--grace", "nan"], "--grace must be a finite number"),
+                      (["--timeout", "nan"], "--timeout must be a finite positive"),
+                      (["--timeout", "inf"], "--timeout must be a finite positive"),
+                      (["--hosts", "localhost:1", "--rsh", "ssh -o 'x"],
+                       "No closing quotation")):
+        with pytest.raises(SystemExit) as ei:
+            runmod.main(["-n", "1", *args, "x.py"] if "--hosts" not in args else [*args, "x.py"])
+        assert ei.value.code == 2, args
+        assert why in capsys.readouterr().err, args
+
+
+def test_ssh_never_prompts_and_times_out_its_connection(tmp_path, monkeypatch):
+    # A host that asked for a password or a host key stopped the rank on a prompt nobody
+    # could answer, and a host that dropped packets took about two minutes.
+    ssh = tmp_path / "ssh"
+    ssh.write_text("#!/bin/sh\nexit 255\n")
+    ssh.chmod(0o755)
+    seen = []
+    job = str(tmp_path / "x.py")
+    (tmp_path / "x.py").write_text("pass\n")
+
+    class Capture:
+        def __init__(self, n, cmd, **kw):
+            seen.append(kw["rsh"])
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr(runmod, "_Launcher", Capture)
+    assert runmod.main(["--hosts", "localhost:1,elsewhere:1", "--rsh", str(ssh), job]) == 0
+    assert seen[-1] == [str(ssh), "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+    assert runmod.main(["--hosts", "localhost:1,elsewhere:1", "--rsh",
+                        f"{ssh} -o ConnectTimeout=3", job]) == 0
+    assert seen[-1][:3] == [str(ssh), "-o", "ConnectTimeout=3"]  # the user's first: it wins
+    other = tmp_path / "enter-ns"
+    other.write_text("#!/bin/sh\nexit 0\n")
+    other.chmod(0o755)
+    assert runmod.main(["--hosts", "localhost:1,elsewhere:1", "--rsh", str(other), job]) == 0
+    assert seen[-1] == [str(other)]  # not ssh: nothing added
+
+
 def test_cli_info_and_usage(capsys, monkeypatch):
     clear_launcher(monkeypatch)
     assert cli.main(["info"]) == 0
@@ -350,6 +393,36 @@ def test_failed_first_is_the_rank_that_failed_not_the_first_to_exit(tmp_path):
     assert "rank 2 failed first (exit code 3)" in out.stderr, out.stderr
     assert "rank 1 failed first" not in out.stderr and "rank 3 failed first" not in out.stderr
     assert out.returncode == 3, out.stderr
+
+
+def test_a_blamed_rank_killed_after_grace_keeps_the_first_failures_exit_code(tmp_path):
+    # Rank 2 fails and then hangs in an exit handler; the launcher SIGKILLs it after
+    # --grace.  The job's code was that SIGKILL's 137, hiding the failure's own.
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, os, time
+
+        def hang():
+            if os.environ["RINGLET_RANK"] == "2":
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:  # stuck: only SIGKILL ends it
+                    time.sleep(0.05)
+
+        atexit.register(hang)  # before ringlet's: runs after ringlet.shutdown()
+        import numpy as np, ringlet
+        ringlet.init(timeout=60)
+        r = ringlet.get_rank()
+        x = np.zeros(4)
+        ringlet.all_reduce(x)  # every connection up
+        if r == 2:
+            raise RuntimeError("rank 2 fails on purpose")
+        ringlet.all_reduce(x)
+    """))
+    out = _launch("-n", "4", "--grace", "2", str(script), timeout=120)
+    assert "rank 2 fails on purpose" in out.stderr
+    assert "rank 2 failed first (it did not exit within --grace and was killed)" in out.stderr, \
+        out.stderr
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
 
 
 def test_parse_hosts():

@@ -15,16 +15,18 @@ mpich       PMI_RANK, PMI_SIZE, MPI_LOCALRANKID,            none: bootstrap via 
             MPI_LOCALNRANKS
 slurm       SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,      first node of SLURM_STEP_NODELIST
             tasks on this node from                         (or SLURM_JOB_NODELIST); port
-            SLURM_STEP_TASKS_PER_NODE + SLURM_NODEID        20000 + SLURM_JOB_ID % 20000
+            SLURM_STEP_TASKS_PER_NODE + SLURM_NODEID        20000 + (SLURM_JOB_ID +
+                                                            7919 SLURM_STEP_ID) % 20000
 ==========  ==============================================  ===========================
 
 For every source, RINGLET_MASTER_ADDR / RINGLET_MASTER_PORT, then MASTER_ADDR /
 MASTER_PORT, override the address when set.  Missing local rank / size fall
 back to the global ones (one host).
 
-Slurm's port rule gives every job its own port in [20000, 40000) without any
-coordination; two jobs sharing the first node collide only when their ids are
-congruent mod 20000.  Set RINGLET_MASTER_PORT to override it.
+Slurm's port rule gives every job step its own port in [20000, 40000) without
+any coordination (step 0 takes 20000 + the job id mod 20000, later steps are
+spread from it); two steps sharing the first node collide only when their
+numbers are congruent mod 20000.  Set RINGLET_MASTER_PORT to override it.
 """
 
 from __future__ import annotations
@@ -190,7 +192,9 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
             if port is None:
                 job, _ = _first_int(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
                 if job is not None:
-                    port = 20000 + job % 20000
+                    # The step too: steps of one job run side by side (srun a & srun b).
+                    step, _ = _first_int(env, ("SLURM_STEP_ID", "SLURM_STEPID"))
+                    port = 20000 + (job + 7919 * (step or 0)) % 20000
         return LaunchEnv(rank, size, lrank, lsize, addr, port, source)
     return None
 

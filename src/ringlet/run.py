@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import queue
 import re
@@ -74,6 +75,9 @@ try:
     # terminal's "tostop" set, its writes would stop it.  Ignoring SIGTTOU
     # (kept across exec) lets them through.
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    # Likewise a read of the terminal (ssh asking for a password or a host key)
+    # fails at once instead of stopping the rank for good.
+    signal.signal(signal.SIGTTIN, signal.SIG_IGN)
 except Exception:
     pass
 if os.getppid() != int(sys.argv[1]):
@@ -546,9 +550,10 @@ class _Launcher:
             return rank, ""  # the peer it names finished cleanly: blame the one that failed
         return who, message
 
-    def _verdict(self, rank: int, rc: int, message: str) -> None:
+    def _verdict(self, rank: int, rc: int, message: str, how: str = "") -> None:
         why = f"; it reported: {message[:300]}" if message else ""
-        self._say(f"rank {rank} failed first ({_describe(rc)}){why}; stopping the other ranks")
+        self._say(f"rank {rank} failed first ({how or _describe(rc)}){why}; stopping the "
+                  f"other ranks")
 
     def _watch(self) -> int:
         start = time.monotonic()
@@ -602,7 +607,12 @@ class _Launcher:
                 # exited cleanly after all (then the first non-zero exit stands).
                 culprit, first, first_rc, message = pending
                 pending = None
-                if rc != 0:
+                if rc != 0 and killed_at is not None and rc == -signal.SIGKILL:
+                    # This launcher's SIGKILL after --grace ended it: 137 is ours,
+                    # not its failure's; the first failing rank's code stands.
+                    self._verdict(culprit, rc, message, how="it did not exit within --grace "
+                                  "and was killed")
+                elif rc != 0:
                     self._verdict(culprit, rc, message)
                     code = _exit_code(rc)
                 else:
@@ -653,20 +663,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.nproc is not None and args.nproc != total:
             parser.error(f"-n {args.nproc} but --hosts {args.hosts!r} places {total} ranks")
         args.nproc = total
-        rsh = shlex.split(args.rsh)
+        try:
+            rsh = shlex.split(args.rsh)
+        except ValueError as exc:
+            parser.error(f"--rsh {args.rsh!r}: {exc}")
         exe = shutil.which(rsh[0]) if rsh else None
         if exe is None and any(not _is_this_host(h) for h, _ in hosts):
             parser.error(f"--rsh {args.rsh!r}: {rsh[0] if rsh else 'nothing'!r} is not an "
                          f"executable on PATH")
         rsh = [exe or ""] + rsh[1:]
+        if os.path.basename(rsh[0]) == "ssh":
+            # Never a prompt nobody can answer, nor two minutes on a host that
+            # drops packets; ssh keeps the first value of an option, so the
+            # user's own -o settings come first and win.
+            rsh += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
     elif args.nproc is None:
         parser.error("give -n N or --hosts H:K,...")
     if args.nproc < 1:
         parser.error(f"-n must be at least 1, got {args.nproc}")
-    if args.grace < 0:
-        parser.error(f"--grace must be >= 0, got {args.grace}")
-    if args.timeout is not None and args.timeout <= 0:
-        parser.error(f"--timeout must be positive, got {args.timeout}")
+    if not (0 <= args.grace < math.inf):  # NaN fails too: SIGKILL would never come
+        parser.error(f"--grace must be a finite number >= 0, got {args.grace}")
+    if args.timeout is not None and not (0 < args.timeout < math.inf):
+        parser.error(f"--timeout must be a finite positive number, got {args.timeout}")
     try:
         cmd = _command(module, program)
     except SystemExit as exc:
