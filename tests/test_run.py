@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -425,12 +427,35 @@ def test_a_blamed_rank_killed_after_grace_keeps_the_first_failures_exit_code(tmp
     assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
 
 
+def test_remote_agent_ends_what_the_rank_left_behind():
+    # A rank that started `sleep &` and exited left the child holding the session's
+    # output: ssh never exited, and the launcher waited on it without end.
+    spec = {"env": {}, "argv": ["/bin/sh", "-c", "sleep 600 & echo started"], "grace": 1.0}
+    p = subprocess.Popen([sys.executable, "-c", "from ringlet.run import _agent; _agent()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=clean_env())
+    p.stdin.write(json.dumps(spec).encode() + b"\n")
+    p.stdin.flush()  # stdin stays open: the launcher is still there
+    out = []
+    reader = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)
+    reader.start()
+    reader.join(60)
+    try:
+        assert not reader.is_alive(), "the session's output never closed"
+        assert out[0].strip() == b"started" and p.wait(30) == 0
+    finally:
+        p.stdin.close()
+        p.kill()
+
+
 def test_parse_hosts():
     from ringlet.run import parse_hosts
     assert parse_hosts("node1:4,node2") == [("node1", 4), ("node2", 1)]
-    for bad in ("", "a:0", "a:x", "a:2,a:1", "a b:1", ":3"):
+    for bad in ("", "a:0", "a:x", "a:2,a:1", "a b:1", ":3", "Node1:2,node1:2"):
         with pytest.raises(ValueError, match="--hosts"):
             parse_hosts(bad)
+    # One machine under two names once gave two ranks the same local rank.
+    with pytest.raises(ValueError, match="'localhost' and '127.0.0.1' are all this host"):
+        parse_hosts("localhost:2,127.0.0.1:2")
 
 
 def test_hosts_option_errors_before_starting_anything(tmp_path):

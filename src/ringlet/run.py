@@ -275,7 +275,8 @@ def parse_hosts(spec: str) -> List[Tuple[str, int]]:
     """``"node1:4,node2:4"`` -> ``[("node1", 4), ("node2", 4)]`` (a missing count is 1).
 
     Raises:
-        ValueError: an empty list, a bad or non-positive count, or a host named twice.
+        ValueError: an empty list, a bad or non-positive count, or a host named twice
+            (in any case, or this host under two of its names).
     """
     out: List[Tuple[str, int]] = []
     for part in spec.split(","):
@@ -285,9 +286,14 @@ def parse_hosts(spec: str) -> List[Tuple[str, int]]:
             raise ValueError(f"--hosts {spec!r}: bad host {part!r} (expected HOST or HOST:K)")
         if not count.isdigit() or int(count) < 1:
             raise ValueError(f"--hosts {spec!r}: bad rank count in {part!r} (a positive integer)")
-        if any(name == h for h, _ in out):
+        if any(name.lower() == h.lower() for h, _ in out):  # host names ignore case
             raise ValueError(f"--hosts {spec!r}: host {name!r} is named twice")
         out.append((name, int(count)))
+    here = [h for h, _ in out if _is_this_host(h)]
+    if len(here) > 1:
+        # Two entries for one machine would hand two ranks the same local rank.
+        raise ValueError(f"--hosts {spec!r}: {' and '.join(repr(h) for h in here)} are all "
+                         f"this host; name it once with all its ranks")
     return out
 
 
@@ -326,7 +332,8 @@ def _agent() -> None:
 
     Reads the rank's variables and argv as one JSON line on stdin (the secret
     travels there, never in a command line), starts the rank in a process
-    group of its own and exits with its code (128 + S if signal S killed it).
+    group of its own and exits with its code (128 + S if signal S killed it),
+    once whatever the rank left in its process group is gone too.
     The launcher going away (stdin at EOF, as when ssh exits) or a SIGINT,
     SIGTERM or SIGHUP stops the rank: that signal (SIGTERM at EOF), then
     SIGKILL after the launcher's grace period.
@@ -367,6 +374,12 @@ def _agent() -> None:
                 os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    try:
+        # A child the rank left behind (`cmd &`) holds the session's output
+        # open: ssh, and the launcher with it, would wait for it without end.
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     os._exit(_exit_code(rc))
 
 
