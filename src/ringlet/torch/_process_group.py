@@ -423,10 +423,17 @@ class _Work(dist.Work):
         return self._fut.done()
 
     def is_success(self) -> bool:
-        return self._fut.done() and self._w.exception() is None
+        return self._fut.done() and self.exception() is None
 
     def exception(self) -> Any:
-        return self._w.exception()
+        # The future's, not the ringlet work's: a copy-out after the op can fail too.
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return exc
+        return None
 
     def result(self) -> List[torch.Tensor]:
         return self._fut.value()
