@@ -176,8 +176,11 @@ class StoreServer:
         self._seq = itertools.count()
         self._compact_at = 1024
         self._conns: Set[_Conn] = set()
-        # Unauthenticated connections in accept order (oldest first), for eviction.
-        self._pending: Dict[_Conn, None] = {}
+        # Unauthenticated connections, oldest first, for eviction: those still
+        # without a well-formed hello (accept order), then those past it (hello
+        # order).  Two dicts, so that picking a victim costs O(1) under a flood.
+        self._pending_hello: Dict[_Conn, None] = {}
+        self._pending_proof: Dict[_Conn, None] = {}
         self._max_handshakes = max_handshakes
         self._accept_paused_until: Optional[float] = None
         self._warn = _auth.LogBudget(_log)
@@ -328,9 +331,9 @@ class StoreServer:
     def _evict_oldest(self, why: str) -> bool:
         """Drop the oldest unauthenticated connection, preferring one still
         without a well-formed hello; False when there is none."""
-        victim = next((c for c in self._pending if c.state == _HELLO), None)
+        victim = next(iter(self._pending_hello), None)
         if victim is None:
-            victim = next(iter(self._pending), None)
+            victim = next(iter(self._pending_proof), None)
         if victim is None:
             return False
         self.rejected += 1
@@ -361,8 +364,9 @@ class StoreServer:
                 sock.setblocking(False)
                 if sock.family in (socket.AF_INET, socket.AF_INET6):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if len(self._pending) >= self._max_handshakes:
-                    self._evict_oldest(f"{len(self._pending)} handshakes pending")
+                pending = len(self._pending_hello) + len(self._pending_proof)
+                if pending >= self._max_handshakes:
+                    self._evict_oldest(f"{pending} handshakes pending")
                 conn = _Conn(sock, addr, time.monotonic() + self._hs_timeout)
                 self._sel.register(sock, selectors.EVENT_READ, conn)
             except (OSError, ValueError) as exc:
@@ -372,7 +376,7 @@ class StoreServer:
                 self._warn.warn("store: could not take a connection from %s: %s", addr, exc)
                 continue
             self._conns.add(conn)
-            self._pending[conn] = None
+            self._pending_hello[conn] = None
             heapq.heappush(self._timers, (conn.deadline, next(self._seq), conn))
             # A client sends its hello right after connecting: answer it now,
             # so it leaves the evictable HELLO state at once.
@@ -419,6 +423,8 @@ class StoreServer:
                 conn.nonce_s, reply = _auth.server_reply(self._secret, _PURPOSE, conn.claim,
                                                          conn.nonce_c)
                 conn.state = _PROOF
+                self._pending_hello.pop(conn, None)
+                self._pending_proof[conn] = None
                 self._queue(conn, reply)
             elif conn.state == _PROOF:
                 if len(buf) < _auth.PROOF_LEN:
@@ -435,7 +441,7 @@ class StoreServer:
                         self._close_conn(conn)
                     return
                 conn.state = _READY
-                self._pending.pop(conn, None)
+                self._pending_proof.pop(conn, None)
                 self._queue(conn, _auth.status_frame(_auth.STATUS_OK))
             else:
                 if len(buf) < _REQ.size:
@@ -613,7 +619,8 @@ class StoreServer:
         if conn.will is not None and not self._stop:
             self._wills.append(conn.will)
         conn.will = None
-        self._pending.pop(conn, None)
+        self._pending_hello.pop(conn, None)
+        self._pending_proof.pop(conn, None)
         if conn.parked is not None:
             self._unpark(conn.parked)
         self._conns.discard(conn)
