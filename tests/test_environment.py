@@ -103,6 +103,16 @@ def test_precedence_ringlet_over_torchrun_over_mpi_over_slurm():
         assert e.source == source and e.rank == i and e.world_size == i + 2
 
 
+def test_a_half_set_pair_gives_way_to_a_complete_later_launcher():
+    # An sbatch script's `export WORLD_SIZE=$SLURM_NTASKS` stopped every srun task
+    # with "WORLD_SIZE is set but RANK is not" though Slurm's variables were complete.
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost"}
+    e = detect(dict(slurm, WORLD_SIZE="2"))
+    assert (e.source, e.rank, e.world_size) == ("slurm", 1, 2)
+    with pytest.raises(ValueError, match="WORLD_SIZE is set but RANK is not"):
+        detect({"WORLD_SIZE": "2"})  # nothing complete to fall back on
+
+
 # ---- detect: malformed values ----------------------------------------------------------------
 @pytest.mark.parametrize("env, var", [
     ({"RINGLET_RANK": "one", "RINGLET_WORLD_SIZE": "2"}, "RINGLET_RANK"),

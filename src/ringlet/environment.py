@@ -134,7 +134,8 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
         stand-alone process).
     Raises:
         ValueError: a variable is malformed (not an integer, rank >= world
-            size, only one of a rank/size pair set); the message names it.
+            size, only one of a rank/size pair set while no later launcher's
+            variables are complete); the message names it.
         RendezvousError: Slurm's first node name does not resolve.
 
     Example::
@@ -144,6 +145,9 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
             print(env.source, env.rank, env.world_size)
     """
     env = os.environ if environ is None else environ
+    # A pair half set (WORLD_SIZE exported by a batch script, say) is an error
+    # only if no later launcher's variables are complete.
+    half: Optional[str] = None
     for source, rank_var, size_var, lrank_vars, lsize_vars in (
             ("ringlet", "RINGLET_RANK", "RINGLET_WORLD_SIZE", ("RINGLET_LOCAL_RANK",),
              ("RINGLET_LOCAL_WORLD_SIZE",)),
@@ -167,8 +171,8 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
             if not (has_rank and has_size):
                 missing = size_var if has_rank else rank_var
                 present = rank_var if has_rank else size_var
-                raise ValueError(f"{present} is set but {missing} is not; a {source} launch "
-                                 f"sets both")
+                half = half or f"{present} is set but {missing} is not; a {source} launch sets both"
+                continue
             size = _int(env, size_var, minimum=1)
         rank = _int(env, rank_var)
         if rank >= size:
@@ -196,6 +200,8 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
                     step, _ = _first_int(env, ("SLURM_STEP_ID", "SLURM_STEPID"))
                     port = 20000 + (job + 7919 * (step or 0)) % 20000
         return LaunchEnv(rank, size, lrank, lsize, addr, port, source)
+    if half is not None:
+        raise ValueError(half)
     return None
 
 
