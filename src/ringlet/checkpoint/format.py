@@ -172,13 +172,6 @@ def manifest_bytes(manifest: Dict[str, Any]) -> bytes:
     return _canonical(body)
 
 
-def manifest_digest(manifest: Dict[str, Any]) -> str:
-    """SHA-256 of a parsed manifest's canonical form (its seal, for version 2):
-    equal on two ranks exactly when they read the same checkpoint."""
-    return hashlib.sha256(_canonical({k: v for k, v in manifest.items()
-                                      if k != MANIFEST_SHA})).hexdigest()
-
-
 def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
     data = manifest_bytes(manifest)
     path = os.path.join(directory, MANIFEST)
@@ -192,6 +185,13 @@ def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
 
 def read_manifest(directory: str) -> Dict[str, Any]:
     """Parse and sanity-check ``directory/manifest.json``; CheckpointError when damaged."""
+    return read_manifest_digest(directory)[0]
+
+
+def read_manifest_digest(directory: str) -> Tuple[Dict[str, Any], str]:
+    """``read_manifest``, with the SHA-256 of the file's bytes: equal on two ranks
+    exactly when they read the same checkpoint (a version 1 manifest included,
+    whose values need not survive a canonical dump: NaN)."""
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path, "rb") as f:
@@ -227,7 +227,7 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     bad = _manifest_entries_error(m)
     if bad:
         raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: {bad}", file=path)
-    return m
+    return m, hashlib.sha256(raw).hexdigest()
 
 
 def _check_seal(m: Dict[str, Any], raw: bytes, path: str) -> None:

@@ -192,12 +192,13 @@ class _Reader:
                                   f"rank needs", key=key)
 
 
-def _prepare(template: Any, path: Any) -> Tuple[str, dict, dict, List[str], List[str], dict]:
+def _prepare(template: Any, path: Any
+             ) -> Tuple[str, dict, str, dict, List[str], List[str], dict]:
     """Local checks before any byte of tensor data is read."""
     flat = flatten(template, "state_dict_template")
     p = _check_path(path)
     directory = _commit.resolve_for_load(p)
-    manifest = _fmt.read_manifest(directory)
+    manifest, digest = _fmt.read_manifest_digest(directory)
     tensors, values = manifest["tensors"], manifest["values"]
     missing, values_out = [], {}
     for key, leaf in flat.items():
@@ -220,7 +221,7 @@ def _prepare(template: Any, path: Any) -> Tuple[str, dict, dict, List[str], List
         else:
             missing.append(key)
     not_requested = sorted((set(tensors) | set(values)) - set(flat))
-    return directory, manifest, flat, missing, not_requested, values_out
+    return directory, manifest, digest, flat, missing, not_requested, values_out
 
 
 def load(state_dict_template: Dict[str, Any], path: Any, *, group: Any = None,
@@ -267,10 +268,9 @@ def load(state_dict_template: Dict[str, Any], path: Any, *, group: Any = None,
     error: Optional[BaseException] = None
     payload = None
     try:
-        directory, manifest, flat, missing, not_requested, values = _prepare(
+        directory, manifest, digest, flat, missing, not_requested, values = _prepare(
             state_dict_template, path)
-        payload = [missing, not_requested, directory, _fmt.manifest_digest(manifest),
-                   bool(strict)]
+        payload = [missing, not_requested, directory, digest, bool(strict)]
     except Exception as exc:  # noqa: BLE001 - voted so no rank waits on this one
         error = exc
     got = agree(comm, what, error, payload)
