@@ -272,6 +272,15 @@ def test_float32_default_and_float64_flow():
     assert all(p.dtype == np.float64 and p.grad is None for p in m.parameters())
     with pytest.raises(TypeError, match="dtype"):
         nn.Linear(2, 2, dtype=np.int32)
+    # Layers without parameters compute in the dtype .to() gave them.
+    for layer in (nn.BatchNorm1d(3, affine=False), nn.LayerNorm(3, elementwise_affine=False)):
+        layer.to(np.float64)
+        x = np.random.default_rng(0).standard_normal((4, 3))
+        y = layer(x)
+        assert y.dtype == np.float64
+        layer.eval()
+        assert layer(x).dtype == np.float64
+        layer.clear_context()
 
 
 def test_linear_init_like_torch():
@@ -543,6 +552,52 @@ def test_no_grad_and_clear_context():
     assert m[0].num_saved_contexts() == 0
     m.backward(np.ones_like(m(x)))
     assert len(fired) == 2  # outstanding-use counts were reset by clear_context
+
+
+def test_a_forward_that_raises_leaves_no_context_behind():
+    """The layers that ran before a failure saved contexts for a backward that
+    can never come; the next backward must not pop them (it would compute the
+    gradient of the failed batch), and earlier outstanding forwards keep theirs."""
+
+    class Boom(nn.Module):
+        armed = False
+
+        def forward(self, x):
+            if self.armed:
+                raise RuntimeError("boom")
+            self._save(None)
+            return x
+
+        def backward(self, g):
+            self._pop()
+            return g
+
+    def model():
+        return nn.Sequential(nn.Linear(4, 4, rng=0), Boom(), nn.Linear(4, 2, rng=1))
+
+    x0, x1, x2 = (RNG.standard_normal((3, 4)) for _ in range(3))
+    g = np.ones((3, 2))
+    want = model()
+    want(x0)
+    want.backward(g)
+    want(x2)
+    want.backward(g)
+    m = model()
+    fired = []
+    m.register_grad_ready_hook(lambda p: fired.append(p))
+    m(x0)                    # outstanding: must survive the failure below
+    m[1].armed = True
+    with pytest.raises(RuntimeError, match="boom"):
+        m(x1)
+    assert m[0].num_saved_contexts() == 1 and m[1].num_saved_contexts() == 1
+    m[1].armed = False
+    m.backward(g)            # the backward of x0
+    assert len(fired) == 4   # the failed pass's uses were released: hooks fire as usual
+    m(x2)
+    m.backward(g)
+    assert m.saved_bytes() == 0 and len(fired) == 8
+    for p, w in zip(m.parameters(), want.parameters()):
+        np.testing.assert_allclose(p.grad, w.grad, rtol=1e-12)
 
 
 # ---- state dicts ----------------------------------------------------------------------------

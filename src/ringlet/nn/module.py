@@ -33,7 +33,7 @@ import collections
 import contextlib
 import itertools
 import threading
-from typing import (Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence,
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence,
                     Tuple)
 
 import numpy as np
@@ -50,6 +50,7 @@ class _GradMode(threading.local):
     enabled = True
     depth = 0       # nesting of Module.__call__ on this thread
     pass_id = 0     # forward pass the current outermost call belongs to
+    savers: Optional[list] = None  # modules that saved a context in the current pass
 
 
 _mode = _GradMode()
@@ -266,6 +267,23 @@ class _Saved(NamedTuple):
     pass_id: int
     ctx: Any
     params: Tuple[Parameter, ...]
+
+
+def _drop_pass(modules: Iterable["Module"], pass_id: int) -> None:
+    seen: set = set()
+    for m in modules:
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        keep = []
+        for e in m._contexts:
+            if e.pass_id == pass_id:
+                for p in e.params:
+                    p._release_use()
+            else:
+                keep.append(e)
+        m._contexts.clear()
+        m._contexts.extend(keep)
 
 
 def _float_dtype(dtype: Any, what: str) -> np.dtype:
@@ -492,11 +510,21 @@ class Module:
         outermost = _mode.depth == 0
         if outermost:
             _mode.pass_id = next(_pass_ids)
+            _mode.savers = []
         _mode.depth += 1
+        ok = False
         try:
-            return self.forward(*args, **kwargs)
+            out = self.forward(*args, **kwargs)
+            ok = True
+            return out
         finally:
             _mode.depth -= 1
+            if outermost:
+                savers, _mode.savers = _mode.savers, None
+                if not ok:
+                    # A pass that raised returns nothing to back-propagate: its
+                    # contexts would otherwise be popped by the next backward.
+                    _drop_pass(savers or (), _mode.pass_id)
 
     def _save(self, ctx: Any, params: Sequence[Optional[Parameter]] = ()) -> None:
         """Keep ``ctx`` for backward and count a use of each trainable parameter in ``params``.
@@ -510,6 +538,8 @@ class Module:
             p._note_use()
         pass_id = _mode.pass_id if _mode.depth > 0 else next(_pass_ids)
         self._contexts.append(_Saved(pass_id, ctx, used))
+        if _mode.depth > 0 and _mode.savers is not None:
+            _mode.savers.append(self)
 
     def _pop(self) -> Any:
         """Take the context for this backward: the oldest pass, latest call within it."""
@@ -671,6 +701,8 @@ class Module:
             for name, b in m._buffers.items():
                 if b is not None and b.dtype in _FLOAT_DTYPES and b.dtype != d:
                     m._buffers[name] = b.astype(d)
+            if "_dtype" in m.__dict__:  # layers without parameters compute in it
+                object.__setattr__(m, "_dtype", d)
         return self
 
     # ---- printing -------------------------------------------------------------------
