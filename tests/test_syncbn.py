@@ -159,3 +159,26 @@ def _convert(rank, n):
 
 def test_convert_sync_batchnorm():
     assert all(run_world(_convert, 2))
+
+
+def _eval_untracked_alone(rank, n):
+    # Without running statistics, evaluation normalises by this rank's own
+    # batch and communicates nothing: rank 0 evaluates while rank 1 does not.
+    bn = SyncBatchNorm(C, track_running_stats=False, dtype=np.float64).eval()
+    ref = nn.BatchNorm1d(C, track_running_stats=False, dtype=np.float64)
+    calls = []
+    bn._all_reduce = lambda a: calls.append(a.size)
+    if rank == 0:
+        x = np.random.default_rng(7).standard_normal((5, C)) * 2.0 + 1.0
+        g = np.random.default_rng(8).standard_normal((5, C))
+        close(bn(x), ref(x), "eval forward, local statistics")
+        close(bn.backward(g), ref.backward(g), "eval input gradient")
+        with pytest.raises(ValueError, match="more than one value per channel in evaluation"):
+            bn(x[:1])
+    assert calls == []
+    ringlet.barrier(timeout=60)
+    return True
+
+
+def test_eval_without_running_stats_uses_local_batch_and_no_collective():
+    assert all(run_world(_eval_untracked_alone, 2))

@@ -20,7 +20,9 @@ all-reduced once.  Then, with ``g = dy * weight``,
 The parameter gradients stay local sums over this rank's samples (a
 data-parallel wrapper averages or sums them as for any parameter).
 
-Evaluation mode uses the running statistics and communicates nothing.
+Evaluation mode communicates nothing: it uses the running statistics, or
+with ``track_running_stats=False`` this rank's own batch statistics (as
+``torch.nn.SyncBatchNorm`` does), so one rank may evaluate alone.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class SyncBatchNorm(BatchNorm1d):
         axes = (0,) if x.ndim == 2 else (0, 2)
         bshape = (1, C) + ((1,) if x.ndim == 3 else ())
         use_batch = self.training or not self.track_running_stats
+        sync = self.training  # evaluation never communicates
         n_global = 0
         if use_batch:
             # One fused all-reduce: [sum x (C), sum x^2 (C), count (1)], in float64.
@@ -103,11 +106,13 @@ class SyncBatchNorm(BatchNorm1d):
             stats[:C] = x64.sum(axis=axes)
             stats[C:2 * C] = np.square(x64).sum(axis=axes)
             stats[2 * C] = x.size // C
-            self._all_reduce(stats)
+            if sync:
+                self._all_reduce(stats)
             n_global = int(round(stats[2 * C]))
             if n_global <= 1:
-                raise ValueError(f"SyncBatchNorm: training needs more than one value per "
-                                 f"channel over the group, got {n_global} (this rank's input "
+                where = "over the group" if sync else "in evaluation on this rank"
+                raise ValueError(f"SyncBatchNorm: batch statistics need more than one value "
+                                 f"per channel {where}, got {n_global} (this rank's input "
                                  f"shape {x.shape})")
             mean64 = stats[:C] / n_global
             var64 = np.maximum(stats[C:2 * C] / n_global - mean64 * mean64, 0.0)
@@ -130,11 +135,12 @@ class SyncBatchNorm(BatchNorm1d):
         y = xhat
         if self.weight is not None:
             y = xhat * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
-        self._save((xhat, rstd, axes, bshape, use_batch, n_global), (self.weight, self.bias))
+        self._save((xhat, rstd, axes, bshape, use_batch, sync, n_global),
+                   (self.weight, self.bias))
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
-        xhat, rstd, axes, bshape, use_batch, n_global = self._pop()
+        xhat, rstd, axes, bshape, use_batch, sync, n_global = self._pop()
         g = _grad_like(grad_output, xhat.shape, xhat.dtype, "SyncBatchNorm")
         C = self.num_features
         sum_g = g.sum(axis=axes)
@@ -154,7 +160,8 @@ class SyncBatchNorm(BatchNorm1d):
         sums = np.empty(2 * C, np.float64)
         sums[:C] = sum_g
         sums[C:] = sum_gx
-        self._all_reduce(sums)
+        if sync:
+            self._all_reduce(sums)
         m1 = (sums[:C] / n_global).astype(xhat.dtype).reshape(bshape)
         m2 = (sums[C:] / n_global).astype(xhat.dtype).reshape(bshape)
         if w is not None:
