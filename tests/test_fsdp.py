@@ -358,12 +358,17 @@ def test_float16_reduction_averages_without_overflow():
     np.testing.assert_array_equal(flat, [40000, 40000, 40000, 40000, 200])
 
 
-def test_mixed_precision_bfloat16_gathers_rounded_values():
+@pytest.mark.parametrize("strategy,world", [(SS.FULL_SHARD, 2), (SS.NO_SHARD, 2),
+                                            (SS.FULL_SHARD, 1)])
+def test_mixed_precision_bfloat16_gathers_rounded_values(strategy, world):
+    # Without a gather (NO_SHARD, or one rank) the weights are still rounded
+    # to bfloat16 before the float32 compute.
     ml_dtypes = require("ml_dtypes")
     data = batches(3, dtype=np.float32)
     want = _mp_reference(data)
     mp = MixedPrecision(param_dtype=ml_dtypes.bfloat16, reduce_dtype="bfloat16")
-    for sd, seen, shard_dtypes, _ in run_world(_mp_train, 2, args=(mp, data)):
+    for sd, seen, shard_dtypes, _ in run_world(_mp_train, world, args=(mp, data),
+                                               kwargs=dict(strategy=strategy)):
         assert seen
         for dt, w in seen:
             assert w.size == 35
@@ -703,6 +708,25 @@ def test_load_full_state_dict_rejects_bad_entries_on_every_rank():
         missing = {k: v for k, v in good.items() if k != "0.bias"}
         out = run_world(body, 2, args=(missing, rank0_only))
         assert all(o[0] == "KeyError" and "0.bias" in o[1] for o in out)
+
+
+def test_load_full_state_dict_rank0_only_with_a_non_string_key():
+    # A key that names nothing (strict=False) on rank 0 must not stop rank 0
+    # before the broadcast the other ranks wait in.
+    src = seq_model(seed=11)
+    sd = src.state_dict(copy=True)
+    sd[1] = np.zeros(3)
+
+    def body(rank, n):
+        f = FSDP(seq_model(seed=0))
+        res = f.load_full_state_dict(sd if rank == 0 else None, rank0_only=True,
+                                     strict=False)
+        return f.full_state_dict(rank0_only=False), res
+
+    for got, res in run_world(body, 2):
+        assert res.missing_keys == [] and res.unexpected_keys == [1]
+        assert_state_close(got, {k: v for k, v in sd.items() if isinstance(k, str)},
+                           rtol=0, atol=0)
 
 
 def test_sharded_state_dict_round_trip_through_checkpoint(tmp_path):

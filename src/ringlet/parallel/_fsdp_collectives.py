@@ -61,7 +61,10 @@ def issue_gather(fsdp: Any, fg: _FlatGroup) -> None:
         return
     check_bindings(fg, expect_sentinel=True)
     if fg.layout.shards == 1:  # NO_SHARD with a cast: a local copy
-        full = fsdp.memory.track("full_params", fg.shard.data.astype(fg.compute_dtype))
+        x = fg.shard.data
+        if fg.comm_dtype != fg.dtype:  # round as a gather in param_dtype would
+            x = x.astype(fg.comm_dtype)
+        full = fsdp.memory.track("full_params", x.astype(fg.compute_dtype))
         bind(fg, full)
         return
     mem = fsdp.memory

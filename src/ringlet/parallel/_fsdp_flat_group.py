@@ -42,8 +42,10 @@ class _FlatGroup:
             self.sentinels.append(s)
         self.bindings: List[Tuple[nn.Module, str, int]] = []
         self.shard: Optional[nn.Parameter] = None
-        # Views of the shard itself, never gathered nor freed (NO_SHARD, no cast).
-        self.permanent = shards == 1 and self.compute_dtype == self.dtype
+        # Views of the shard itself, never gathered nor freed (NO_SHARD, no cast;
+        # a bfloat16 param_dtype computes in float32 but must still round).
+        self.permanent = (shards == 1 and self.comm_dtype == self.dtype
+                          and self.compute_dtype == self.dtype)
         self.full: Optional[np.ndarray] = None
         self.views: Optional[List[np.ndarray]] = None
         self.gather: Optional[Tuple[Any, np.ndarray, np.ndarray]] = None

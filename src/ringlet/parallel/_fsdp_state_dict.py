@@ -140,15 +140,15 @@ def load_full_state_dict(fsdp: Any, state_dict: Any, *, rank0_only: bool = False
     """``FullyShardedDataParallel.load_full_state_dict`` (its docstring has the contract)."""
     _between_iterations(fsdp, "load_full_state_dict")
     if rank0_only and fsdp.world_size > 1:
-        err, res = None, None
+        err, res, names = None, None, None
         if fsdp.rank == 0:
             try:
                 res = _check_full_entries(fsdp, state_dict, strict)
-            except (TypeError, KeyError, ValueError) as exc:
+                # Only string keys can name an entry; others (strict=False) are ignored.
+                names = [k for k in state_dict.keys() if isinstance(k, str)]
+            except Exception as exc:  # every rank waits for this verdict
                 err = f"{type(exc).__name__}: {exc}"
-        verdict = fsdp._bcast_object([err, None if res is None else [res[0], res[1]],
-                                      sorted(state_dict.keys()) if fsdp.rank == 0 and err is None
-                                      else None])
+        verdict = fsdp._bcast_object([err, None if res is None else [res[0], res[1]], names])
         if verdict[0] is not None:
             kind = verdict[0].split(":", 1)[0]
             exc_type = {"TypeError": TypeError, "KeyError": KeyError}.get(kind, ValueError)
