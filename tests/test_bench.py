@@ -70,6 +70,9 @@ def test_size_range_and_layout():
         size_range(64, 8, 2)
     with pytest.raises(ValueError, match="stepfactor"):
         size_range(8, 64, 1)
+    # A factor near 1 would name a size several times.
+    sizes = size_range(8, 64, 1.01)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 8 and sizes[-1] == 64
     # all_gather's size is the gathered output: whole blocks per rank, >= 1 element each.
     lay = layout("all_gather", 8, 4, 3)
     assert (lay.size, lay.count, lay.block) == (12, 3, 1)
@@ -672,6 +675,12 @@ def test_min_busbw_fails_the_health_check(capsys):
     (["all_reduce", "--busy", "-1"], "--busy must be >= 0 processes, got -1"),
     (["all_reduce", "--busy", "x"], "invalid int value"),
     (["limits", "--busy", "2"], "`limits` measures the idle machine"),
+    (["all_reduce", "--timeout", "nan"], "--timeout must be > 0 seconds, got nan"),
+    (["all_reduce", "--timeout", "0"], "--timeout must be > 0 seconds"),
+    (["all_reduce", "--min-busbw", "nan"], "--min-busbw must be a number of GB/s >= 0"),
+    (["all_reduce", "--min-busbw", "-1"], "--min-busbw must be a number"),
+    (["limits", "--duration", "inf"], "--duration must be > 0 seconds, got inf"),
+    (["all_reduce", "-b", "8", "-e", "1G", "-f", "1.0000001"], "more than 1000 sizes"),
 ])
 def test_usage_errors_exit_2_with_a_clear_message(capsys, args, needle):
     code, out, err = bench(capsys, *args)

@@ -18,6 +18,7 @@ not start).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -69,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--nranks", type=_positive_int, default=4,
                    help="local ranks to launch (default 4; ignored inside a launch)")
     p.add_argument("-b", "--minbytes", type=_size, default=8, help="smallest size (default 8)")
-    p.add_argument("-e", "--maxbytes", type=_size, default=64 << 20,
-                   help="largest size (default 64M)")
+    p.add_argument("-e", "--maxbytes", type=_size, default=None,
+                   help="largest size (default 64M; 1G for model)")
     p.add_argument("-f", "--stepfactor", type=float, default=4.0,
                    help="multiply the size by this between rows (default 4)")
     p.add_argument("-i", "--iters", type=_positive_int, default=20,
@@ -497,7 +498,7 @@ def _run_model(args: argparse.Namespace) -> int:
 
     try:
         text = run_model(args.params, args.intra_limits, args.inter_limits, args.minbytes,
-                         args.maxbytes if args.maxbytes != 64 << 20 else 1 << 30, args.save,
+                         args.maxbytes, args.save,
                          args.json)
     except (OSError, ValueError) as exc:
         raise _Usage(f"model: {exc}") from None
@@ -518,13 +519,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:  # --help (0) or a usage error (2): an exit code, not a raise
         return int(exc.code or 0) if isinstance(exc.code, (int, type(None))) else EXIT_USAGE
+    if args.maxbytes is None:
+        args.maxbytes = 1 << 30 if args.op == "model" else 64 << 20
     try:
         if args.warmup < 0:
             raise _Usage(f"--warmup must be >= 0, got {args.warmup}")
-        if not args.budget >= 0:
+        if not 0 <= args.budget < math.inf:
             raise _Usage(f"--budget must be >= 0 seconds, got {args.budget}")
-        if not args.duration > 0:
+        if not 0 < args.duration < math.inf:
             raise _Usage(f"--duration must be > 0 seconds, got {args.duration}")
+        # A NaN deadline would never fire: a hung job would never be killed.
+        if not 0 < args.timeout < math.inf:
+            raise _Usage(f"--timeout must be > 0 seconds, got {args.timeout}")
+        if args.min_busbw is not None and not 0 <= args.min_busbw < math.inf:
+            raise _Usage(f"--min-busbw must be a number of GB/s >= 0, got {args.min_busbw}")
         if args.busy < 0:
             raise _Usage(f"--busy must be >= 0 processes, got {args.busy}")
         if args.busy and args.op == "limits":

@@ -121,6 +121,9 @@ def parse_size(text: Any) -> int:
     return int(nbytes)
 
 
+MAX_SIZES = 1000  # rows of one sweep: far more than any plot or table needs
+
+
 def size_range(minbytes: int, maxbytes: int, factor: float) -> List[int]:
     """Sizes from ``minbytes`` multiplying by ``factor``, ending at ``maxbytes`` exactly.
 
@@ -135,9 +138,13 @@ def size_range(minbytes: int, maxbytes: int, factor: float) -> List[int]:
         return [minbytes]
     if not factor > 1:
         raise ValueError(f"stepfactor must be > 1 when minbytes < maxbytes, got {factor}")
+    if math.log(maxbytes / minbytes) / math.log(factor) > MAX_SIZES:
+        raise ValueError(f"stepfactor {factor} gives more than {MAX_SIZES} sizes from "
+                         f"{minbytes} to {maxbytes} bytes; use a larger one")
     out, s = [], float(minbytes)
     while s <= maxbytes * (1 + 1e-12):
-        out.append(int(round(s)))
+        if not out or int(round(s)) != out[-1]:  # a factor near 1 rounds to a size twice
+            out.append(int(round(s)))
         s *= factor
     if out[-1] < maxbytes:  # always end at maxbytes (8 B .. 256 MiB by 4 would stop at 128 MiB)
         out.append(maxbytes)
