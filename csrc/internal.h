@@ -69,14 +69,18 @@ struct rl_ctx {
     uint8_t key[32]; /* HMAC key: SHA-256 of the secret */
     uint8_t job_id[16];
     rl_endpoint *peers;
+    /* Handshakes the listener runs at once: 256, and no more than an eighth
+     * of RLIMIT_NOFILE (at least 16), as the store (docs/security.md). */
+    int max_pending;
 
     pthread_mutex_t lock; /* guards everything below */
-    pthread_cond_t cond;
+    pthread_cond_t cond;  /* on CLOCK_MONOTONIC */
     rl_pending_conn *mailbox;
     uint64_t *claimed; /* (comm_id << 32 | src) of every delivered connection */
     size_t nclaimed, capclaimed;
     int64_t rejected;
     int stopping;
+    int listener_errno; /* nonzero once the listener thread stopped on this error */
 };
 
 typedef struct rl_unexpected {
@@ -209,6 +213,9 @@ int rl_peer_fd(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out);
 /* The peer's socket if connected, or taken now from the listener's mailbox
  * when the peer dialled; -1 otherwise.  Never waits. */
 int rl_peer_fd_try(rl_comm *c, int peer);
+/* RL_OK while this rank's listener thread runs; once it stopped on an error
+ * (no peer can dial this rank any more), fails the op with that error. */
+int rl_listener_check(rl_comm *c, const rl_opdesc *op);
 /* Wake a receive from any source waiting on c (p2p.c). */
 void rl_p2p_wake_any(rl_comm *c);
 

@@ -219,6 +219,12 @@ static int tcp_wait_any(rl_comm *c, const rl_opdesc *op, const unsigned char *sk
     pfd[n].fd = c->any_efd;
     pfd[n].events = POLLIN;
     pfd[n++].revents = 0;
+    /* A lower rank still to dial needs this rank's listener. */
+    int st = unconnected ? rl_listener_check(c, op) : RL_OK;
+    if (st != RL_OK) {
+        if (pfd != small) free(pfd);
+        return st;
+    }
     int64_t now = rl_now_ns();
     if (*spin_until < 0)
         *spin_until = rl_host_contended(now) ? now : now + rl_tune.spin_us * 1000LL;
@@ -230,7 +236,7 @@ static int tcp_wait_any(rl_comm *c, const rl_opdesc *op, const unsigned char *sk
         ms = unconnected ? RL_ANY_DIAL_MS : 100;
         if (left_ms < ms) ms = left_ms > 0 ? (int)left_ms : 0;
     }
-    int st = RL_OK, r = poll(pfd, (nfds_t)n, ms);
+    int r = poll(pfd, (nfds_t)n, ms);
     if (r < 0 && errno != EINTR)
         st = rl_fail(c, op, RL_ERR_SYSTEM, -1, errno, "poll: %s", strerror(errno));
     if (r > 0) *spin_until = -1; /* something moved: poll again before the next sleep */
@@ -326,14 +332,24 @@ int rl_recv_any(rl_comm *c, void *buf, size_t count, rl_dtype dt, uint32_t tag,
     int st = rl_begin_op(c, &op, RL_OP_P2P, dt, 0, -1, len, timeout_ms);
     if (st != RL_OK) return st;
     rl_trace_p2p(&op, -1, tag, 1);
-    /* One at a time: each drains the wake-ups it waits on. */
+    /* One at a time: each drains the wake-ups it waits on.  The wait calls
+     * the interrupt hook every ~90 ms, as every other wait does (Ctrl-C). */
+    int64_t last_hook = rl_now_ns();
     for (;;) {
         if (pthread_mutex_trylock(&c->any_lock) == 0) break;
         if (c->poisoned) return rl_end_op(c, &op, RL_ERR_POISONED);
-        if (rl_now_ns() >= op.deadline_ns)
+        int64_t now = rl_now_ns();
+        if (now >= op.deadline_ns)
             return rl_end_op(c, &op, rl_fail(c, &op, RL_ERR_TIMEOUT, -1, 0,
                                               "timed out waiting for another receive from any "
                                               "source on this communicator"));
+        if (now - last_hook >= 90000000LL) {
+            last_hook = now;
+            if (rl_call_interrupt_hook())
+                return rl_end_op(c, &op, rl_fail(c, &op, RL_ERR_INTERRUPTED, -1, 0,
+                                                  "interrupted while waiting for another receive "
+                                                  "from any source on this communicator"));
+        }
         struct timespec ts = {0, 200000};
         nanosleep(&ts, NULL);
     }

@@ -180,16 +180,20 @@ struct rl_shm {
     size_t chunk, result, stride, small;
     shm_logent *log;
     shm_pool pool[3]; /* per lane; the big lane's is unused */
-    uint32_t step[3]; /* per lane */
+    uint64_t step[3]; /* per lane; the segment's flags carry the low 32 bits */
     /* SHM_P2P: ring (s, d) carries messages from s to d */
     uint32_t kind, cells;
     char *rings;
     size_t ring_stride;
     /* per peer: cells this rank published / consumed; the peer's tail as last read */
     uint32_t *tx_head, *rx_tail, *tx_seen;
-    uint32_t *ack_seen; /* per lane and peer: the peer's ack as last read (step_begin) */
+    /* per lane and peer: the step through which the peer's ack was last read,
+     * kept in 64 bits so a rank that only reads in a lane for 2^31 steps
+     * cannot see a stale value wrap into a fresh one (step_begin) */
+    uint64_t *ack_seen;
     int *pidfds; /* comm rank -> pidfd, -1: none (self, same process) */
     int npidfds;
+    pid_t mapper; /* the process that mapped it: a fork()ed child has no mapping */
     uint64_t probe;  /* what a peer's process_vm_readv must find at xaddr[0] */
     size_t cma_min;  /* single copy from this many bytes per block; 0: off  */
     size_t cma_pair; /* 2 ranks' all_gather and all_to_all: from this many; 0: off */
@@ -617,6 +621,14 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
         return attach_fail(err, RL_ERR_SYSTEM, "mmap of the shared-memory segment: %s", strerror(errno),
                            0, 0);
     }
+    /* Not inherited across fork(): a child (a data-loader worker) must not
+     * keep the segment alive after every rank is gone, nor reach into it. */
+    if (madvise(m, size, MADV_DONTFORK) != 0) {
+        err->sys_errno = errno;
+        munmap(m, size);
+        return attach_fail(err, RL_ERR_SYSTEM, "madvise(MADV_DONTFORK) of the shared-memory "
+                           "segment: %s", strerror(err->sys_errno), 0, 0);
+    }
     shm_header *h = m;
     int P = c->size;
     shm_layout l;
@@ -701,11 +713,13 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     }
     rl_shm *s = calloc(1, sizeof *s);
     int *pidfds = malloc(sizeof(int) * (size_t)P);
-    uint32_t *pos = calloc(6 * (size_t)P, sizeof *pos);
-    if (!s || !pidfds || !pos) {
+    uint32_t *pos = calloc(3 * (size_t)P, sizeof *pos);
+    uint64_t *acks = calloc(3 * (size_t)P, sizeof *acks);
+    if (!s || !pidfds || !pos || !acks) {
         free(s);
         free(pidfds);
         free(pos);
+        free(acks);
         munmap(m, size);
         return attach_fail(err, RL_ERR_NOMEM, "%sout of memory", "", 0, 0);
     }
@@ -718,7 +732,7 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     s->tx_head = pos;
     s->rx_tail = pos + P;
     s->tx_seen = pos + 2 * (size_t)P;
-    s->ack_seen = pos + 3 * (size_t)P;
+    s->ack_seen = acks;
     if (kind == SHM_P2P) {
         s->cells = h->cells;
         s->rings = (char *)m + h->data_off;
@@ -741,7 +755,8 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     }
     if (kind == SHM_COLL) warm_own(s, c->rank);
     s->pidfds = pidfds;
-    s->ctrl[c->rank].pid = (int32_t)getpid();
+    s->mapper = getpid();
+    s->ctrl[c->rank].pid = (int32_t)s->mapper;
     s->probe = (uint64_t)SHM_MAGIC << 32 | c->id;
     s->ctrl[c->rank].xaddr[0] = (uint64_t)(uintptr_t)&s->probe;
     c->shm = s;
@@ -942,13 +957,19 @@ void rl_shm_abort(rl_comm *c) {
 void rl_shm_detach(rl_comm *c) {
     rl_shm *s = c->shm;
     if (!s) return;
-    __atomic_store_n(&s->ctrl[c->rank].closed, 1, __ATOMIC_RELEASE);
-    rl_shm_wake_all(c);
+    /* In a fork()ed child the segment is not mapped (MADV_DONTFORK): free
+     * only this process's copies, and leave the rank's mark alone. */
+    int mapped = getpid() == s->mapper;
+    if (mapped) {
+        __atomic_store_n(&s->ctrl[c->rank].closed, 1, __ATOMIC_RELEASE);
+        rl_shm_wake_all(c);
+    }
     for (int q = 0; q < c->size; q++)
         if (s->pidfds[q] >= 0) close(s->pidfds[q]);
     free(s->pidfds);
     free(s->tx_head);
-    munmap(s->base, s->size);
+    free(s->ack_seen);
+    if (mapped) munmap(s->base, s->size);
     free(s);
     c->shm = NULL;
 }
@@ -1044,17 +1065,20 @@ static int op_check(rl_comm *c, const rl_opdesc *op, int q) {
  * last. */
 static int step_begin(rl_comm *c, const rl_opdesc *op, int lane, int writes, uint32_t *out) {
     rl_shm *s = c->shm;
-    uint32_t step = ++s->step[lane], depth = lane == BIG ? 2 : s->pool[lane].slots;
+    uint64_t step64 = ++s->step[lane];
+    uint32_t step = (uint32_t)step64, depth = lane == BIG ? 2 : s->pool[lane].slots;
     *out = step;
     if (!writes) return RL_OK;
     /* A peer's ack is read again only when the value last read is too old:
      * the read takes the line from the peer, which writes it every step. */
-    uint32_t *seen = s->ack_seen + (size_t)lane * (size_t)c->size;
+    uint64_t *seen = s->ack_seen + (size_t)lane * (size_t)c->size;
     for (int q = 0; q < c->size; q++) {
-        if (reached(seen[q], step - depth)) continue;
+        if (seen[q] + depth >= step64) continue;
         int st = wait_flag(c, op, lane_ack(s, q, lane), step - depth, q);
         if (st != RL_OK) return st;
-        seen[q] = __atomic_load_n(lane_ack(s, q, lane), __ATOMIC_ACQUIRE);
+        /* Ranks are a few steps apart at most: the ack is near this step. */
+        uint32_t a = __atomic_load_n(lane_ack(s, q, lane), __ATOMIC_ACQUIRE);
+        seen[q] = step64 + (uint64_t)(int64_t)(int32_t)(a - step);
     }
     return RL_OK;
 }
@@ -1303,7 +1327,7 @@ static int follow_decider(rl_comm *c, const rl_opdesc *op, int decider, int mine
         return RL_OK;
     }
     rl_hdr first;
-    int st = peek_in(c, op, BIG, decider, c->shm->step[BIG] + 1, &first);
+    int st = peek_in(c, op, BIG, decider, (uint32_t)c->shm->step[BIG] + 1, &first);
     *direct = st == RL_OK && first.nbytes == n;
     return st;
 }

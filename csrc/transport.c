@@ -14,15 +14,17 @@
  *                                 src, dst, nonce_a[32]          (68 bytes)
  *   acceptor  -> connector nonce_b[32], HMAC(key, "ringlet/acc" | HELLO | nonce_b)
  *   connector -> acceptor  HMAC(key, "ringlet/con" | HELLO | nonce_b)
- *   acceptor  -> connector status u32 (0 ok, 1 bad proof, 2 duplicate claim)
+ *   acceptor  -> connector status u32 (0 ok, 1 bad proof, 2 duplicate claim,
+ *                                      4 evicted before the proof came: retry)
  * Both sides prove the secret over both nonces, the job id, the comm id and
  * both ranks, so a recorded handshake cannot be replayed and a connection
  * cannot be moved to another comm or rank.  The listener parses nothing but
  * the fixed HELLO before the proof, drops anything malformed, and handles
  * many pending handshakes at once with a per-connection deadline.  When its
  * table is full (or descriptors run out) it evicts the oldest connection that
- * has not yet sent a valid HELLO, never one that has, and the connector
- * retries a handshake the acceptor dropped before answering, so idle or slow
+ * has not yet sent a valid HELLO, or, when every pending one has, the oldest
+ * still owing its proof (telling it so), and the connector retries a handshake
+ * the acceptor dropped before answering or evicted, so idle or slow
  * unauthenticated connections cannot delay or break the job
  * (docs/security.md, "Data connections between ranks").
  */
@@ -37,6 +39,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -45,12 +48,18 @@
 
 #define HELLO_LEN 68
 #define REPLY_LEN 64
-#define MAX_PENDING 256
+#define MAX_PENDING 256 /* handshakes at once, at most (max_pending_handshakes) */
+#define MIN_PENDING 16
 #define ACCEPT_BATCH 64
 /* Acceptor -> connector before closing: the HELLO was read whole and is not
  * for this rank (other job, rank or version).  Sent in place of the reply so
  * the connector fails at once instead of retrying as after an eviction. */
 #define HELLO_REFUSED 3u
+/* Acceptor -> connector in place of the verdict: the listener's table was
+ * full and this handshake, still waiting for its proof, was the one evicted
+ * (hs_evict_oldest).  The connector retries, as after a close before the reply;
+ * a bare close before the verdict stays "the peer went". */
+#define HS_EVICTED 4u
 
 /* ------------------------------------------------------------------ */
 /* tuning, time, interrupt hook                                        */
@@ -233,8 +242,10 @@ uint64_t rl_comm_seq(const rl_comm *c) { return c->seq; }
  * this lock; one that waits past its own deadline for another thread's op
  * fails as a timeout and aborts the comm (its peers would run the op it
  * gave up).  Contention is rare (threads sharing a group), so a waiter
- * polls instead of needing a clock-aware mutex. */
+ * polls instead of needing a clock-aware mutex, and calls the interrupt hook
+ * every ~90 ms like every other wait (Ctrl-C, docs/errors.md). */
 static int op_lock(rl_comm *c, rl_opdesc *op) {
+    int64_t last_hook = rl_now_ns();
     for (;;) {
         if (pthread_mutex_trylock(&c->op_lock) == 0) {
             /* The op before may have failed: this one must not start. */
@@ -246,12 +257,23 @@ static int op_lock(rl_comm *c, rl_opdesc *op) {
             return RL_OK;
         }
         if (c->poisoned) return RL_ERR_POISONED;
-        if (rl_now_ns() >= op->deadline_ns) {
-            int st = rl_fail(c, op, RL_ERR_TIMEOUT, -1, 0,
-                             "timed out waiting for this communicator's previous operation, "
-                             "still running in another thread");
-            /* The other thread's op may be writing to the sockets: shut them
-             * down (as a cancel does) rather than write abort frames. */
+        int64_t now = rl_now_ns();
+        int st = RL_OK;
+        if (now >= op->deadline_ns) {
+            st = rl_fail(c, op, RL_ERR_TIMEOUT, -1, 0,
+                         "timed out waiting for this communicator's previous operation, "
+                         "still running in another thread");
+        } else if (now - last_hook >= 90000000LL) {
+            last_hook = now;
+            if (rl_call_interrupt_hook())
+                st = rl_fail(c, op, RL_ERR_INTERRUPTED, -1, 0,
+                             "interrupted while waiting for this communicator's previous "
+                             "operation, still running in another thread");
+        }
+        if (st != RL_OK) {
+            /* This op is abandoned, and its peers may have begun it: poison
+             * the comm.  The other thread's op may be writing to the sockets:
+             * shut them down (as a cancel does) rather than write abort frames. */
             rl_comm_cancel(c, st, NULL);
             rl_shm_abort(c);
             return st;
@@ -434,10 +456,16 @@ static void hs_step(rl_ctx *ctx, hs_state *h) {
         return;
     }
     rl_pending_conn *pc = malloc(sizeof *pc);
-    if (!pc || (ctx->nclaimed == ctx->capclaimed &&
-                !(ctx->claimed = realloc(ctx->claimed,
-                                         (ctx->capclaimed = ctx->capclaimed * 2 + 64) *
-                                             sizeof(uint64_t))))) {
+    if (pc && ctx->nclaimed == ctx->capclaimed) {
+        /* Grown through a temporary: a failed realloc leaves the table as it was. */
+        size_t cap = ctx->capclaimed * 2 + 64;
+        uint64_t *grown = realloc(ctx->claimed, cap * sizeof *grown);
+        if (grown) {
+            ctx->claimed = grown;
+            ctx->capclaimed = cap;
+        }
+    }
+    if (!pc || ctx->nclaimed == ctx->capclaimed) {
         pthread_mutex_unlock(&ctx->lock);
         free(pc);
         hs_reject(ctx, h, 0);
@@ -463,46 +491,45 @@ static void hs_step(rl_ctx *ctx, hs_state *h) {
     h->fd = -1;
 }
 
-/* Close the oldest pending connection that has not sent a valid HELLO, to
- * make room (a table slot or a descriptor) for a newer one.  Only someone who
- * knows the job id can send a valid HELLO, so an off-path flood can fill the
- * table with nothing but evictable entries.  Returns its index or -1. */
+/* Close the oldest pending connection, to make room (a table slot or a
+ * descriptor) for a newer one: the oldest that has not sent a valid HELLO,
+ * else the oldest waiting for its proof.  Only someone who knows the job id
+ * can send a valid HELLO, so an off-path flood can fill the table with
+ * nothing but the first kind; a genuine connector sends its proof one round
+ * trip after the HELLO, so an entry still waiting for it when the whole table
+ * holds such entries is most likely idle, and a connector that was evicted
+ * anyway is told so (HS_EVICTED) and retries.  Returns its index or -1 (an
+ * empty table). */
 static int hs_evict_oldest(rl_ctx *ctx, hs_state *hs, int npend) {
     int victim = -1;
-    for (int i = 0; i < npend; i++)
-        if (hs[i].fd >= 0 && hs[i].state == 0 &&
-            (victim < 0 || hs[i].deadline < hs[victim].deadline))
+    for (int i = 0; i < npend; i++) {
+        if (hs[i].fd < 0) continue;
+        if (victim < 0 || hs[i].state < hs[victim].state ||
+            (hs[i].state == hs[victim].state && hs[i].deadline < hs[victim].deadline))
             victim = i;
-    if (victim >= 0) hs_reject(ctx, &hs[victim], 0); /* counted in rejected */
+    }
+    /* counted in rejected; one that sent its HELLO is told why (it retries) */
+    if (victim >= 0) hs_reject(ctx, &hs[victim], hs[victim].state == 1 ? HS_EVICTED : 0);
     return victim;
 }
 
 /* A table slot for a new connection: the end, a hole left by a handshake
- * finished this turn, or an evicted entry's (hs_has_room() says one
- * exists). */
+ * finished this turn, or an evicted entry's.  There always is one (every
+ * pending entry is evictable), so the listener never stops accepting
+ * because its table is full. */
 static int hs_free_slot(rl_ctx *ctx, hs_state *hs, int npend) {
-    if (npend < MAX_PENDING) return npend;
+    if (npend < ctx->max_pending) return npend;
     for (int i = 0; i < npend; i++)
         if (hs[i].fd < 0) return i;
     return hs_evict_oldest(ctx, hs, npend);
 }
 
-/* Whether a new connection can get a slot: free space, a hole, or an
- * evictable entry. */
-static int hs_has_room(const hs_state *hs, int npend) {
-    if (npend < MAX_PENDING) return 1;
-    for (int i = 0; i < npend; i++)
-        if (hs[i].fd < 0 || hs[i].state == 0) return 1;
-    return 0;
-}
-
 /* Accept up to ACCEPT_BATCH connections.  A full table or EMFILE/ENFILE
- * evicts the oldest unvalidated entry; when nothing is evictable the listen
+ * evicts the oldest entry (hs_evict_oldest); with nothing to evict the listen
  * socket is left unpolled for a short while (no busy loop on a connection
  * the kernel keeps reporting).  Returns the new table length. */
 static int accept_batch(rl_ctx *ctx, hs_state *hs, int npend, int64_t *pause_until) {
     for (int k = 0; k < ACCEPT_BATCH; k++) {
-        if (!hs_has_room(hs, npend)) break;
         int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) {
             if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
@@ -523,19 +550,47 @@ static int accept_batch(rl_ctx *ctx, hs_state *hs, int npend, int64_t *pause_unt
         hs[slot].deadline = rl_now_ns() + rl_tune.handshake_ms * 1000000LL;
         if (slot == npend) npend++;
         /* A rank sends its HELLO right after connecting: read it now, so
-         * the connection is validated (and safe from eviction) at once. */
+         * the connection is validated (evicted only after every
+         * unvalidated one) at once. */
         hs_step(ctx, &hs[slot]);
     }
     return npend;
 }
 
+/* The listener thread stops on error e: record it and wake every waiter, so
+ * that ops needing a connection to this rank fail at once with it
+ * (rl_listener_check) instead of at their deadline. */
+static void listener_stopped(rl_ctx *ctx, int e) {
+    pthread_mutex_lock(&ctx->lock);
+    ctx->listener_errno = e ? e : EIO;
+    pthread_cond_broadcast(&ctx->cond);
+    pthread_mutex_unlock(&ctx->lock);
+}
+
+/* Whether rl_ctx_destroy asked the listener to stop; waits up to ms for it. */
+static int listener_woken(rl_ctx *ctx, int ms) {
+    struct pollfd p = {ctx->wake_pipe[0], POLLIN, 0};
+    return poll(&p, 1, ms) > 0;
+}
+
 static void *listener_main(void *arg) {
     rl_ctx *ctx = arg;
-    hs_state *hs = calloc(MAX_PENDING, sizeof *hs);
-    struct pollfd *pfd = calloc(MAX_PENDING + 2, sizeof *pfd);
+    size_t cap = (size_t)ctx->max_pending;
+    hs_state *hs = calloc(cap, sizeof *hs);
+    struct pollfd *pfd = calloc(cap + 2, sizeof *pfd);
+    /* Memory short at start: try again for 5 s, then give up loudly. */
+    for (int attempt = 1; !hs || !pfd; attempt++) {
+        if (attempt > 50 || listener_woken(ctx, 100)) {
+            free(hs);
+            free(pfd);
+            if (attempt > 50) listener_stopped(ctx, ENOMEM);
+            return NULL;
+        }
+        if (!hs) hs = calloc(cap, sizeof *hs);
+        if (!pfd) pfd = calloc(cap + 2, sizeof *pfd);
+    }
     int npend = 0;
     int64_t pause_until = 0;
-    if (!hs || !pfd) { free(hs); free(pfd); return NULL; }
     for (;;) {
         int64_t now = rl_now_ns();
         /* Drop handshakes past their deadline, compact the table. */
@@ -545,7 +600,7 @@ static void *listener_main(void *arg) {
             if (hs[i].fd >= 0) hs[w++] = hs[i];
         }
         npend = w;
-        int can_accept = now >= pause_until && hs_has_room(hs, npend);
+        int can_accept = now >= pause_until;
         pfd[0].fd = ctx->wake_pipe[0];
         pfd[0].events = POLLIN;
         pfd[1].fd = can_accept ? ctx->listen_fd : -1;
@@ -557,7 +612,15 @@ static void *listener_main(void *arg) {
             pfd[2 + i].revents = 0;
         }
         int r = poll(pfd, (nfds_t)(2 + npend), 100);
-        if (r < 0 && errno != EINTR) break;
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            if (errno == ENOMEM || errno == EAGAIN) { /* the kernel short of memory: wait */
+                if (listener_woken(ctx, 10)) break;
+                continue;
+            }
+            listener_stopped(ctx, errno);
+            break;
+        }
         if (pfd[0].revents) break; /* woken by rl_ctx_destroy */
         for (int i = 0; i < npend; i++)
             if (pfd[2 + i].revents && hs[i].fd >= 0) hs_step(ctx, &hs[i]);
@@ -573,6 +636,18 @@ static void *listener_main(void *arg) {
 /* ------------------------------------------------------------------ */
 /* context                                                              */
 /* ------------------------------------------------------------------ */
+/* Handshakes the listener holds at once: MAX_PENDING, and no more than an
+ * eighth of the descriptor limit (at least MIN_PENDING), so that a flood of
+ * unauthenticated connections cannot take the descriptors the rank's own
+ * sockets and files need (the store does the same, docs/security.md). */
+static int max_pending_handshakes(void) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return MAX_PENDING;
+    rlim_t n = rl.rlim_cur / 8;
+    if (n > MAX_PENDING) n = MAX_PENDING;
+    return n < MIN_PENDING ? MIN_PENDING : (int)n;
+}
+
 int rl_ctx_create(rl_ctx **out, int rank, int size, const char *bind_host,
                   const uint8_t *secret, size_t secret_len,
                   const uint8_t job_id[16], rl_error *err) {
@@ -592,8 +667,15 @@ int rl_ctx_create(rl_ctx **out, int rank, int size, const char *bind_host,
     ctx->peers = calloc((size_t)size, sizeof *ctx->peers);
     rl_sha256(secret, secret_len, ctx->key);
     memcpy(ctx->job_id, job_id, 16);
+    ctx->max_pending = max_pending_handshakes();
     pthread_mutex_init(&ctx->lock, NULL);
-    pthread_cond_init(&ctx->cond, NULL);
+    /* Monotonic, like every deadline here (await_peer): a wall-clock step
+     * must not stretch or cut a wait. */
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&ctx->cond, &ca);
+    pthread_condattr_destroy(&ca);
     struct sockaddr_storage ss;
     socklen_t sl;
     int status = RL_ERR_SYSTEM;
@@ -778,8 +860,9 @@ static int hs_io(int fd, void *buf, size_t len, int sending, int64_t deadline, s
     return RL_OK;
 }
 
-/* Only called once the acceptor has proved the secret, and a rejection comes
- * as a status word: a close here is a peer that exited or died mid-handshake. */
+/* Only called once the acceptor has proved the secret, and a rejection or an
+ * eviction comes as a status word: a close here is a peer that exited or died
+ * mid-handshake. */
 static int hs_fail(rl_comm *c, const rl_opdesc *op, int peer, int fd, int st, const char *stage) {
     int e = errno;
     close(fd);
@@ -814,8 +897,9 @@ static int connect_fail(rl_comm *c, const rl_opdesc *op, int peer, int e) {
 
 /* One connection attempt and handshake, bounded by `deadline`.  Sets
  * *dropped (and records no error) when the acceptor closed or reset the
- * connection before answering our HELLO: it evicts unvalidated connections
- * when flooded, and ours may have been taken for one; the caller retries. */
+ * connection before answering our HELLO, or answered our proof with
+ * HS_EVICTED: it evicts pending handshakes when flooded, and ours was taken
+ * for one; the caller retries. */
 static int connect_once(rl_comm *c, const rl_opdesc *op, int peer,
                         const struct sockaddr_storage *ss, socklen_t sl, int64_t deadline,
                         int *fd_out, int *dropped) {
@@ -889,6 +973,11 @@ static int connect_once(rl_comm *c, const rl_opdesc *op, int peer,
         return hs_fail(c, op, peer, fd, st, "sending our proof");
     if ((st = hs_io(fd, status, 4, 0, deadline, &got)) != RL_OK)
         return hs_fail(c, op, peer, fd, st, "waiting for the verdict on our proof");
+    if (get32(status) == HS_EVICTED) {
+        close(fd);
+        *dropped = 1;
+        return RL_ERR_PEER_CLOSED;
+    }
     if (get32(status) != 0) {
         close(fd);
         return rl_fail(c, op, RL_ERR_AUTH, peer, 0, "%s",
@@ -948,6 +1037,22 @@ static int take_mailbox(rl_comm *c, int peer) {
     return -1;
 }
 
+/* An op that needs a connection this rank's listener would have accepted,
+ * after that thread stopped on error e (listener_stopped). */
+static int listener_fail(rl_comm *c, const rl_opdesc *op, int peer, int e) {
+    return rl_fail(c, op, e == ENOMEM ? RL_ERR_NOMEM : RL_ERR_SYSTEM, peer, e,
+                   "this rank's listener thread stopped (%s): no peer can connect to this rank "
+                   "any more; shut down and init again", strerror(e));
+}
+
+int rl_listener_check(rl_comm *c, const rl_opdesc *op) {
+    rl_ctx *ctx = c->ctx;
+    pthread_mutex_lock(&ctx->lock);
+    int e = ctx->listener_errno;
+    pthread_mutex_unlock(&ctx->lock);
+    return e ? listener_fail(c, op, -1, e) : RL_OK;
+}
+
 /* Wait for the higher-ranked side of a pair: the peer connects to us. */
 static int await_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
     rl_ctx *ctx = c->ctx;
@@ -959,18 +1064,20 @@ static int await_peer(rl_comm *c, const rl_opdesc *op, int peer, int *fd_out) {
             *fd_out = got;
             return RL_OK;
         }
+        if (ctx->listener_errno) {
+            int e = ctx->listener_errno;
+            pthread_mutex_unlock(&ctx->lock);
+            return listener_fail(c, op, peer, e);
+        }
         int64_t now = rl_now_ns();
         if (now >= op->deadline_ns) {
             pthread_mutex_unlock(&ctx->lock);
             return rl_fail(c, op, RL_ERR_TIMEOUT, peer, 0,
                            "timed out waiting for the peer to connect (it never reached this op, or is hung)");
         }
+        /* ctx->cond runs on CLOCK_MONOTONIC, rl_now_ns()'s clock. */
         int64_t until = op->deadline_ns - now < 100000000LL ? op->deadline_ns : now + 100000000LL;
-        struct timespec rt, ts;
-        clock_gettime(CLOCK_REALTIME, &rt);
-        int64_t abs_ns = (int64_t)rt.tv_sec * 1000000000LL + rt.tv_nsec + (until - now);
-        ts.tv_sec = abs_ns / 1000000000LL;
-        ts.tv_nsec = abs_ns % 1000000000LL;
+        struct timespec ts = {(time_t)(until / 1000000000LL), (long)(until % 1000000000LL)};
         pthread_cond_timedwait(&ctx->cond, &ctx->lock, &ts);
         pthread_mutex_unlock(&ctx->lock);
         if (rl_call_interrupt_hook())

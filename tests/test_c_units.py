@@ -7,6 +7,10 @@ from tests/c/ together with files of csrc/ and runs it.
   rl_ct_equal and rl_random_bytes.
 * test_scratch.c checks rl_scratch's placement and size (with all of csrc/,
   under AddressSanitizer where gcc has it).
+* test_shm_steps.c checks step_begin's wait for the peers' acks after more than
+  2^31 read-only steps (it includes csrc/shm.c; with the rest of csrc/, under ASan).
+* test_transport_waits.c checks that waits for another thread's op end at the
+  interrupt hook, and that a stopped listener thread fails a wait for a peer at once.
 * the C benchmarks of bench/c/ build, and barrier_send runs a short loop.
 * kernel_driver.c runs rl_reduce_kernel / rl_scale_kernel on records written
   by this file; the results are checked against numpy, on both the SIMD path
@@ -332,6 +336,27 @@ def test_scratch_program(tmp_path):
     sources = [CTESTS / "test_scratch.c", *sorted(CSRC.glob("*.c"))]
     exe = _compile(tmp_path / "test_scratch", sources, "-O2",
                    ("-pthread", *ASAN))
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "checks passed" in res.stdout
+
+
+def test_shm_steps_program(tmp_path):
+    """step_begin (csrc/shm.c, compiled into the program): a rank that only read in a lane for
+    more than 2^31 steps still waits for a peer's ack before it writes, in every lane."""
+    sources = [CTESTS / "test_shm_steps.c",
+               *(p for p in sorted(CSRC.glob("*.c")) if p.name != "shm.c")]
+    exe = _compile(tmp_path / "test_shm_steps", sources, "-O2", ("-pthread", *ASAN))
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "checks passed" in res.stdout
+
+
+def test_transport_waits_program(tmp_path):
+    """Waits for another thread's op (op_lock, any_lock) end at the interrupt hook, not the
+    deadline; a listener thread that stopped on an error fails a wait for a peer at once."""
+    sources = [CTESTS / "test_transport_waits.c", *sorted(CSRC.glob("*.c"))]
+    exe = _compile(tmp_path / "test_transport_waits", sources, "-O2", ("-pthread",))
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "checks passed" in res.stdout

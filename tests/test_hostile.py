@@ -7,6 +7,9 @@ and reopens each one the server drops, while the job keeps creating new groups
 (fresh connections on fresh peer pairs) and new store clients.  Everything is
 synchronised on explicit signals (the attacker's "ready" line, barriers);
 the only time bounds are generous upper ones derived from the op deadline.
+Also: a rank's listener flooded with valid HELLOs that never send a proof
+(whoever sees the traffic knows the job id), under a low descriptor limit, and
+idle connections held to rank 0's shared-memory hand-over socket.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import os
 import selectors
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -385,8 +389,9 @@ _LISTENER_MAIN = textwrap.dedent(r"""
     from ringlet import _core
     secret, job = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2])
     ctx = _core.Context(1, 2, "127.0.0.1", secret, job)
-    # Far fewer descriptors than the listener's 256 pending handshakes, so
-    # accept() itself fails with EMFILE while the flood lasts.
+    # Far fewer descriptors than the listener's table of pending handshakes (sized
+    # by the limit when it was created: up to 256), so accept() itself fails with
+    # EMFILE while the flood lasts.
     used = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     print(ctx.port, flush=True)
@@ -425,3 +430,198 @@ def test_rank_listener_out_of_descriptors_evicts_and_admits_a_genuine_rank():
     assert ready[str(port)]["opened"] >= 420, ready
     assert stats[str(port)]["dropped"] >= 300, stats  # evicted to free descriptors
     assert rejected >= 300, rejected
+
+
+# ---- a rank's listener: its table follows the descriptor limit, valid HELLOs are evicted too ----
+_LISTENER_LOW_LIMIT = textwrap.dedent(r"""
+    import resource, sys
+    from ringlet import _core
+    secret, job = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2])
+    # 400 descriptors: the listener holds at most 400 / 8 = 50 handshakes at
+    # once; each waits a minute for its proof, so only eviction frees a slot.
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (400, hard))
+    _core.set_tuning(handshake_ms=60000)
+    ctx = _core.Context(1, 2, "127.0.0.1", secret, job)
+    print(ctx.port, flush=True)
+    sys.stdin.read()
+    print("rejected", ctx.rejected(), flush=True)
+""")
+
+
+def _recv_exactly(s, n):
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_rank_listener_caps_handshakes_by_descriptors_and_evicts_unproven_hellos():
+    # Someone who knows the job id (it travels in clear) sends valid HELLOs and
+    # never a proof.  The listener holds an eighth of its descriptor limit of
+    # them, evicting the oldest beyond, and never stops accepting: a genuine
+    # rank still connects at once.
+    secret, job = os.urandom(32), os.urandom(16)
+    env = dict(os.environ, PYTHONPATH=_SRC)
+    listener = subprocess.Popen([sys.executable, "-c", _LISTENER_LOW_LIMIT, secret.hex(),
+                                 job.hex()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env=env)
+    held, early, late = [], [], []
+    try:
+        port = int(listener.stdout.readline())
+        for _ in range(100):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            held.append(s)
+            s.sendall(struct.pack("<4sHH16sIII32s", b"RLTH", _core.PROTOCOL_VERSION, 1, job,
+                                  9, 0, 1, os.urandom(32)))
+            # the reply: the HELLO was valid, the listener now waits for a proof
+            assert len(_recv_exactly(s, 64)) == 64
+        # the 50 oldest were evicted (told so: status 4, then closed), the 50
+        # newest are still pending (nothing to read)
+        deadline = time.monotonic() + 10
+        for i, s in enumerate(held):
+            s.settimeout(max(0.01, deadline - time.monotonic()) if i < 50 else 0.2)
+            got = b""
+            try:
+                while True:
+                    chunk = s.recv(16)
+                    if not chunk:
+                        break
+                    got += chunk
+            except socket.timeout:
+                got += b"(open)"
+            (early if i < 50 else late).append(got)
+        ctx = _core.Context(0, 2, "127.0.0.1", secret, job)
+        ctx.set_peer(1, "127.0.0.1", port)
+        comm = _core.Comm(ctx, 2, 0, [0, 1])
+        t0 = time.monotonic()
+        comm.connect(1, 30000)  # raises on failure
+        took = time.monotonic() - t0
+        comm.close()
+        ctx.close()
+    finally:
+        for s in held:
+            s.close()
+        out, _ = listener.communicate("", timeout=60)
+        if listener.poll() is None:
+            listener.kill()
+    rejected = int(out.split()[-1])
+    assert early == [struct.pack("<I", 4)] * 50 and late == [b"(open)"] * 50, (early, late)
+    assert rejected >= 51, rejected  # the 50 oldest, and one more for the genuine rank
+    assert took < 20, took
+
+
+# ---- the shared-memory hand-over under idle connections -----------------------------------
+def _handover_sockets(pid):
+    """Names of the ringlet hand-over sockets that process ``pid`` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {r[-1][1:] for r in rows
+            if len(r) >= 8 and r[-1].startswith("@ringlet-shm-") and r[6] in inodes}
+
+
+class _IdleHolder:
+    """An outsider in this process: once a new hand-over socket appears (rank 0
+    serving a new group), it holds ``n`` idle connections to it, then sets
+    ``ready``; ``drain()`` counts how many of them the server dropped."""
+
+    def __init__(self, n, before):
+        self.n, self.before, self.socks = n, before, []
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        name, deadline = None, time.monotonic() + 60
+        while name is None and time.monotonic() < deadline:
+            for cand in _handover_sockets(os.getpid()) - self.before:  # rank 0 is a thread here
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    s.connect("\0" + cand)
+                except OSError:  # bound but not listening yet
+                    s.close()
+                    continue
+                self.socks.append(s)
+                name = cand
+            if name is None:
+                time.sleep(0.005)
+        while name is not None and len(self.socks) < self.n:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            if s.connect_ex("\0" + name) != 0:  # the backlog is full
+                s.close()
+                break
+            self.socks.append(s)
+        self.ready.set()
+
+    def drain(self, timeout):
+        dropped, deadline = 0, time.monotonic() + timeout
+        for s in self.socks:
+            s.setblocking(True)
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                closed = s.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+            except socket.timeout:
+                closed = False
+            dropped += closed
+            s.close()
+        return dropped
+
+
+def test_idle_connections_cannot_hold_up_the_shared_memory_hand_over(monkeypatch):
+    from ringlet import _shm
+
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    # Each handshake may take 10 s: a server that waited for idle connections
+    # to time out would keep the rank out for at least that long.
+    monkeypatch.setattr(_shm, "_HANDSHAKE_S", 10.0)
+    n_idle = 80  # more than rank 0's 32 handshake threads
+    holder, joined = None, {}
+    real_fetch = _shm._fetch
+
+    def fetch_after_the_outsider(world, name, key, rank, deadline):
+        # Rank 1 asks for its descriptors only once the idle connections are
+        # queued ahead of it (the init's own hand-over goes through directly).
+        if holder is not None:
+            assert holder.ready.wait(60), "the outsider never found the hand-over socket"
+            t0 = time.monotonic()
+            out = real_fetch(world, name, key, rank, deadline)
+            joined.update(join_s=time.monotonic() - t0)
+            return out
+        return real_fetch(world, name, key, rank, deadline)
+
+    def job(rank, P):
+        nonlocal holder
+        ringlet.barrier()  # init's hand-over is over
+        if rank == 1:
+            joined["rejected0"] = _shm.rejected  # before the first idle connection
+            holder = _IdleHolder(n_idle, _handover_sockets(os.getpid()))
+        ringlet.barrier()
+        g = ringlet.new_group([0, 1], timeout=60)
+        x = np.full(3, rank + 1.0)
+        g.all_reduce(x, timeout=60)
+        return float(x[0]), g.transport
+
+    monkeypatch.setattr(_shm, "_fetch", fetch_after_the_outsider)
+    res = run_world(job, 2, mode="thread", timeout=120)
+    assert res == [(3.0, "shm"), (3.0, "shm")], res
+    n = len(holder.socks)
+    assert n > _shm._MAX_HANDSHAKES, n
+    assert joined["join_s"] < 5.0, joined  # well before one handshake window
+    # Rank 0 has left the hand-over (it ran the all_reduce): every idle
+    # connection was evicted or cut, none left to its deadline, each counted.
+    assert holder.drain(5.0) == n
+    assert _shm.rejected - joined["rejected0"] >= n, (_shm.rejected, joined, n)

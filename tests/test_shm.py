@@ -1088,6 +1088,68 @@ def test_a_claim_for_another_rank_is_refused(small_chunks):
     assert res[0] == {"sum": 2.0}
 
 
+def _maps_of_a_forked_child(rank, P):
+    import select
+
+    job = _world._current().job_id.hex()[:8]
+    marker = "memfd:ringlet-" + job
+    x = np.ones(4, np.float32)
+    ringlet.all_reduce(x)  # the segments are mapped and in use
+    out = None
+    if rank == 0:  # rank 1 waits in the barrier below meanwhile
+        with open("/proc/self/maps") as f:
+            parent = f.read().count(marker)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child (a data-loader worker): raw reads and writes only
+            try:
+                fd = os.open("/proc/self/maps", os.O_RDONLY)
+                maps = b""
+                while True:
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        break
+                    maps += chunk
+                os.write(w, str(maps.count(marker.encode())).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        try:
+            ready, _, _ = select.select([r], [], [], 30)
+            child = int(os.read(r, 64) or b"-1") if ready else None
+        finally:
+            os.close(r)
+            if child is None:
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        out = {"parent": parent, "child": child}
+    ringlet.barrier()
+    return out
+
+
+def test_segments_are_neither_forked_nor_exec_inherited(monkeypatch):
+    # A rank's fork()ed children (data-loader workers) must not keep the
+    # segments mapped once every rank is gone (MADV_DONTFORK), and the
+    # descriptors arrive close-on-exec (MSG_CMSG_CLOEXEC), so a program
+    # another thread starts meanwhile does not inherit them.
+    import fcntl
+
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    cloexec = []
+    real_recv_fds = _shm._recv_fds
+
+    def spy(sock, bufsize, maxfds):
+        msg, fds = real_recv_fds(sock, bufsize, maxfds)
+        cloexec.extend(bool(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC) for fd in fds)
+        return msg, fds
+
+    monkeypatch.setattr(_shm, "_recv_fds", spy)
+    res = run_world(_maps_of_a_forked_child, 2, mode="thread", timeout=60)
+    assert res[0]["parent"] >= 1, res  # the ranks map the segments (the check sees them)
+    assert res[0]["child"] == 0, res
+    assert cloexec and all(cloexec), cloexec
+
+
 # ---- real processes under `ringlet run` ----------------------------------------------
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time

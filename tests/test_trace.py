@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -76,6 +78,86 @@ def test_a_failure_dump_under_way_holds_back_the_other_caller(monkeypatch):
     first.join(60)
     second.join(60)
     assert order == [("written", "cancelled by rank 0"), ("returned", None)], order
+
+
+# ---- where and how a dump is written -------------------------------------------------
+class _FakeWorld:
+    """What dump() reads of a world: no communicators, a fixed job id."""
+
+    def __init__(self, rank=3):
+        self.rank, self.size, self._groups, self._closed = rank, 4, [], False
+        self.job_id = bytes.fromhex("4f0c2a9e51b7d3c8a1b2c3d4e5f60718")
+
+
+def test_dump_is_private_and_names_the_job_by_its_tag(tmp_path, monkeypatch):
+    monkeypatch.delenv("RINGLET_TRACE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old_umask = os.umask(0o022)  # the usual one: 0755 directories, 0644 files unless asked
+    try:
+        path = trace.dump(_FakeWorld(), "test")
+    finally:
+        os.umask(old_umask)
+    assert path == str(tmp_path / "ringlet-trace-4f0c2a9e" / "rank3.json"), path
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    text = Path(path).read_text()
+    assert json.loads(text)["job_id"] == "4f0c2a9e"
+    assert "51b7d3c8" not in text  # no more of the id than its tag
+    assert os.listdir(os.path.dirname(path)) == ["rank3.json"]  # no temporary file left
+    assert trace.analyze([json.loads(text)])["job_ids"] == ["4f0c2a9e"]
+
+
+def test_a_dump_that_interrupts_another_writes_its_own_temporary_file(tmp_path, monkeypatch):
+    # A SIGUSR1 dump can run inside a dump of the same thread (its handler runs
+    # between bytecodes): the two must not share a temporary file.
+    world, inner = _FakeWorld(rank=1), []
+    real_json_dump = json.dump
+
+    def interrupted(obj, f, **kw):
+        if not inner:
+            inner.append(None)  # once: the inner dump comes through here too
+            inner[0] = trace.dump(world, "inner", str(tmp_path))
+        return real_json_dump(obj, f, **kw)
+
+    monkeypatch.setattr(trace.json, "dump", interrupted)
+    outer = trace.dump(world, "outer", str(tmp_path))
+    assert inner == [str(tmp_path / "rank1.json")] and outer == inner[0], (inner, outer)
+    assert json.loads((tmp_path / "rank1.json").read_text())["reason"] == "outer"
+    assert os.listdir(tmp_path) == ["rank1.json"]
+
+
+_SIGUSR1_TWICE = textwrap.dedent(r"""
+    import os, signal, time
+    from ringlet import trace
+
+    class World:
+        _closed = False
+
+    world = World()
+    trace._worlds.add(world)
+    trace._install_sigusr1()
+    calls = []
+
+    def dump(w, reason, directory=None):
+        calls.append(reason)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # a second signal while this dump runs
+            time.sleep(0.2)  # its handler runs here
+        return "written"
+
+    trace.dump = dump
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.2)
+    print("dumps", len(calls), flush=True)
+""")
+
+
+def test_sigusr1_during_a_dump_is_skipped_not_waited_for():
+    out = subprocess.run([sys.executable, "-c", _SIGUSR1_TWICE], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": SRC})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["dumps", "1"], out.stdout + out.stderr
+    assert "SIGUSR1 while a flight record is being written" in out.stderr, out.stderr
 
 
 # ---- one rank skips a collective: the others time out --------------------------

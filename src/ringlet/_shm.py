@@ -19,6 +19,7 @@ pair of ranks) in the same hand-over, when its size allows one.
 
 from __future__ import annotations
 
+import array
 import fcntl
 import json
 import os
@@ -36,8 +37,8 @@ __all__ = ["TRANSPORT_ENV", "transport_mode", "setup"]
 
 TRANSPORT_ENV = "RINGLET_TRANSPORT"
 _MODES = ("auto", "shm", "tcp")
-# Handshakes one rank 0 runs at once; a flood of unauthenticated connections
-# waits its turn (each is cut off at _HANDSHAKE_S) instead of exhausting threads.
+# Handshakes (threads) one rank 0 runs at once, each cut off at _HANDSHAKE_S;
+# beyond, a new connection evicts the oldest one not yet authenticated (_serve).
 _MAX_HANDSHAKES = 32
 _HANDSHAKE_S = 2.0
 
@@ -232,58 +233,113 @@ def _create(world: Any, comm: Any, comms: list, key: bytes, rec_key: str, P: int
 
 def _serve(world: Any, listener: socket.socket, fds: list, key: bytes, name: str, P: int,
            deadline: float) -> None:
-    """Hand fds to comm ranks 1..P-1, each once, after it proves the secret."""
+    """Hand fds to comm ranks 1..P-1, each once, after it proves the secret.
+
+    Each connection runs its handshake on a thread of its own, at most
+    ``_MAX_HANDSHAKES`` at once.  A connection that arrives while every slot is
+    taken evicts the oldest one whose handshake has not verified yet (its
+    socket is shut down, which ends its thread at once), as the store does:
+    idle connections from any local process cannot hold genuine ranks back.
+    """
     served: set = set()
-    lock = threading.Lock()
+    cond = threading.Condition()  # guards served, pending, running
     done = threading.Event()
-    slots = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+    # Unauthenticated connections, oldest first (dicts keep insertion order).
+    pending: dict = {}
+    running = [0]  # handshake threads alive
 
     def claim(raw: bytes) -> None:  # raising refuses the claim
         r = int(raw.decode())
-        with lock:
+        with cond:
             if not 1 <= r < P or r in served:
                 raise ValueError(f"rank {r} is not a peer still to attach")
 
     def hand_over(conn: socket.socket) -> None:
         global rejected
         try:
-            with conn:
-                end = min(deadline, time.monotonic() + _HANDSHAKE_S)
-                r = int(_auth.server_handshake(conn, key, "shm/" + name, deadline=end,
-                                               check_claim=claim).decode())
-                with lock:
-                    if r in served:
-                        raise AuthenticationError(f"rank {r} attached twice")
-                conn.settimeout(max(0.01, end - time.monotonic()))
-                socket.send_fds(conn, [b"\1"], fds)
-                # Counted once sent: `done` lets _create close the descriptors, and a
-                # rank whose hand-over failed may try again.
-                with lock:
-                    served.add(r)
-                    if len(served) == P - 1:
-                        done.set()
+            end = min(deadline, time.monotonic() + _HANDSHAKE_S)
+            r = int(_auth.server_handshake(conn, key, "shm/" + name, deadline=end,
+                                           check_claim=claim).decode())
+            with cond:
+                pending.pop(conn, None)  # proven: never evicted from here on
+                if r in served:
+                    raise AuthenticationError(f"rank {r} attached twice")
+            conn.settimeout(max(0.01, end - time.monotonic()))
+            socket.send_fds(conn, [b"\1"], fds)
+            # Counted once sent: `done` lets _create close the descriptors, and a
+            # rank whose hand-over failed may try again.
+            with cond:
+                served.add(r)
+                if len(served) == P - 1:
+                    done.set()
         except (OSError, AuthenticationError, ValueError):
             with _rejected_lock:
                 rejected += 1
         finally:
-            slots.release()
+            # Out of `pending` before the close, so an eviction never shuts down
+            # a descriptor number that another socket may reuse.
+            with cond:
+                pending.pop(conn, None)
+                running[0] -= 1
+                cond.notify_all()
+            conn.close()
+
+    def evict_oldest() -> bool:  # with cond held
+        if not pending:
+            return False
+        victim = next(iter(pending))
+        del pending[victim]
+        try:
+            victim.shutdown(socket.SHUT_RDWR)  # its handshake fails at once
+        except OSError:
+            pass
+        return True
 
     listener.settimeout(0.1)
-    while not done.is_set():
-        if time.monotonic() >= deadline:
-            missing = sorted(set(range(1, P)) - served)
-            raise RendezvousError(f"rank {world.rank}: comm ranks {missing} did not fetch the "
-                                  f"shared-memory segment in time", rank=world.rank)
-        if not slots.acquire(timeout=0.1):
-            continue
-        try:
-            conn, _ = listener.accept()
-        except socket.timeout:
-            slots.release()
-            continue
-        conn.setblocking(True)
-        threading.Thread(target=hand_over, args=(conn,), name="ringlet-shm-handover",
-                         daemon=True).start()
+    try:
+        while not done.is_set():
+            if time.monotonic() >= deadline:
+                missing = sorted(set(range(1, P)) - served)
+                raise RendezvousError(f"rank {world.rank}: comm ranks {missing} did not fetch "
+                                      f"the shared-memory segment in time", rank=world.rank)
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            conn.setblocking(True)
+            with cond:
+                # Every slot taken: make room by evicting, then wait for the
+                # evicted thread to end (a moment), within the deadline.
+                while running[0] >= _MAX_HANDSHAKES and not done.is_set():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    evict_oldest()
+                    cond.wait(min(left, 0.1))
+                admit = running[0] < _MAX_HANDSHAKES and not done.is_set()
+                if admit:
+                    running[0] += 1
+                    pending[conn] = None
+            if not admit:
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=hand_over, args=(conn,), name="ringlet-shm-handover",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: this connection goes
+                with cond:
+                    pending.pop(conn, None)
+                    running[0] -= 1
+                conn.close()
+    finally:
+        # Every rank has its descriptors (or the deadline passed): end the
+        # handshakes still pending instead of leaving them to their deadline,
+        # and let the threads finish before _create closes the descriptors
+        # that one of them might still be sending.
+        with cond:
+            while evict_oldest():
+                pass
+            cond.wait_for(lambda: running[0] == 0, timeout=_HANDSHAKE_S)
 
 
 def _join(world: Any, comms: list, key: bytes, rec_key: str, deadline: float) -> None:
@@ -291,21 +347,7 @@ def _join(world: Any, comms: list, key: bytes, rec_key: str, deadline: float) ->
     rec = json.loads(world.store.get(rec_key, timeout=max(0.0, deadline - time.monotonic()))
                      .decode())
     name, sizes = str(rec["name"]), [int(x) for x in rec["sizes"]]
-    for attempt in range(3):
-        # A hand-over that rank 0 dropped (its 2 s handshake window passed on a
-        # loaded host) is tried again, within the deadline.
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-            s.settimeout(max(0.01, deadline - time.monotonic()))
-            s.connect("\0" + name)
-            _auth.client_handshake(s, key, "shm/" + name, deadline=deadline,
-                                   claim=str(comm.rank).encode())
-            s.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                msg, fds, _flags, _addr = socket.recv_fds(s, 1, 2)
-            except OSError:
-                msg, fds = b"", []
-        if msg or attempt == 2 or time.monotonic() >= deadline:
-            break
+    msg, fds = _fetch(world, name, key, comm.rank, deadline)
     # Rank 0 sized the segments by its knobs: a point-to-point segment it made
     # is used here too, one it did not make is not.
     if msg != b"\1" or len(fds) != len(sizes) or not 1 <= len(sizes) <= len(comms):
@@ -320,3 +362,64 @@ def _join(world: Any, comms: list, key: bytes, rec_key: str, deadline: float) ->
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _fetch(world: Any, name: str, key: bytes, rank: int, deadline: float) -> tuple:
+    """The hand-over's message and descriptors from rank 0's socket ``name``.
+
+    A hand-over that rank 0 dropped (a crowded server evicts handshakes that
+    have not verified yet, and cuts each one after ``_HANDSHAKE_S``) or that
+    went unanswered is tried again on a fresh connection, pausing 1, 2, 4, ...
+    up to 50 ms, until ``deadline``.  A verdict on the key or the claim, and a
+    socket nobody listens on any more, fail at once.
+    """
+    pause, tries, why = 0.001, 0, None
+    while True:
+        tries += 1
+        end = min(deadline, time.monotonic() + 2 * _HANDSHAKE_S)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+                s.settimeout(max(0.01, end - time.monotonic()))
+                s.connect("\0" + name)
+                _auth.client_handshake(s, key, "shm/" + name, deadline=end,
+                                       claim=str(rank).encode())
+                s.settimeout(max(0.01, end - time.monotonic()))
+                msg, fds = _recv_fds(s, 1, 2)
+            if msg:
+                return msg, fds
+            for f in fds:
+                os.close(f)
+            why = "rank 0 closed the connection before sending the segment"
+        except ConnectionRefusedError as exc:
+            raise RendezvousError(f"rank {world.rank}: rank 0's shared-memory hand-over socket "
+                                  f"refused the connection ({exc}): rank 0 left or failed",
+                                  rank=world.rank) from exc
+        except _auth.HandshakeAborted as exc:
+            why = str(exc)  # dropped before a verdict: evicted, or cut at its deadline
+        except AuthenticationError as exc:
+            if time.monotonic() < end - 0.05:
+                raise  # a verdict on the key or the claim, not a timeout
+            why = str(exc)
+        except OSError as exc:  # connect or receive timed out (a full backlog), a reset
+            why = str(exc) or type(exc).__name__
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RendezvousError(f"rank {world.rank}: no shared-memory segment from rank 0 "
+                                  f"after {tries} attempts within the deadline (last: {why})",
+                                  rank=world.rank)
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.05)
+
+
+def _recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple:
+    """``socket.recv_fds``, with the descriptors close-on-exec from the start
+    (``MSG_CMSG_CLOEXEC``): no program that another thread ``exec``s before
+    they are closed inherits the segment.  (Python's ``recv_fds`` drops its
+    ``flags`` argument, so it cannot ask for that.)"""
+    fds = array.array("i")
+    msg, ancdata, _flags, _addr = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
+                                               socket.MSG_CMSG_CLOEXEC)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    return msg, list(fds)

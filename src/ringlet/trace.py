@@ -10,11 +10,13 @@ JSON file per rank:
 * on ``SIGUSR1`` (only if the program installed no handler of its own);
 * when the job shuts down, if ``RINGLET_TRACE=1``.
 
-Files go to ``RINGLET_TRACE_DIR`` (default ``$TMPDIR/ringlet-trace-<job id>``),
-named ``rank<R>.json``.  ``ringlet trace DIR`` (``main``) merges them and names,
-per communicator, the first sequence number that not every rank completed and
-which ranks never entered it, are stuck in it, or failed in it.  See
-docs/debugging.md.
+Files go to ``RINGLET_TRACE_DIR`` (default ``$TMPDIR/ringlet-trace-<job tag>``, the
+job tag being the first 8 hex digits of the job id; a directory it creates is
+0700), named ``rank<R>.json`` (0600: readable by the job's user only).  A dump
+holds the job tag, never the whole job id (docs/security.md).  ``ringlet trace
+DIR`` (``main``) merges them and names, per communicator, the first sequence
+number that not every rank completed and which ranks never entered it, are
+stuck in it, or failed in it.  See docs/debugging.md.
 """
 
 from __future__ import annotations
@@ -37,8 +39,15 @@ from .errors import CollectiveTimeout, DesyncError, PeerClosedError
 __all__ = ["dump", "dump_all", "trace_dir", "load", "analyze", "format_report", "main"]
 
 _FORMAT = 1
+# Hex digits of the job id that name a job in dumps, their directory and the log: enough
+# to tell jobs apart, while the whole id stays with the authenticated store
+# (docs/security.md).
+_JOB_TAG_HEX = 8
 _worlds: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _lock = threading.Lock()
+# Held while dump_all runs: a SIGUSR1 that lands during a dump skips instead of
+# waiting for a lock its own thread holds.
+_dumping = threading.Lock()
 _sigusr1_installed = False
 _LEVELS = {"": 0, "0": 0, "OFF": 0, "INFO": 1, "1": 1, "DETAIL": 2, "2": 2}
 
@@ -89,7 +98,7 @@ def on_init(world: Any, source: str = "") -> None:
                            f"{socket.gethostname()}, pid {os.getpid()}, listening on "
                            f"{world.host}:{world.ctx.port if world.ctx else '?'}, store "
                            f"{'%s:%s' % store if store else 'none'}, launcher "
-                           f"{source or 'args'}, job {world.job_id.hex()[:16]}")
+                           f"{source or 'args'}, job {job_tag(world)}")
         mode = os.environ.get("RINGLET_TRANSPORT", "").strip().lower() or "auto"
         log(world.rank, 1, "transport: %s (same-host Reno: %s), simd %s; world group: %s"
             % (mode, "on" if tun["local_reno"] else "off", _core.simd_info(),
@@ -100,12 +109,17 @@ def on_init(world: Any, source: str = "") -> None:
 
 
 # ---- dumping -----------------------------------------------------------------------
+def job_tag(world: Any) -> str:
+    """The first hex digits of the job id: what dumps and logs name the job by."""
+    return world.job_id.hex()[:_JOB_TAG_HEX]
+
+
 def trace_dir(world: Any) -> str:
-    """Where this job's dumps go: RINGLET_TRACE_DIR, else $TMPDIR/ringlet-trace-<job id>."""
+    """Where this job's dumps go: RINGLET_TRACE_DIR, else $TMPDIR/ringlet-trace-<job tag>."""
     d = os.environ.get("RINGLET_TRACE_DIR")
     if d:
         return d
-    return os.path.join(tempfile.gettempdir(), f"ringlet-trace-{world.job_id.hex()[:16]}")
+    return os.path.join(tempfile.gettempdir(), f"ringlet-trace-{job_tag(world)}")
 
 
 def _comm_record(g: Any, kind: str, comm: Any, mono_now: int, unix_now: float) -> Dict:
@@ -142,7 +156,7 @@ def snapshot(world: Any, reason: str) -> Dict:
                 continue
     return {"format": _FORMAT, "rank": world.rank, "world_size": world.size,
             "host": socket.gethostname(), "pid": os.getpid(),
-            "job_id": world.job_id.hex(), "reason": reason, "time": unix_now,
+            "job_id": job_tag(world), "reason": reason, "time": unix_now,
             "communicators": comms}
 
 
@@ -152,16 +166,26 @@ def dump(world: Any, reason: str, directory: Optional[str] = None) -> Optional[s
     Never raises for an I/O problem (it runs on failure paths): it reports
     on stderr and returns None.
     """
+    tmp = None
     try:
         rec = snapshot(world, reason)
         d = directory or trace_dir(world)
-        os.makedirs(d, exist_ok=True)
+        # The record names hosts, pids and every op: the job's user's only.
+        os.makedirs(d, mode=0o700, exist_ok=True)
         path = os.path.join(d, f"rank{world.rank}.json")
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
+        # A fresh name per write (mkstemp, 0600): a dump from a signal handler
+        # never shares its temporary file with the one it interrupted.
+        fd, tmp = tempfile.mkstemp(prefix=f"rank{world.rank}.json.", suffix=".tmp", dir=d)
+        with os.fdopen(fd, "w") as f:
             json.dump(rec, f)
         os.replace(tmp, path)  # readers never see half a file
+        tmp = None
     except Exception as exc:  # noqa: BLE001
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         sys.stderr.write(f"ringlet[rank {world.rank}]: could not write the flight record "
                          f"({reason}): {exc}\n")
         return None
@@ -171,8 +195,13 @@ def dump(world: Any, reason: str, directory: Optional[str] = None) -> Optional[s
 
 def dump_all(reason: str) -> List[str]:
     """Dump every live world of this process (thread-mode tests hold several)."""
-    with _lock:
-        worlds = list(_worlds)
+    with _dumping:
+        with _lock:
+            worlds = list(_worlds)
+        return _dump_worlds(worlds, reason)
+
+
+def _dump_worlds(worlds: List[Any], reason: str) -> List[str]:
     return [p for p in (dump(w, reason) for w in worlds if not w._closed) if p]
 
 
@@ -204,8 +233,26 @@ def on_close(world: Any) -> None:
 def _on_sigusr1(signum: int, frame: Any) -> None:
     # Python runs this in the main thread between bytecodes, or from the C
     # core's interrupt hook while that thread is blocked in an op: the ring is
-    # read with the GIL and no C lock, so neither case can deadlock.
-    dump_all("SIGUSR1")
+    # read with the GIL and no C lock.  The Python locks are only tried (the
+    # registry's briefly): the thread this interrupts may hold them (a dump
+    # under way, which then stands for this one, or a world being
+    # registered), and waiting for them here would never end.
+    if not _dumping.acquire(blocking=False):
+        sys.stderr.write("ringlet: SIGUSR1 while a flight record is being written: "
+                         "no second dump\n")
+        return
+    try:
+        if not _lock.acquire(timeout=0.1):
+            sys.stderr.write("ringlet: SIGUSR1 while a world is being registered: "
+                             "no dump, send it again\n")
+            return
+        try:
+            worlds = list(_worlds)
+        finally:
+            _lock.release()
+        _dump_worlds(worlds, "SIGUSR1")
+    finally:
+        _dumping.release()
 
 
 def _install_sigusr1() -> None:
@@ -298,7 +345,8 @@ def analyze(dumps: Sequence[Dict]) -> Dict:
     """Merge the ranks' dumps: per collective communicator, the first seq not
     completed by every rank and who never entered / is stuck in / failed it;
     per rank, the point-to-point operations still in flight."""
-    jobs = {d.get("job_id") for d in dumps}
+    # Compared by tag: dumps of older versions hold the whole id.
+    jobs = {str(d.get("job_id") or "")[:_JOB_TAG_HEX] for d in dumps}
     per_comm: Dict[int, Dict[int, Dict]] = {}
     p2p: List[Dict] = []
     for d in dumps:
