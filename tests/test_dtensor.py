@@ -270,6 +270,92 @@ def test_from_local_rejects_non_array_split_pieces():
     assert all(run_world(_bad_from_local, 2))
 
 
+def _bad_from_local_2d(rank, n):
+    # 2x2 mesh (rank = 2a + b), rows nested over both dims.  Line b of ranks
+    # {0, 1} holds (2, 4) rows: not array_split.  Before, ranks 0 and 1 raised
+    # there while ranks 2 and 3 (a good line) went on to the all-gather along
+    # "a" and waited for them until the timeout.
+    mesh = DeviceMesh((2, 2), ("a", "b"))
+    local = np.zeros((2 if rank == 0 else 4, 3))
+    with pytest.raises(ValueError) as info:
+        DTensor.from_local(local, mesh, [Shard(0), Shard(0)], timeout=10)
+    msg = str(info.value)
+    if rank in (0, 1):
+        assert "have sizes [2, 4]" in msg and "array_split" in msg, msg
+    else:
+        assert "world rank 0" in msg, msg
+    # Differing dtypes or other sizes used to give ranks different DTensors;
+    # here the failing line ({2, 3} along "b") is not rank 0's.
+    dt = np.float32 if rank == 3 else np.float64
+    with pytest.raises(ValueError) as info:
+        DTensor.from_local(np.zeros((2, 3), dt), mesh, [Replicate(), Shard(0)], timeout=10)
+    msg = str(info.value)
+    if rank in (2, 3):
+        assert "differ in dtype or in the sizes" in msg, msg
+    else:
+        assert "world rank 2" in msg, msg
+    mesh1 = DeviceMesh((n,), ("x",))
+    with pytest.raises(ValueError, match="differ in dtype or in the sizes"):
+        DTensor.from_local(np.zeros((2, 3 + rank)), mesh1, [Shard(0)], timeout=10)
+    # Nothing stale is left: a good call right after agrees everywhere.
+    piece = expected_piece(GLOBAL, mesh.shape, [Shard(0), Shard(1)], mesh.coordinate)
+    x = DTensor.from_local(piece.copy(), mesh, [Shard(0), Shard(1)], timeout=10)
+    assert x.shape == GLOBAL.shape
+    np.testing.assert_array_equal(x.full_tensor(), GLOBAL)
+    return True
+
+
+def test_from_local_errors_raise_on_every_rank_of_the_mesh():
+    assert all(run_world(_bad_from_local_2d, 4, timeout=60))
+
+
+def _distribute_src_errors(rank, n):
+    mesh = DeviceMesh((2, 2), ("a", "b"), ranks=[3, 1, 0, 2])   # out-of-order lines
+    # The source passes no array, a dtype the collectives cannot carry, or a
+    # byte-swapped one: before, it alone raised and the others waited in
+    # broadcast_object.  Sources at every mesh position carry the error on.
+    bad = {0: None, 1: np.zeros(3, np.complex128), 2: np.zeros(3, ">f4"), 3: [1.0, 2.0]}
+    for src, what in ((0, "numpy.ndarray"), (1, "unsupported dtype complex128"),
+                      (2, "non-native byte order"), (3, "numpy.ndarray")):
+        with pytest.raises(TypeError) as info:
+            distribute(bad[src] if rank == src else None, mesh, [Shard(0), Replicate()],
+                       src=src, timeout=10)
+        msg = str(info.value)
+        assert what in msg, msg
+        assert (f"world rank {src}" in msg) == (rank != src), msg
+    # The mesh is still usable afterwards.
+    g = GLOBAL.astype(np.float32)
+    x = distribute(g if rank == 1 else None, mesh, [Shard(0), Shard(1)], src=1, timeout=10)
+    check_layout(x, g)
+    return True
+
+
+def test_distribute_src_errors_raise_on_every_rank():
+    assert all(run_world(_distribute_src_errors, 4, timeout=60))
+
+
+def _distribute_bfloat16(rank, n):
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    mesh = DeviceMesh((2, 2), ("a", "b"), ranks=[3, 1, 0, 2])
+    g = GLOBAL.astype(bf16)   # small integers: exact in bfloat16
+    for src in (0, 3):
+        # Before, the dtype travelled as dtype.str ('<V2') and came back as void.
+        x = distribute(g if rank == src else None, mesh, [Shard(0), Replicate()], src=src,
+                       timeout=10)
+        assert x.dtype == bf16
+        full = x.full_tensor(timeout=10)
+        assert full.dtype == bf16
+        np.testing.assert_array_equal(full.astype(np.float64), GLOBAL)
+    return True
+
+
+def test_distribute_from_src_keeps_bfloat16():
+    pytest.importorskip("ml_dtypes")
+    assert all(run_world(_distribute_bfloat16, 4, timeout=60))
+
+
 def _distribute_from_src(rank, n):
     mesh = DeviceMesh((2, 2), ("a", "b"), ranks=[3, 1, 0, 2])   # out-of-order lines
     g = GLOBAL.astype(np.float32)

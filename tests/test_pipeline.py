@@ -738,3 +738,116 @@ def test_custom_plan_runs_through_the_generic_runtime_after_validation():
     results = run_world(_custom_plan_rank, 2, timeout=60)
     x, y = _data(8)
     _check_parity(results, 2, x, y, steps=1)
+
+
+def _custom_plan_limits_rank(rank, p):
+    from ringlet.pipeline import PipelineSchedule
+
+    stage = PipelineStage(split_model(_model(p), p)[rank], rank, p)
+    # A hand-made plan gets the named schedules' microbatch limits (tags hold
+    # 16 bits of microbatch), in the constructor, before the simulator runs.
+    huge = Plan("custom", p, p, 65537, ((),) * p)
+    with pytest.raises(ValueError, match="n_microbatches must be in"):
+        PipelineSchedule([stage], 65537, huge)
+    with pytest.raises(ValueError, match="at most 65536 microbatches"):
+        PipelineSchedule([stage], 4, huge)
+    empty = Plan("custom", p, p, 0, ((),) * p)   # the simulator accepts it: nothing to run
+    with pytest.raises(ValueError, match="n_microbatches must be in"):
+        PipelineSchedule([stage], 0, empty)
+    return True
+
+
+def test_custom_plan_gets_the_microbatch_limits():
+    assert all(run_world(_custom_plan_limits_rank, 2, timeout=60))
+
+
+def _mismatched_schedules_rank(rank, p):
+    stage = PipelineStage(split_model(_model(p), p)[rank], rank, p)
+    m = 4 if rank == 0 else 8   # rank 0 disagrees
+    sched = Schedule1F1B(stage, m, loss_fn=nn.mse_loss, timeout=30)
+    x, y = _data(8)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    took = time.monotonic() - t0
+    # The group is still usable: the same schedule everywhere runs.
+    good = Schedule1F1B(stage, 4, loss_fn=nn.mse_loss, timeout=30)
+    stage.module.zero_grad()
+    loss = good.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    return str(info.value), took, ([loss], _grads([stage]), None)
+
+
+def test_ranks_with_different_schedules_raise_value_error_on_every_rank():
+    p = 3
+    results = run_world(_mismatched_schedules_rank, p, timeout=60)
+    for rank, (msg, took, _) in enumerate(results):
+        # Before, the ranks waited on each other until CollectiveTimeout (30 s).
+        assert took < 10, (rank, took)
+        assert "built different schedules" in msg, msg
+        assert "pipeline rank 0: 1f1b p=3 stages=3 m=4" in msg, msg
+        assert "pipeline rank 2: 1f1b p=3 stages=3 m=8" in msg, msg
+    x, y = _data(8)
+    _check_parity([r[2] for r in results], p, x, y, steps=1)
+
+
+def _custom_layout_rank(rank, n):
+    from ringlet.mesh import DeviceMesh
+
+    # The pp line is [0, 2, 1] in coordinate order; the pipeline group orders
+    # its members by world rank, and PipelineStage places stage s on group rank s.
+    mesh = DeviceMesh((1, 3), ("dp", "pp"), ranks=[0, 2, 1])
+    layout = pipeline_data_groups(mesh=mesh)
+    assert layout.stage == ringlet.get_rank(layout.pp_group)
+    stage = PipelineStage(split_model(_model(3), 3)[layout.stage], layout.stage, 3,
+                          group=layout.pp_group)
+    sched = Schedule1F1B(stage, 2, loss_fn=nn.mse_loss, timeout=30)
+    x, y = _data(4)
+    loss = sched.step(x if layout.stage == 0 else None, y if layout.stage == 2 else None)
+    return (layout.stage, layout.replica, mesh.coordinate), ([loss], _grads([stage]), None)
+
+
+def test_pipeline_data_groups_with_out_of_order_pp_line():
+    results = run_world(_custom_layout_rank, 3, timeout=60)
+    # World rank 2 sits at coordinate 1 but is pipeline (group) rank 2.
+    assert [r[0] for r in results] == [(0, 0, (0, 0)), (1, 0, (0, 2)), (2, 0, (0, 1))]
+    x, y = _data(4)
+    _check_parity([r[1] for r in results], 3, x, y, steps=1)
+
+
+class _ByteSwap(nn.Module):
+    """Identity that returns its output (forward) or input gradient (backward) big-endian."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def forward(self, x):
+        self._save(None)
+        return x.astype(">f8") if self.what == "forward" else x
+
+    def backward(self, g):
+        self._pop()
+        return g.astype(">f8") if self.what == "backward" else g
+
+
+def _byte_swapped_rank(rank, p):
+    chunks = split_model(_model(p), p)
+    chunks[0].append(_ByteSwap("forward"))  # stage 0 sends big-endian activations
+    chunks[1] = nn.Sequential(_ByteSwap("backward"), *chunks[1])  # and stage 1 gradients
+    stage = PipelineStage(chunks[rank], rank, p)
+    sched = Schedule1F1B(stage, 2, loss_fn=nn.mse_loss, timeout=30)
+    x, y = _data(4)
+    loss = sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    return [loss], _grads([stage]), None
+
+
+def test_byte_swapped_arrays_cross_the_pipeline_intact():
+    if np.dtype(">f8").isnative:
+        pytest.skip("big-endian host: '>f8' is native")
+    # Before, frames carried '>f8' bytes declared as float64 and the receiver
+    # read them as native: wrong values, no error.
+    results = run_world(_byte_swapped_rank, 2, timeout=60)
+    x, y = _data(4)
+    _check_parity(results, 2, x, y, steps=1)
+    with pytest.raises(TypeError, match="native byte order only"):
+        wire._declaration(1, 0, (2,), np.dtype(">f4"))

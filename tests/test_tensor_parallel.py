@@ -183,6 +183,42 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy(n, ignore):
     assert all(run_world(_vocab_ce, n, args=(ignore,)))
 
 
+def _vocab_ce_low_precision(rank, n, dtype_name):
+    if dtype_name == "bfloat16":
+        import ml_dtypes
+
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(dtype_name)
+    # 100000 logits near the row maximum: the sum of exponentials is ~1e5, past
+    # float16's 65504, so a float16 sum (or all-reduce) gave inf.
+    V = 100_000
+    logits = np.random.default_rng(3).uniform(-0.05, 0.05, (3, V)).astype(dt)
+    t = np.array([5, V // 2 + 7, V - 1])
+    # Oracle: float64 numpy on the same (exactly representable) values.
+    z = logits.astype(np.float64)
+    mx = z.max(axis=-1)
+    lse = np.log(np.exp(z - mx[:, None]).sum(axis=-1)) + mx
+    loss_ref = float(np.sum(lse - z[np.arange(3), t]))
+    g_ref = np.exp(z - lse[:, None])
+    g_ref[np.arange(3), t] -= 1
+    rows = seg(V, n, rank)
+    loss, g = vocab_parallel_cross_entropy(np.ascontiguousarray(logits[:, rows]), t, V,
+                                           reduction="sum")
+    assert np.isfinite(loss) and loss == pytest.approx(loss_ref, rel=1e-5), (loss, loss_ref)
+    assert g.dtype == dt and g.shape == (3, len(rows))
+    # Gradients of ~1e-5 are float16 subnormals (spacing 6e-8): hence atol.
+    np.testing.assert_allclose(g.astype(np.float64), g_ref[:, rows], rtol=1e-2, atol=1e-7)
+    return True
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_vocab_parallel_cross_entropy_low_precision_large_vocab(dtype_name):
+    if dtype_name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    assert all(run_world(_vocab_ce_low_precision, 2, args=(dtype_name,)))
+
+
 def _sp_regions(rank, n):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 7, 3))

@@ -109,7 +109,15 @@ _VALID: dict = {}
 
 
 def check_op(op, code: int, dtype: np.dtype) -> int:
-    """Validate a reduction for a dtype code; returns the C op code or raises ValueError."""
+    """Validate a reduction for a dtype code; returns the C op code or raises ValueError.
+
+    ``op`` is a ``ReduceOp`` or its integer value (``int`` or a numpy integer);
+    a bool, float, string or any other object is an unknown op, even one whose
+    value equals a code (``True == 1``, ``1.0 == 1``)."""
+    if type(op) is not ReduceOp and type(op) is not int:
+        if isinstance(op, (bool, np.bool_)) or not isinstance(op, (int, np.integer)):
+            raise ValueError(f"unknown reduction op {op!r}; use ringlet.ReduceOp")
+        op = int(op)  # an int subclass or a numpy integer: its value
     key = (op, code)
     hit = _VALID.get(key)
     if hit is not None:
@@ -126,3 +134,21 @@ def check_op(op, code: int, dtype: np.dtype) -> int:
     if isinstance(key[0], (int, ReduceOp)):  # hashable and stable: remember it
         _VALID[key] = int(op)
     return int(op)
+
+
+def dtype_from_code(code: int) -> np.dtype:
+    """The numpy dtype of a C core code: the inverse of ``dtype_code``.
+
+    bfloat16 comes from ml_dtypes, imported only when that code arrives.
+    Raises ValueError for a code the C core does not have.
+    """
+    code = int(code)
+    if not 0 <= code < len(CORE_NAMES):
+        raise ValueError(f"unknown dtype code {code}; the C core has codes "
+                         f"0..{len(CORE_NAMES) - 1}")
+    name = CORE_NAMES[code]
+    if name == "bfloat16":
+        import ml_dtypes  # only needed when a peer sends bfloat16
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

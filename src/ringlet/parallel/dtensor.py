@@ -52,12 +52,13 @@ nesting order right.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from .._dtypes import ReduceOp
+from .._dtypes import ReduceOp, dtype_code, dtype_from_code
 from .mesh import DeviceMesh
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "DTensor", "distribute",
@@ -344,15 +345,22 @@ class DTensor:
             local: this rank's piece (for Partial dimensions, its partial value).
             mesh: the mesh.
             placements: one per mesh dimension.
-            shape: the global shape.  When omitted it is inferred collectively:
-                the piece sizes along each sharded mesh dimension are
-                all-gathered (a small int64 collective per sharded dimension).
+            shape: the global shape, trusted as given (each rank checks only
+                that its own piece fits it; nothing is communicated).  When
+                omitted it is inferred collectively: along each sharded mesh
+                dimension the pieces' sizes (and a digest of their dtype and
+                other sizes) are all-gathered, 24 bytes per rank; on a mesh of
+                more than one dimension every rank then learns, with one
+                8-byte all-reduce per mesh dimension, whether any line failed.
             timeout: for that inference.
         Returns:
             The ``DTensor``.
         Raises:
-            TypeError / ValueError: bad arguments, or pieces whose sizes do not
-                follow ``numpy.array_split`` (every rank of that line raises).
+            TypeError / ValueError: bad arguments; without ``shape``, pieces
+                whose sizes do not follow ``numpy.array_split`` or that differ
+                in dtype or in the sizes of the other tensor dimensions (every
+                rank of the mesh raises ``ValueError``; the ranks whose line
+                failed name the sizes, the others the first such world rank).
 
         Example::
 
@@ -554,25 +562,74 @@ def _local_shape(shape, mesh, placements, coord) -> Tuple[int, ...]:
     return _local_extent(shape, mesh, placements, coord)[1]
 
 
+def _digest(dtype: np.dtype, dims: Sequence[int]) -> int:
+    """A digest of a dtype and some sizes, equal on every process (int64)."""
+    text = f"{dtype.str}/{dtype.name}/{list(dims)}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+
+
 def _infer_shape(local: np.ndarray, mesh: DeviceMesh, ps: Tuple[Placement, ...],
                  timeout: Optional[float]) -> Tuple[int, ...]:
+    """The global shape from every rank's piece; ValueError on every rank of the mesh if they
+    disagree.
+
+    Per sharded mesh dimension, innermost first (each all-gather recovers the
+    piece one nesting level out), the line gathers [size along the sharded
+    tensor dim, digest of (dtype, other sizes), found a problem already].  A
+    problem is only noted, never raised mid-way: a rank on a good line would
+    otherwise go on to the next all-gather and wait for ranks that left.  At
+    the end every rank agrees on the first world rank with a problem.
+    """
     shape = list(local.shape)
-    # Innermost first: each all-gather recovers the piece one nesting level out.
+    problem: Optional[str] = None
+    sharded = False
     for i in reversed(range(mesh.ndim)):
         p = ps[i]
         if not isinstance(p, Shard) or mesh.shape[i] == 1:
             continue
+        sharded = True
+        n = mesh.shape[i]
         group = mesh.get_group(i)
         order = mesh.line_order(i)
-        got = np.zeros(mesh.shape[i], np.int64)
-        group.all_gather(got, np.array([shape[p.dim]], np.int64), timeout=timeout)
-        sizes = [int(got[order[c]]) for c in range(mesh.shape[i])]
-        if sizes != shard_sizes(sum(sizes), len(sizes)):
-            raise ValueError(f"from_local: pieces along mesh dimension {mesh.dim_names[i]!r} "
-                             f"have sizes {sizes}; uneven shards must follow numpy.array_split "
-                             f"({shard_sizes(sum(sizes), len(sizes))}); pass shape= otherwise")
+        others = [s for d, s in enumerate(shape) if d != p.dim]
+        mine = np.array([shape[p.dim], _digest(local.dtype, others), problem is not None],
+                        np.int64)
+        got = np.zeros((n, 3), np.int64)
+        group.all_gather(got, mine, timeout=timeout)
+        got = got[order]  # coordinate order
+        sizes = [int(s) for s in got[:, 0]]
         shape[p.dim] = sum(sizes)
+        if problem is not None or got[:, 2].any():
+            continue  # an inner line already failed: these sizes mean nothing
+        where = f"along mesh dimension {mesh.dim_names[i]!r}"
+        if (got[:, 1] != got[0, 1]).any():
+            problem = (f"from_local: the pieces {where} differ in dtype or in the sizes of the "
+                       f"tensor dimensions other than {p.dim} (this rank: dtype {local.dtype}, "
+                       f"piece shape {tuple(local.shape)}); they must agree")
+        elif sizes != shard_sizes(sum(sizes), n):
+            problem = (f"from_local: pieces {where} have sizes {sizes} (this rank's piece: "
+                       f"{tuple(local.shape)}); uneven shards must follow numpy.array_split "
+                       f"({shard_sizes(sum(sizes), n)}); pass shape= otherwise")
+    if not sharded:
+        return tuple(shape)
+    if mesh.ndim > 1:  # on a 1-D mesh the one line saw everything alike
+        first = _first_failed_rank(mesh, problem is not None, timeout)
+        if problem is None and first >= 0:
+            problem = (f"from_local: the pieces on world rank {first}'s mesh line do not fit "
+                       f"together (see the error there); every rank of the mesh raises")
+    if problem is not None:
+        raise ValueError(problem)
     return tuple(shape)
+
+
+def _first_failed_rank(mesh: DeviceMesh, failed: bool, timeout: Optional[float]) -> int:
+    """Smallest world rank of the mesh with ``failed`` set, or -1: one 8-byte MIN per dim."""
+    big = np.iinfo(np.int64).max
+    v = np.array([mesh._me if failed else big], np.int64)
+    for k in range(mesh.ndim):  # a MIN along each dimension in turn covers the grid
+        if mesh.shape[k] > 1:
+            mesh.get_group(k).all_reduce(v, ReduceOp.MIN, timeout=timeout)
+    return -1 if v[0] == big else int(v[0])
 
 
 def distribute(array: Optional[np.ndarray], mesh: DeviceMesh, placements: Sequence[Placement],
@@ -602,7 +659,10 @@ def distribute(array: Optional[np.ndarray], mesh: DeviceMesh, placements: Sequen
     Returns:
         The ``DTensor``.
     Raises:
-        TypeError / ValueError: bad arguments or placements.
+        TypeError / ValueError: bad arguments or placements.  With ``src``, a
+            source that passes no array or an unsupported dtype raises
+            ``TypeError`` on every rank of the mesh (the error is broadcast in
+            place of the metadata).
 
     Example::
 
@@ -647,21 +707,37 @@ def _broadcast_over_mesh(array: Optional[np.ndarray], mesh: DeviceMesh, src: int
     scoord = tuple(int(c) for c in where[0])
     coord = mesh.coordinate
     is_src = coord == scoord
-    if is_src and not isinstance(array, np.ndarray):
-        raise TypeError(f"distribute: the source rank must pass a numpy.ndarray, got "
-                        f"{type(array).__name__}")
+    # meta: [shape, C dtype code, None] or, when the source cannot send, [None, None, error].
+    # The code (not dtype.str, which is '<V2' for bfloat16) rebuilds the dtype exactly.
+    meta: Any = None
+    full: Optional[np.ndarray] = None
+    if is_src:
+        if not isinstance(array, np.ndarray):
+            meta = [None, None, f"distribute: the source rank must pass a numpy.ndarray, got "
+                                f"{type(array).__name__}"]
+        else:
+            try:
+                code = dtype_code(array.dtype, "distribute: the source array")
+            except TypeError as exc:
+                meta = [None, None, str(exc)]
+            else:
+                full = np.ascontiguousarray(array)
+                meta = [list(full.shape), code, None]
     have = is_src
-    full = np.ascontiguousarray(array) if is_src else None
     for k in range(mesh.ndim):
         # Ranks agreeing with the source on every dim after k take part at step k.
         if coord[k + 1:] != scoord[k + 1:] or mesh.shape[k] == 1:
             continue
         group = mesh.get_group(k)
         root = mesh.line_order(k)[scoord[k]]
-        meta = [list(full.shape), full.dtype.str] if have else None
-        meta = group.broadcast_object(meta, root, timeout=timeout)
-        if not have:
-            full = np.empty(tuple(meta[0]), np.dtype(meta[1]))
-        group.broadcast(full, root, timeout=timeout)
+        meta = group.broadcast_object(meta if have else None, root, timeout=timeout)
         have = True
+        if meta[2] is not None:
+            continue  # no data; the error travels on to the next dimension's ranks
+        if full is None:
+            full = np.empty(tuple(meta[0]), dtype_from_code(meta[1]))
+        group.broadcast(full, root, timeout=timeout)
+    if meta[2] is not None:  # every rank of the mesh got the source's error
+        raise TypeError(meta[2] if is_src else f"{meta[2]} (raised on the source, world rank "
+                                               f"{int(src)}; every rank of the mesh raises)")
     return full

@@ -507,7 +507,7 @@ def vocab_parallel_cross_entropy(logits: Any, targets: Any, vocab_size: int, *,
     group, rank, size = _tp_group(group, "vocab_parallel_cross_entropy")
     vocab_size = _positive_int(vocab_size, "vocab_parallel_cross_entropy: vocab_size")
     z = np.asarray(logits)
-    if z.dtype.kind != "f":
+    if z.dtype.kind != "f" and z.dtype.name != "bfloat16":  # bfloat16: ml_dtypes, kind "V"
         raise TypeError(f"vocab_parallel_cross_entropy: logits must be floating, got dtype "
                         f"{z.dtype}")
     start, stop, _ = _segment(vocab_size, size, rank)
@@ -523,7 +523,10 @@ def vocab_parallel_cross_entropy(logits: Any, targets: Any, vocab_size: int, *,
         raise ValueError(f"vocab_parallel_cross_entropy: targets shape {t.shape} must equal "
                          f"logits shape without the class axis, {z.shape[:-1]}")
     t = t.reshape(-1).astype(np.int64, copy=False)
-    z2 = z.reshape(-1, stop - start)
+    # float16/bfloat16 logits: max, exponentials, their sum (and its all-reduce)
+    # run in float32; a float16 sum of exponentials overflows past 65504 terms.
+    ct = np.float32 if z.dtype.itemsize < 4 else z.dtype
+    z2 = z.reshape(-1, stop - start).astype(ct, copy=False)
     keep = np.ones(t.shape, bool) if ignore_index is None else (t != ignore_index)
     tk = t[keep]
     if tk.size and (tk.min() < 0 or tk.max() >= vocab_size):

@@ -40,23 +40,27 @@ _MAX_FRAME_BYTES = 1 << 40
 _T_ACT_DECL, _T_ACT, _T_GRAD_DECL, _T_GRAD = 1, 2, 3, 4
 
 from ..._dtypes import CORE_NAMES as _DTYPES  # noqa: E402 - frames carry the C core's codes
+from ..._dtypes import dtype_from_code  # noqa: E402
 
 
 def _dtype_code(dt: np.dtype) -> int:
+    """The C core code of ``dt``; frames carry native byte order only.
+
+    ``dt.name`` is 'float32' for '>f4' too, so a byte-swapped dtype is refused
+    here (the runtime converts such arrays to native order before sending).
+    """
     name = "bool" if dt == np.bool_ else dt.name
     if name not in _DTYPES:
         raise TypeError(f"pipeline messages cannot carry dtype {dt}; supported: "
                         f"{', '.join(_DTYPES)}")
+    if not dt.isnative:
+        raise TypeError(f"pipeline messages carry native byte order only, got dtype {dt.str} "
+                        f"({name} in non-native byte order)")
     return _DTYPES.index(name)
 
 
 def _dtype_of(code: int) -> np.dtype:
-    name = _DTYPES[code]
-    if name == "bfloat16":
-        import ml_dtypes  # only needed when a peer sends bfloat16
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    return dtype_from_code(code)
 
 
 def _tag(msg_type: int, stage: int, mb: int) -> int:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from ..._dtypes import ReduceOp
-from ... import get_world_size
+from ... import get_rank, get_world_size
 from .._grads import chunk_list, flat_reduce, params_of, trainable, zero_missing_grads
 from ..mesh import DeviceMesh, _group_or_world
 
@@ -34,8 +34,14 @@ class PipelineDataGroups(NamedTuple):
     Attributes:
         pp_group: the pipeline group (this replica's stages, in stage order).
         dp_group: the data-parallel group (this stage in every replica).
-        stage: this rank's pipeline rank (= its stage with one stage per rank).
-        replica: this rank's data-parallel rank.
+        stage: this rank's pipeline rank: its rank in ``pp_group``, which is its stage
+            with one stage per rank (``PipelineStage`` places stage s on group
+            rank ``s % p``).  With a custom mesh whose pp lines are not in
+            increasing world-rank order this differs from the mesh coordinate:
+            stages follow the group ranks.
+        replica: this rank's coordinate along the data-parallel dimension (the
+            same on every stage of one pipeline; its data-parallel rank with the
+            default layout).
     """
 
     pp_group: Any
@@ -78,8 +84,12 @@ def pipeline_data_groups(pp_size: Optional[int] = None, dp_size: Optional[int] =
         coord = mesh.coordinate
         if coord is None:
             raise ValueError("this rank is not part of the mesh")
-        return PipelineDataGroups(mesh.get_group(pp_dim), mesh.get_group(dp_dim),
-                                  int(coord[names.index(pp_dim)]),
+        pp_group = mesh.get_group(pp_dim)
+        # PipelineStage places stage s on pipeline *group* rank s % p, and a
+        # group orders its members by world rank: with a custom layout whose
+        # pp line is not increasing, that differs from the mesh coordinate.
+        stage = int(get_rank(pp_group))
+        return PipelineDataGroups(pp_group, mesh.get_group(dp_dim), stage,
                                   int(coord[names.index(dp_dim)]))
     for v, what in ((pp_size, "pp_size"), (dp_size, "dp_size")):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:

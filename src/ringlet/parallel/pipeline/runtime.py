@@ -61,8 +61,8 @@ from ..._timeout import seconds
 from ._wire import (_HDR_BYTES, _HDR_LEN, _KIND_DATA, _KIND_POISON, _T_ACT, _T_ACT_DECL,
                     _T_GRAD, _T_GRAD_DECL, _Decl, _declaration, _frame, _parse_declaration,
                     _parse_frame, _poison_declaration, _tag)
-from .schedules import (MAX_MICROBATCHES, Action, ActionKind, Plan, plan_1f1b, plan_gpipe,
-                        multiple_hint, plan_interleaved_1f1b, simulate)
+from .schedules import (MAX_MICROBATCHES, Action, ActionKind, Plan, _check_limits, multiple_hint,
+                        plan_1f1b, plan_gpipe, plan_interleaved_1f1b, simulate)
 from .stage import PipelineStage
 
 __all__ = ["PipelineError", "StepStats", "ScheduleGPipe", "Schedule1F1B",
@@ -224,6 +224,10 @@ class PipelineSchedule:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a ringlet.pipeline.Plan, got {type(plan).__name__}")
+        # The limits the named schedules check, for custom plans too: tags hold
+        # the stage in 12 bits and the microbatch in 16.
+        n_microbatches = _check_microbatches(n_microbatches)
+        _check_limits(plan.num_stages, plan.n_microbatches)
         stages = list(stages)
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             raise TypeError("stages must be a non-empty list of PipelineStage")
@@ -253,6 +257,7 @@ class PipelineSchedule:
         self.num_stages = plan.num_stages
         self.last_stats = StepStats()
         self._step = 0
+        self._agreed = False  # the first step checks that every rank runs this schedule
 
     # ---- introspection -------------------------------------------------------
     def table(self, **kw):
@@ -287,6 +292,8 @@ class PipelineSchedule:
         Raises:
             ValueError / TypeError: missing or badly shaped inputs/targets (on
                 the rank that has them; the others raise ``PipelineError``).
+            ValueError: on the first step, on every rank, when the ranks of the
+                group built different schedules.
             PipelineError: another rank's stage failed during this step.
             RingletError: communication failed (timeout, dead peer).
             Whatever a stage's module or the loss raised, on that rank.
@@ -296,9 +303,32 @@ class PipelineSchedule:
             loss = schedule.step(x if rank == 0 else None,
                                  y if rank == last else None)
         """
+        if not self._agreed:
+            self._agree()
         self._step += 1
         run = _StepRun(self, inputs, targets, loss_fn or self.loss_fn)
         return run.execute()
+
+    def _agree(self) -> None:
+        """First step: every rank of the group must run the same schedule.
+
+        One small ``all_gather_object`` of (plan name, ranks, stages,
+        microbatches, stages per rank); ranks that built different schedules
+        would otherwise wait on messages that never come until the timeout.
+        """
+        plan = self.plan
+        mine = [plan.name, plan.num_ranks, plan.num_stages, plan.n_microbatches,
+                plan.virtual_stages]
+        if self.size > 1:
+            every = [list(v) for v in ringlet.all_gather_object(mine, group=self.group,
+                                                                timeout=self.timeout)]
+            if any(v != every[0] for v in every):
+                desc = "; ".join(f"pipeline rank {r}: {v[0]} p={v[1]} stages={v[2]} m={v[3]} "
+                                 f"v={v[4]}" for r, v in enumerate(every))
+                raise ValueError(f"the ranks of the pipeline group built different schedules "
+                                 f"({desc}); every rank must build the same schedule (same "
+                                 f"kind, stage count and n_microbatches)")
+        self._agreed = True
 
 
 class _StepRun:
@@ -470,6 +500,10 @@ class _StepRun:
     def _send(self, a: Action, arr: np.ndarray) -> None:
         ch, tag = self._out_channel(a)
         arr = np.ascontiguousarray(arr)
+        if not arr.dtype.isnative:
+            # Frames carry native byte order (the receiver views the bytes as
+            # its dtype); a byte-swapped array is converted, a copy only then.
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         if ch.shape is None:
             decl = _declaration(self.step, a.stage, arr.shape, arr.dtype)
             ch.shape, ch.dtype = arr.shape, arr.dtype
