@@ -265,3 +265,51 @@ def test_huge_timeouts_elsewhere():
         cli.close()
     finally:
         srv.close()
+
+
+def test_count_lists_take_integers_only():
+    # int() used to take floats (1.9 -> 1), bools and numeric strings.
+    from ringlet import _core
+
+    check = _core.check_counts
+    assert check("all_to_all_v", "input_counts", [1, np.int64(2), np.uint8(3)], 3, 6) == [1, 2, 3]
+    assert check("all_to_all_v", "input_counts", np.array([2, 2]), 2, 4) == [2, 2]
+    for bad, at in (([1, 2.0], 1), ([True, 1], 0), ([1, "2"], 1), ([np.float32(1), 1], 0),
+                    ([1, np.bool_(True)], 1), ([1, None], 1)):
+        with pytest.raises(TypeError) as ei:
+            check("gather_v", "output_counts", bad, 2, 10)
+        msg = str(ei.value)
+        assert "gather_v" in msg and f"output_counts[{at}]" in msg and "integers" in msg, msg
+    with pytest.raises(TypeError, match="output_counts must be a sequence of integers"):
+        check("gather_v", "output_counts", 3, 2, 10)
+
+
+def test_reduce_op_takes_a_reduce_op_or_its_integer_value_only():
+    # ReduceOp(True) and ReduceOp(1.0) are PROD; an unhashable op failed in a dict lookup.
+    from ringlet import _core
+    from ringlet._dtypes import check_op
+
+    f32 = _core.array_code(np.zeros(1, np.float32), "x", False, None)
+    assert check_op(ReduceOp.MAX, f32, np.float32) == 3
+    assert check_op(1, f32, np.float32) == check_op(np.int64(1), f32, np.float32) == 1
+    for bad in (True, False, 1.0, np.float64(3), "SUM", [1], {}, np.bool_(True), None):
+        for _ in range(2):  # the second time past the cache of validated pairs
+            with pytest.raises(ValueError, match="unknown reduction op"):
+                check_op(bad, f32, np.float32)
+
+
+def _non_member_all_to_all_v(rank, P):
+    g = ringlet.new_group([0, 1])
+    if rank != 2:
+        return None
+    f = np.zeros(4, np.float32)
+    try:  # counts that would look wrong when read at this rank's index, -1
+        g.all_to_all_v(f, [1, 2], f.copy(), [1, 1])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_non_member_all_to_all_v_says_it_is_not_a_member():
+    msg = run_world(_non_member_all_to_all_v, 3, mode="thread", timeout=60)[2]
+    assert "not a member" in msg, msg

@@ -342,6 +342,32 @@ def test_object_collectives():
     assert all(run_world(_objects, 4, mode="thread"))
 
 
+def _unencodable(rank, P):
+    out = []
+    for op in ("broadcast_object", "all_gather_object"):
+        try:
+            if op == "broadcast_object":
+                ringlet.broadcast_object(object() if rank == 1 else None, src=1, timeout=20)
+            else:
+                ringlet.all_gather_object(object() if rank == 2 else rank, timeout=20)
+            out.append(("no error", ""))
+        except Exception as exc:  # noqa: BLE001 - compared below
+            out.append((type(exc).__name__, str(exc)))
+    x = np.ones(3, np.float32)
+    ringlet.all_reduce(x, timeout=20)  # nothing was left half-done: the group still works
+    return out + [float(x[0])]
+
+
+def test_an_object_one_rank_cannot_encode_fails_on_every_rank():
+    # The failing rank used to raise alone, before sending anything; the others
+    # waited for its length until their deadline.
+    for bc, ag, total in run_world(_unencodable, 3, mode="thread", timeout=90):
+        assert bc[0] == "TypeError" and "broadcast_object: rank 1 " in bc[1], bc
+        assert "cannot send object of type builtins.object" in bc[1], bc
+        assert ag[0] == "TypeError" and "all_gather_object: rank 2 " in ag[1], ag
+        assert total == 3.0
+
+
 # ---- blocks far larger than the socket buffers --------------------------------
 # A pipelined ring must keep every rank's sends moving even when a whole block
 # cannot sit in the kernel's buffers: the reduce-scatter once deadlocked here

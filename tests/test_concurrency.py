@@ -308,3 +308,121 @@ def _stress(rank, P, n_ops):
 def test_a_thousand_mixed_ops_sync_and_async():
     results = run_world(_stress, 4, mode="thread", timeout=300, args=(1000,))
     assert results == [[]] * 4, [b for r in results for b in r][:20]
+
+
+# ---- hierarchical groups: one op at a time, never waiting for itself ---------------
+class _HookLock:
+    """A group's lock that runs ``hook`` once, right after it is first taken."""
+
+    def __init__(self, hook):
+        self._lock = threading.Lock()
+        self._hook = hook
+
+    def acquire(self, blocking=True, timeout=-1):
+        got = self._lock.acquire(blocking, timeout)
+        if got and self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        return got
+
+    def release(self):
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _async_queued_under_a_sync_hier_op(rank, P):
+    g = _world._require(None)
+    assert g._hier is not None
+    y = np.full(10, rank, np.float32)
+    works = []
+    # Async work queued (as another thread would) after the synchronous op checked the
+    # executor and took the group's lock: its job needs that lock.
+    g._lock = _HookLock(lambda: works.append(g.all_reduce(y, async_op=True, timeout=30)))
+    x = np.full(64, rank + 1, np.float32)
+    g.all_reduce(x, timeout=30)  # hierarchical
+    works[0].wait(30)
+    return bool(np.all(x == P * (P + 1) // 2)) and bool(np.all(y == P * (P - 1) // 2))
+
+
+def test_a_sync_hier_op_never_queues_behind_work_that_needs_its_lock(monkeypatch):
+    # It used to queue itself behind that work while holding the lock: a deadlock
+    # with no deadline (run_world's timeout ends the test instead).
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    assert run_world(_async_queued_under_a_sync_hier_op, 4, mode="thread", timeout=60,
+                     host_ids=["a", "a", "b", "b"]) == [True] * 4
+
+
+class _SpyLock:
+    """A group's lock that tells whether some caller had to wait for it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.waited = threading.Event()
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self.lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        self.waited.set()
+        return self.lock.acquire(True, timeout)
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _flat_op(g, op, rank):
+    if op == "barrier":
+        g.barrier()
+    elif op == "all_to_all":
+        g.all_to_all(np.empty(4, np.float32), np.full(4, rank, np.float32), timeout=30)
+    else:
+        g.all_to_all_v(np.empty(4, np.float32), [2, 2], np.full(4, rank, np.float32), [2, 2],
+                       timeout=30)
+
+
+def _flat_behind_a_hier_op(rank, P, op, go):
+    g = _world._require(None)
+    assert g._hier is not None
+    if rank == 1:
+        assert go.wait(60), "rank 0 never released rank 1"
+        _flat_op(g, op, rank)
+        return None
+    spy = g._lock = _SpyLock()
+    spy.lock.acquire()  # held, as by a hierarchical op running in another thread
+    started = g._coll.trace()[0]
+    t = threading.Thread(target=_flat_op, args=(g, op, rank), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not spy.waited.is_set() and g._coll.trace()[0] == started \
+            and time.monotonic() < deadline:
+        time.sleep(0.001)
+    waited, ran = spy.waited.is_set(), g._coll.trace()[0] != started
+    spy.lock.release()
+    go.set()
+    t.join(30)
+    return waited, ran, not t.is_alive()
+
+
+@pytest.mark.parametrize("op", ["barrier", "all_to_all", "all_to_all_v"])
+def test_flat_ops_of_a_hier_group_wait_for_its_running_op(monkeypatch, op):
+    # A hierarchical op runs on the sub-groups' communicators, so the C lock of the
+    # group's own communicator does not see it: a flat op of another thread must
+    # wait for the group's lock instead of running beside it.
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    res = run_world(_flat_behind_a_hier_op, 2, mode="thread", timeout=90,
+                    args=(op, threading.Event()), host_ids=["a", "b"])
+    assert res[0] == (True, False, True), res

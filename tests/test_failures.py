@@ -569,3 +569,169 @@ def test_a_cancel_from_another_thread_never_frees_the_comm_under_it(tmp_path):
     out = subprocess.run([sys.executable, str(script), "2000"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+
+# ---- shutdown while another thread is inside an operation -------------------------
+def _shutdown_under_a_running_op(rank, P):
+    from ringlet.store import Store
+
+    host, port, key = _world._current()._store_args
+    ringlet.barrier(timeout=60)  # connected: the op below then waits in poll (TCP)
+    with Store(host, port, secret=key, timeout=60) as st:
+        if rank == 0:
+            # Never joins the all_reduce, and stays up (its end of the comm open)
+            # until rank 1 is done: only rank 1's own shutdown may end the op.
+            st.get("test/rank1-done", timeout=60)
+            return "stayed"
+        got = []
+
+        def op():
+            try:
+                ringlet.all_reduce(np.ones(1024, np.float32), timeout=60)
+                got.append("completed")
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                got.append(exc)
+
+        t = threading.Thread(target=op, daemon=True)
+        t.start()
+        blocked = wait_until_blocked(t.native_id)  # inside C, without the GIL
+        t0 = time.monotonic()
+        ringlet.shutdown()
+        t.join(30)
+        took = time.monotonic() - t0
+        st.set("test/rank1-done", b"1")
+        exc = got[0] if got else None
+        return (blocked, t.is_alive(), type(exc).__name__, isinstance(exc, RingletError),
+                str(exc), took)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_shutdown_while_another_thread_is_inside_an_op_ends_that_op_cleanly(monkeypatch,
+                                                                          transport):
+    # shutdown() used to free the communicator (and then the context) under the
+    # thread's call: a crash (SIGSEGV) or a hang.  Now the call ends at once with a
+    # RingletError and the last user frees the memory.  Processes: a crash must
+    # fail the test, not the session.
+    monkeypatch.setenv("RINGLET_TRANSPORT", transport)
+    res = run_world(_shutdown_under_a_running_op, 2, mode="process", timeout=90)
+    assert res[0] == "stayed"
+    blocked, alive, kind, ringlet_error, msg, took = res[1]
+    assert blocked, "the op never blocked"
+    assert not alive and ringlet_error, res[1]
+    assert "closed" in msg and took < 10, res[1]
+
+
+# ---- failures that are not RingletErrors still poison and tell the peers ----------
+def _oom_on_rank_0(rank, P, done):
+    x = np.ones(64, np.float32)
+    if rank == 0:
+        try:
+            ringlet.all_reduce(x, timeout=20)
+        except MemoryError as exc:  # what users catch keeps working
+            out = (type(exc).__name__, isinstance(exc, RingletError))
+        else:
+            out = ("no error", False)
+        # Stay up, sockets open, until rank 1 has its answer: only the published
+        # failure may stop it before its deadline.
+        done.wait(30)
+        return out
+    t0 = time.monotonic()
+    try:
+        ringlet.all_reduce(x, timeout=20)
+        out = ("completed", time.monotonic() - t0)
+    except RingletError as exc:
+        out = (type(exc).__name__, time.monotonic() - t0)
+    done.set()
+    return out
+
+
+def test_out_of_memory_in_the_core_poisons_the_group_and_tells_the_peers(monkeypatch):
+    import ringlet.group as group_mod
+
+    nomem = _core.exception_class(_core.STATUS["NOMEM"])
+    real = _core.Comm
+
+    class OutOfMemoryOnRank0:  # the binding, as if rank 0's core could not allocate
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def all_reduce(comm, *args):
+            if threading.current_thread().name == "ringlet-rank0":
+                raise nomem("rank 0: all_reduce: out of memory")
+            return real.all_reduce(comm, *args)
+
+    monkeypatch.setattr(group_mod, "_C", OutOfMemoryOnRank0())
+    res = run_world(_oom_on_rank_0, 2, mode="thread", timeout=90, args=(threading.Event(),))
+    assert issubclass(nomem, MemoryError) and issubclass(nomem, RingletError)
+    assert res[0] == ("OutOfMemoryError", True), res
+    kind, took = res[1]
+    assert kind != "completed" and took < 10, res  # told at once, not at its 20 s deadline
+
+
+def _handler_raises(rank, P):
+    from ringlet.store import Store
+
+    host, port, key = _world._current()._store_args
+    with Store(host, port, secret=key, timeout=60) as st:
+        if rank == 0:
+            def bail(signum, frame):
+                raise SystemExit(3)
+
+            def signal_when_blocked(tid):
+                wait_until_blocked(tid)
+                os.kill(os.getpid(), signal.SIGUSR2)
+
+            signal.signal(signal.SIGUSR2, bail)
+            threading.Thread(target=signal_when_blocked,
+                             args=(threading.main_thread().native_id,), daemon=True).start()
+            try:
+                ringlet.recv(np.empty(4, np.float32), 1, timeout=60)  # nobody sends
+                caught = "not interrupted"
+            except SystemExit:
+                caught = "SystemExit"
+            st.get("test/rank1-done", timeout=60)  # stay up until rank 1 has its answer
+            return caught
+        t0 = time.monotonic()
+        try:
+            ringlet.barrier(timeout=30)
+            out = ("completed", time.monotonic() - t0)
+        except RingletError as exc:
+            out = (type(exc).__name__, time.monotonic() - t0)
+        st.set("test/rank1-done", b"1")
+        return out
+
+
+def test_an_exception_from_a_signal_handler_poisons_and_tells_the_peers():
+    # A handler raising SystemExit (not a RingletError, not KeyboardInterrupt)
+    # during a blocked call: the rank abandons the op, so the others must hear.
+    res = run_world(_handler_raises, 2, mode="process", timeout=90)
+    assert res[0] == "SystemExit", res
+    kind, took = res[1]
+    assert kind != "completed" and took < 10, res  # not its 30 s deadline
+
+
+# ---- new_group with different members on some rank --------------------------------
+def _mismatched_new_group(rank, P):
+    t0 = time.monotonic()
+    members = [0, 2] if rank == 2 else [0, 1, 2]
+    try:
+        g = ringlet.new_group(members, timeout=20)
+        g.all_reduce(np.ones(4, np.float32), timeout=20)  # rank 2 never joins it
+        out = ("no error", "")
+    except RingletError as exc:
+        out = (type(exc).__name__, str(exc))
+    return out + (time.monotonic() - t0,)
+
+
+def test_new_group_with_different_members_fails_on_every_rank_at_once():
+    # Only rank 2 used to notice; ranks 0 and 1 waited for it in the group's set-up
+    # (shared memory) or first collective until their deadline.
+    res = run_world(_mismatched_new_group, 3, mode="thread", timeout=90)
+    assert res[2][0] == "DesyncError", res
+    for kind, msg, took in res:
+        # Ranks 0 and 1 raise the relayed desync, or the peer's close that it caused,
+        # quoting it ("...; the job had already failed: rank 2 failed: ...").
+        assert kind in ("DesyncError", "PeerClosedError"), res
+        assert "new_group([0, 2]) but parent rank 0 created new_group([0, 1, 2])" in msg, res
+        assert took < 10, res  # not the 20 s deadline

@@ -28,7 +28,8 @@ from ._world import (get_bind_address, get_rank, get_world_size, init, is_initia
                      job_key, new_group, shutdown)
 from ._world import _require
 from .errors import (AuthenticationError, CollectiveTimeout, DesyncError, GroupPoisonedError,
-                     PeerClosedError, ProtocolError, RendezvousError, RingletError)
+                     OutOfMemoryError, PeerClosedError, ProtocolError, RendezvousError,
+                     RingletError)
 from .group import ProcessGroup
 from .group import _C as _Comm
 from ._hier import Topology
@@ -50,7 +51,7 @@ __all__ = [
     "broadcast_object", "all_gather_object", "errors", "get_topology", "Topology",
     "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement", "distribute",
     "RingletError", "CollectiveTimeout", "PeerClosedError", "DesyncError", "RendezvousError",
-    "AuthenticationError", "GroupPoisonedError", "ProtocolError",
+    "AuthenticationError", "GroupPoisonedError", "ProtocolError", "OutOfMemoryError",
 ]
 
 

@@ -7,6 +7,7 @@ Python exception (``_raise``).  Argument policy (dtype mapping, sizes, which
 group, async execution) lives in the Python modules; what is checked here is
 only what keeps C memory-safe.
 """
+cimport cython
 cimport numpy as cnp
 from cpython.exc cimport PyErr_Occurred
 from libc.stdint cimport int64_t, uint8_t, uint32_t
@@ -26,8 +27,10 @@ cdef extern from *:
     const char *RL_BUILD_FLAGS
     const char *RL_COMPILER_VERSION "__VERSION__"
 
+import operator as _operator
 import os as _os
-import threading as _threading
+
+import numpy as _np
 
 from ringlet import errors as _errors
 
@@ -45,7 +48,7 @@ _STATUS_CLASS = {
     RL_ERR_AUTH: _errors.AuthenticationError,
     RL_ERR_PROTOCOL: _errors.ProtocolError,
     RL_ERR_POISONED: _errors.GroupPoisonedError,
-    RL_ERR_NOMEM: MemoryError,
+    RL_ERR_NOMEM: _errors.OutOfMemoryError,  # also a MemoryError
     RL_ERR_ABORTED: _errors.RingletError,
 }
 
@@ -164,13 +167,25 @@ cdef size_t _count_table(counts, int P, size_t *cnt, size_t *displ) except *:
 def check_counts(str op, str name, counts, Py_ssize_t P, Py_ssize_t size):
     """A v-collective's per-rank count list, checked: a new list of P ints, none
     negative, their sum at most ``size`` (the array's elements); else ValueError
-    (TypeError for entries ``int()`` refuses) naming ``op`` and ``name``.  Here, not in
-    Python: those checks were much of a small v-op's cost (docs/experiments.md)."""
-    cdef list c
+    naming ``op`` and ``name``.  Entries must be integers (``int`` or a numpy
+    integer, not bool): any other entry, a float or string included, is a
+    TypeError naming ``name`` and its index.  Here, not in Python: those checks
+    were much of a small v-op's cost (docs/experiments.md)."""
+    cdef list c = []
+    cdef Py_ssize_t k = 0
     try:
-        c = [v if type(v) is int else int(v) for v in counts]
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{op}: {name} must be a sequence of integers ({e})") from None
+        it = iter(counts)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be a sequence of integers, got "
+                        f"{type(counts).__name__}") from None
+    for v in it:
+        if type(v) is not int:
+            if isinstance(v, (bool, _np.bool_)) or not isinstance(v, (int, _np.integer)):
+                raise TypeError(f"{op}: {name} must be a sequence of integers (not bool); "
+                                f"{name}[{k}] is {type(v).__name__} {v!r}")
+            v = _operator.index(v)
+        c.append(v)
+        k += 1
     cdef Py_ssize_t n = len(c)
     cdef object total = 0
     if n != P:
@@ -372,6 +387,11 @@ def scale_kernel(cnp.ndarray buf, int dt, double factor):
 cdef class Context:
     """A rank's listener and endpoint table (one per rank, shared by its comms)."""
     cdef rl_ctx *ctx
+    # Closed while communicators made from it were still alive (one closed while
+    # another thread was inside an operation on it: Comm.close): they use it, so
+    # the last of them frees it (_comm_gone).
+    cdef rl_ctx *_doomed
+    cdef int _comms  # rl_comms made from it and not yet destroyed
     cdef readonly int rank, size
 
     def __cinit__(self, int rank, int size, str bind_host, bytes secret, bytes job_id):
@@ -392,9 +412,20 @@ cdef class Context:
         self.size = size
 
     def __dealloc__(self):
-        if self.ctx != NULL:
-            rl_ctx_destroy(self.ctx)
-            self.ctx = NULL
+        cdef rl_ctx *c = self.ctx if self.ctx != NULL else self._doomed
+        self.ctx = self._doomed = NULL
+        if c != NULL:
+            rl_ctx_destroy(c)
+
+    cdef void _comm_gone(self) noexcept:
+        # A communicator of this context was destroyed (GIL held).
+        cdef rl_ctx *c = NULL
+        self._comms -= 1
+        if self._comms == 0 and self._doomed != NULL:
+            c = self._doomed
+            self._doomed = NULL
+            with nogil:
+                rl_ctx_destroy(c)
 
     @property
     def port(self):
@@ -416,25 +447,39 @@ cdef class Context:
         return rl_ctx_rejected(self.ctx)
 
     def close(self):
+        """Stop the listener and free the context.  While a communicator made from
+        it is still alive (closed while another thread was inside an operation on
+        it), the free waits for the last of them; the context is unusable at once."""
         cdef rl_ctx *c = self.ctx
         self.ctx = NULL
-        if c != NULL:
-            with nogil:
-                rl_ctx_destroy(c)
+        if c == NULL:
+            return
+        if self._comms > 0:
+            self._doomed = c
+            return
+        with nogil:
+            rl_ctx_destroy(c)
 
 
+@cython.no_gc_clear  # __dealloc__ tells its Context (owner) that the comm is gone
 cdef class Comm:
-    """A communicator: the C object behind a ProcessGroup (collective or p2p side)."""
+    """A communicator: the C object behind a ProcessGroup (collective or p2p side).
+
+    Every method that calls C with the GIL released counts itself a user of the
+    rl_comm for that time (_enter / _leave).  ``close()`` while another thread is
+    inside an operation poisons the comm (the operation returns at once with an
+    error) and leaves the free to the last user, so C memory is never freed under
+    a thread still using it.  The count and the pointer change only with the GIL
+    held and without releasing it in between: the GIL is their lock.
+    """
     cdef rl_comm *c
+    cdef rl_comm *_doomed  # closed while in use: freed by the last user (_leave)
+    cdef int _users  # threads inside C on this comm (and a close still cancelling)
     cdef Context owner
     cdef readonly int rank, size
     cdef readonly unsigned int comm_id
-    # Held by cancel and abort, which other threads call with the GIL released, and by
-    # close: the communicator is never freed under them.
-    cdef object _guard
 
     def __cinit__(self, Context ctx, unsigned int comm_id, int rank, world_ranks):
-        self._guard = _threading.Lock()
         cdef rl_error err
         cdef int n = len(world_ranks)
         cdef int *w = <int *>malloc(sizeof(int) * max(n, 1))
@@ -450,35 +495,88 @@ cdef class Comm:
             free(w)
         if st != RL_OK:
             raise exception_class(st)(err.msg.decode(errors="replace"))
+        ctx._comms += 1
         self.owner = ctx
         self.rank = rank
         self.size = n
         self.comm_id = comm_id
 
     def __dealloc__(self):
-        if self.c != NULL:
-            rl_comm_destroy(self.c)
-            self.c = NULL
-
-    def close(self):
-        cdef rl_comm *c
-        with self._guard:
-            c = self.c
-            self.c = NULL
+        # No thread can be inside an operation here (each holds a reference).
+        cdef rl_comm *c = self.c if self.c != NULL else self._doomed
+        self.c = self._doomed = NULL
         if c != NULL:
             rl_comm_destroy(c)
+            if self.owner is not None:
+                self.owner._comm_gone()
+
+    cdef void _destroy(self, rl_comm *c) noexcept:
+        # c is no longer reachable from self; GIL held on entry.
+        with nogil:
+            rl_comm_destroy(c)
+        if self.owner is not None:
+            self.owner._comm_gone()
+
+    def close(self):
+        """Free the communicator.  A thread still inside an operation on it (a
+        synchronous collective of another thread) is woken with an error
+        (``RingletError``, "the communicator was closed ..."), and the last such
+        thread frees it on its way out.  Idempotent."""
+        cdef bytes r = (f"rank {self.rank}: the communicator was closed (ringlet.shutdown()) "
+                        f"while this operation was still running in another thread").encode()
+        cdef const char *rp = r
+        cdef rl_comm *c = self.c
+        if c == NULL:
+            return
+        self.c = NULL
+        if self._users == 0:
+            self._destroy(c)
+            return
+        self._doomed = c
+        self._users += 1  # a user itself while it cancels without the GIL
+        try:
+            with nogil:
+                rl_comm_cancel(c, RL_ERR_ABORTED, rp)
+        finally:
+            self._leave()
 
     cdef inline rl_comm *_h(self) except NULL:
         if self.c == NULL:
             raise _errors.RingletError("communicator is closed")
         return self.c
 
-    cdef int _check(self, int st, str op) except -1:
+    cdef inline rl_comm *_enter(self) except NULL:
+        # Before a call that releases the GIL: the comm stays allocated until _leave.
+        if self.c == NULL:
+            raise _errors.RingletError("communicator is closed")
+        self._users += 1
+        return self.c
+
+    cdef inline void _leave(self) noexcept:
+        cdef rl_comm *c
+        self._users -= 1
+        if self._users == 0 and self._doomed != NULL:
+            c = self._doomed
+            self._doomed = NULL
+            self._destroy(c)
+
+    cdef inline int _end(self, rl_comm *c, int st, str op) except -1:
+        # After the C call of an operation entered with _enter: check, then leave.
+        if st == RL_OK:
+            self._leave()
+            return 0
+        try:
+            return self._check(c, st, op)
+        finally:
+            self._leave()
+
+    cdef int _check(self, rl_comm *c, int st, str op) except -1:
+        # c: the comm the operation ran on (self.c may be NULL by now: close()).
         if st == RL_OK:
             return 0
         if st == RL_ERR_INTERRUPTED and PyErr_Occurred() != NULL:
             return -1  # re-raise the KeyboardInterrupt the signal handler set
-        cdef const rl_error *e = rl_comm_error(self.c)
+        cdef const rl_error *e = rl_comm_error(c)
         status = e.status if e.status else st
         if st == RL_ERR_INVALID and not e.status:
             raise ValueError(f"{op}: invalid arguments passed to the C core")
@@ -490,35 +588,42 @@ cdef class Comm:
             exc.rank = self.rank
             exc.peer = e.peer if e.peer >= 0 else None
             exc.op = op
-            exc.seq = rl_comm_seq(self.c)
+            exc.seq = rl_comm_seq(c)
         raise exc
 
     def error(self):
         """(status, peer, errno, message) of the first failure, or None."""
-        cdef const rl_error *e = rl_comm_error(self._h())
-        if not e.status:
-            return None
-        return (e.status, e.peer, e.sys_errno, e.msg.decode(errors="replace"))
+        cdef rl_comm *c = self._enter()
+        cdef const rl_error *e
+        try:
+            e = rl_comm_error(c)
+            if not e.status:
+                return None
+            return (e.status, e.peer, e.sys_errno, e.msg.decode(errors="replace"))
+        finally:
+            self._leave()
 
     def cancel(self, int status, str reason):
         """Poison from any thread and wake a call blocked in this comm."""
-        cdef rl_comm *c
         cdef bytes r = reason.encode()[:500]
         cdef const char *rp = r
-        with self._guard:
-            c = self._h()
+        cdef rl_comm *c = self._enter()
+        try:
             with nogil:
                 rl_comm_cancel(c, status, rp)
+        finally:
+            self._leave()
 
     def abort(self, int status, str reason):
         """Poison, tell connected peers (ABORT frames) and close the sockets."""
-        cdef rl_comm *c
         cdef bytes r = reason.encode()[:500]
         cdef const char *rp = r
-        with self._guard:
-            c = self._h()
+        cdef rl_comm *c = self._enter()
+        try:
             with nogil:
                 rl_comm_abort(c, status, rp)
+        finally:
+            self._leave()
 
     @property
     def seq(self):
@@ -532,14 +637,15 @@ cdef class Comm:
         dtype, bytes, peer, tag, recv, algorithm, state ("started",
         "completed", "failed"), status (a ``STATUS`` name or None), start_ns
         and end_ns (CLOCK_MONOTONIC, as ``time.monotonic_ns``; None while
-        started).  Copied with the GIL held, so ``close()`` cannot free the
-        ring meanwhile; it takes no C lock, so it is safe while this comm is
+        started).  A user of the comm meanwhile, so ``close()`` cannot free the
+        ring under it; it takes no C lock, so it is safe while this comm is
         blocked in an op (from a signal handler, say).
         """
-        cdef rl_comm *c = self._h()
+        cdef rl_comm *c = self._enter()
         cdef size_t cap = rl_comm_trace_capacity(c)
         cdef rl_trace_entry *buf = <rl_trace_entry *>malloc(sizeof(rl_trace_entry) * (cap if cap > 0 else 1))
         if buf == NULL:
+            self._leave()
             raise MemoryError()
         cdef uint64_t total = 0
         cdef size_t n, i
@@ -559,30 +665,32 @@ cdef class Comm:
                     "start_ns": e.start_ns, "end_ns": e.end_ns if e.end_ns else None})
         finally:
             free(buf)
+            self._leave()
         return total, cap, out
 
     def attach_shm(self, int fd, size_t size, bint create, bint p2p=False):
         """Map segment ``fd`` (``size`` bytes) for this comm's collectives, or with
         ``p2p`` for its point-to-point messages; the caller keeps and closes
         ``fd``.  ``create``: lay it out (comm rank 0)."""
-        cdef rl_comm *c = self._h()
         cdef rl_error err
         cdef int st
+        cdef rl_comm *c = self._enter()
         with nogil:
             if p2p:
                 st = rl_comm_attach_shm_p2p(c, fd, size, create, &err)
             else:
                 st = rl_comm_attach_shm(c, fd, size, create, &err)
+        self._leave()
         if st != RL_OK:
             raise exception_class(st)(f"rank {self.rank}: " + err.msg.decode(errors="replace"))
 
     def shm_ready(self, int64_t timeout_ms):
         """Wait until every rank of the comm has attached its segment."""
-        cdef rl_comm *c = self._h()
         cdef int st
+        cdef rl_comm *c = self._enter()
         with nogil:
             st = rl_comm_shm_ready(c, timeout_ms)
-        self._check(st, "attach shared memory")
+        self._end(c, st, "attach shared memory")
 
     @property
     def transport(self):
@@ -600,38 +708,41 @@ cdef class Comm:
         return (n, rank, peer, err)
 
     def connect(self, int peer, int64_t timeout_ms):
-        cdef rl_comm *c = self._h()
         cdef int st
+        cdef rl_comm *c = self._enter()
         with nogil:
             st = rl_comm_connect(c, peer, timeout_ms)
-        self._check(st, "connect")
+        self._end(c, st, "connect")
 
     def all_reduce(self, cnp.ndarray buf, int dt, int op, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
         cdef void *p = _wptr(buf, "array")
         cdef size_t n = buf.size
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_all_reduce(c, p, n, <rl_dtype>dt, <rl_redop>op, timeout_ms)
-        self._check(st, "all_reduce")
+        self._end(c, st, "all_reduce")
 
     def broadcast(self, cnp.ndarray buf, int dt, int root, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
         cdef void *p = _wptr(buf, "array")
         cdef size_t n = buf.size
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_broadcast(c, p, n, <rl_dtype>dt, root, timeout_ms)
-        self._check(st, "broadcast")
+        self._end(c, st, "broadcast")
 
     def reduce(self, cnp.ndarray buf, int dt, int op, int root, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
         cdef void *p = _wptr(buf, "array")
         cdef size_t n = buf.size
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_reduce(c, p, n, <rl_dtype>dt, <rl_redop>op, root, timeout_ms)
-        self._check(st, "reduce")
+        self._end(c, st, "reduce")
 
     def all_gather(self, cnp.ndarray out, cnp.ndarray inp, int dt, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
@@ -641,9 +752,10 @@ cdef class Comm:
         cdef void *po = _wptr(out, "output")
         cdef const void *pi = _rptr(inp, "input")
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_all_gather(c, po, pi, n, <rl_dtype>dt, timeout_ms)
-        self._check(st, "all_gather")
+        self._end(c, st, "all_gather")
 
     def reduce_scatter(self, cnp.ndarray out, cnp.ndarray inp, int dt, int op, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
@@ -653,9 +765,10 @@ cdef class Comm:
         cdef void *po = _wptr(out, "output")
         cdef const void *pi = _rptr(inp, "input")
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_reduce_scatter(c, po, pi, n, <rl_dtype>dt, <rl_redop>op, timeout_ms)
-        self._check(st, "reduce_scatter")
+        self._end(c, st, "reduce_scatter")
 
     def all_to_all(self, cnp.ndarray out, cnp.ndarray inp, int dt, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
@@ -665,9 +778,10 @@ cdef class Comm:
         cdef void *po = _wptr(out, "output")
         cdef const void *pi = _rptr(inp, "input")
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_all_to_all(c, po, pi, n, <rl_dtype>dt, timeout_ms)
-        self._check(st, "all_to_all")
+        self._end(c, st, "all_to_all")
 
     def all_to_all_v(self, cnp.ndarray out, out_counts, cnp.ndarray inp, in_counts,
                      int dt, int64_t timeout_ms):
@@ -693,11 +807,12 @@ cdef class Comm:
                 raise ValueError("all_to_all_v: counts exceed the arrays")
             po = _wptr(out, "output")
             pi = _rptr(inp, "input")
+            c = self._enter()
             with nogil:
                 st = rl_all_to_all_v(c, po, oc, od, pi, ic, idp, <rl_dtype>dt, timeout_ms)
         finally:
             free(buf)
-        self._check(st, "all_to_all")
+        self._end(c, st, "all_to_all")
 
     def all_gather_v(self, cnp.ndarray out, counts, cnp.ndarray inp, int dt,
                      int64_t timeout_ms):
@@ -720,11 +835,12 @@ cdef class Comm:
                 raise ValueError("all_gather_v: counts do not match the arrays")
             po = _wptr(out, "output")
             pi = _rptr(inp, "input")
+            c = self._enter()
             with nogil:
                 st = rl_all_gather_v(c, po, oc, od, pi, <rl_dtype>dt, timeout_ms)
         finally:
             free(buf)
-        self._check(st, "all_gather")
+        self._end(c, st, "all_gather")
 
     def rooted_v(self, bint gather, many, counts, cnp.ndarray one, int dt, int root,
                  int64_t timeout_ms):
@@ -756,6 +872,7 @@ cdef class Comm:
                 pm = _wptr(<cnp.ndarray>many, "output") if gather else \
                     <void *>_rptr(<cnp.ndarray>many, "input")
             po = <void *>_rptr(one, "input") if gather else _wptr(one, "output")
+            c = self._enter()
             with nogil:
                 if gather:
                     st = rl_gather_v(c, pm, oc, od, po, n, <rl_dtype>dt, root, timeout_ms)
@@ -763,7 +880,7 @@ cdef class Comm:
                     st = rl_scatter_v(c, po, n, pm, oc, od, <rl_dtype>dt, root, timeout_ms)
         finally:
             free(buf)
-        self._check(st, "gather" if gather else "scatter")
+        self._end(c, st, "gather" if gather else "scatter")
 
     def gather(self, out, cnp.ndarray inp, int dt, int root, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
@@ -775,9 +892,10 @@ cdef class Comm:
             po = _wptr(<cnp.ndarray>out, "output")
         cdef const void *pi = _rptr(inp, "input")
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_gather(c, po, pi, n, <rl_dtype>dt, root, timeout_ms)
-        self._check(st, "gather")
+        self._end(c, st, "gather")
 
     def scatter(self, cnp.ndarray out, inp, int dt, int root, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
@@ -789,35 +907,39 @@ cdef class Comm:
             pi = _rptr(<cnp.ndarray>inp, "input")
         cdef void *po = _wptr(out, "output")
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_scatter(c, po, pi, n, <rl_dtype>dt, root, timeout_ms)
-        self._check(st, "scatter")
+        self._end(c, st, "scatter")
 
     def barrier(self, int64_t timeout_ms, _b=None, _c=None, _d=None):
         # _b.._d: unused, so the group's fixed-arity call path can call it directly
         cdef rl_comm *c = self._h()
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_barrier(c, timeout_ms)
-        self._check(st, "barrier")
+        self._end(c, st, "barrier")
 
     def send(self, cnp.ndarray buf, int dt, int dst, unsigned int tag, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
         cdef const void *p = _rptr(buf, "array")
         cdef size_t n = buf.size
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_send(c, p, n, <rl_dtype>dt, dst, tag, timeout_ms)
-        self._check(st, "send")
+        self._end(c, st, "send")
 
     def recv(self, cnp.ndarray buf, int dt, int src, unsigned int tag, int64_t timeout_ms):
         cdef rl_comm *c = self._h()
         cdef void *p = _wptr(buf, "array")
         cdef size_t n = buf.size
         cdef int st
+        c = self._enter()
         with nogil:
             st = rl_recv(c, p, n, <rl_dtype>dt, src, tag, timeout_ms)
-        self._check(st, "recv")
+        self._end(c, st, "recv")
         return src
 
     def recv_any(self, cnp.ndarray buf, int dt, int _src, unsigned int tag, int64_t timeout_ms):
@@ -826,7 +948,8 @@ cdef class Comm:
         cdef void *p = _wptr(buf, "array")
         cdef size_t n = buf.size
         cdef int st, src = -1
+        c = self._enter()
         with nogil:
             st = rl_recv_any(c, p, n, <rl_dtype>dt, tag, timeout_ms, &src)
-        self._check(st, "recv")
+        self._end(c, st, "recv")
         return src

@@ -126,15 +126,18 @@ class _Hier:
 
     # ---- the choice ----------------------------------------------------------
     def use(self, op: str, nbytes: int, count: int, root: int = 0) -> bool:
-        """Whether ``op`` of ``nbytes`` runs hierarchically (same answer on every rank)."""
+        """Whether ``op`` of ``nbytes`` runs hierarchically (same answer on every rank).
+
+        ``root`` does not enter the choice: ranks that pass different roots (a bug
+        in the program) still take the same form.  A root whose local index some
+        host lacks is relayed through local rank 0 (``broadcast``, ``reduce``)."""
         if count == 0:
             return False
-        local_root = self.topo.where(root)[1]
-        key = (op, nbytes, count, local_root)
+        key = (op, nbytes, count)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        ok = cm.hier_applies(op, self.sizes, local_root)
+        ok = cm.hier_applies(op, self.sizes, 0)
         even_ar = op == "all_reduce" and self.topo.uniform
         if even_ar and count < self.sizes[0]:
             ok = False  # not one element per local rank: nothing to split
@@ -197,8 +200,8 @@ class _Hier:
     # ---- algorithms ----------------------------------------------------------
     # Each runs as the parent group's operation: fn(coll, *args) under its lock.
     def all_reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, ms: int) -> None:
-        self._subs(ms)
-        dl = _deadline(ms)
+        dl = _deadline(ms)  # before the sub-groups: their set-up counts against it
+        self._subs(_left(dl))
         flat = arr.reshape(-1)
         P = self.group.size
         sop = _SUM if op == _AVG else op
@@ -294,8 +297,8 @@ class _Hier:
 
     def reduce_scatter(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int, op: int,
                        ms: int) -> None:
-        self._subs(ms)
-        dl = _deadline(ms)
+        dl = _deadline(ms)  # before the sub-groups: their set-up counts against it
+        self._subs(_left(dl))
         P, H = self.group.size, self.topo.num_hosts
         b = out.size
         sop = _SUM if op == _AVG else op
@@ -387,16 +390,24 @@ class _Hier:
 
     def all_gather(self, coll: Any, out: np.ndarray, inp: np.ndarray, code: int,
                    ms: int) -> None:
-        self._subs(ms)
-        dl = _deadline(ms)
+        dl = _deadline(ms)  # before the sub-groups: their set-up counts against it
+        self._subs(_left(dl))
         P, H = self.group.size, self.topo.num_hosts
         b = inp.size
         cuts = self._cuts(b, out.itemsize * P)
         if len(cuts) > 1:
-            self._pipelined_ag(out.reshape(-1), inp.reshape(-1), cuts, code, dl)
+            i = inp.reshape(-1)
+            o = out.reshape(-1)
+            if _core.overlap(o, i) and _addr(i) != _addr(o) + self.group.rank * i.nbytes:
+                # The slices write columns of every block while later slices still
+                # read the input: an input inside the output other than as this
+                # rank's block would be overwritten before it is sent.
+                i = i.copy()
+            self._pipelined_ag(o, i, cuts, code, dl)
             return
         mid = np.empty(H * b, dtype=out.dtype)
-        # 1. inter all_gather: the blocks of the ranks with this local index.
+        # 1. inter all_gather: the blocks of the ranks with this local index
+        # (the whole input is read here, before any block lands in the output).
         self._phase(self.inter, "all_gather", _C.all_gather, mid, inp.reshape(-1), code,
                     _left(dl))
         o = out.reshape(-1)
@@ -408,33 +419,57 @@ class _Hier:
         self._phase(self.intra, "all_gather", _C.all_gather, big, mid, code, _left(dl))
         o.reshape(P, b)[self.perm] = big.reshape(P, b)
 
-    def broadcast(self, coll: Any, arr: np.ndarray, code: int, root: int, ms: int) -> None:
-        self._subs(ms)
-        dl = _deadline(ms)
+    def _carrier(self, root: int) -> Tuple[int, int, int]:
+        """(h0, j0, j): the root's host and local index, and the local index whose
+        inter group carries a rooted op between hosts: j0 where every host has a
+        rank of that index, else 0 (every host has a local rank 0)."""
         h0, j0 = self.topo.where(root)
+        return h0, j0, (j0 if j0 < min(self.sizes) else 0)
+
+    def broadcast(self, coll: Any, arr: np.ndarray, code: int, root: int, ms: int) -> None:
+        dl = _deadline(ms)  # before the sub-groups: their set-up counts against it
+        self._subs(_left(dl))
+        h0, j0, j = self._carrier(root)
         flat = arr.reshape(-1)
-        # 1. between hosts, among the ranks with the root's local index;
-        # 2. inside every host, from that rank.
-        if self.topo.local_rank == j0:
+        home = self.topo.host == h0
+        # 1. between hosts, among the ranks with local index j, from the root's host
+        # (where j is not the root's own index, the root's host first broadcasts
+        # inside itself, so that its local rank j holds the data);
+        # 2. inside every other host (every host, when j is the root's), from j.
+        if j != j0 and home:
+            self._phase(self.intra, "broadcast", _C.broadcast, flat, code, j0, _left(dl))
+        if self.topo.local_rank == j:
             self._phase(self.inter, "broadcast", _C.broadcast, flat, code, h0, _left(dl))
-        self._phase(self.intra, "broadcast", _C.broadcast, flat, code, j0, _left(dl))
+        if j == j0 or not home:
+            self._phase(self.intra, "broadcast", _C.broadcast, flat, code, j, _left(dl))
 
     def reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, root: int,
                ms: int) -> None:
-        self._subs(ms)
-        dl = _deadline(ms)
-        h0, j0 = self.topo.where(root)
+        dl = _deadline(ms)  # before the sub-groups: their set-up counts against it
+        self._subs(_left(dl))
+        h0, j0, j = self._carrier(root)
         flat = arr.reshape(-1)
         sop = _SUM if op == _AVG else op
         me_root = self.group.rank == root
-        # Only the root's buffer may change: the other hosts' collecting ranks
-        # reduce into a copy.
-        acc = flat if (me_root or self.topo.local_rank != j0) else flat.copy()
-        self._phase(self.intra, "reduce", _C.reduce, acc, code, sop, j0, _left(dl))
-        if self.topo.local_rank == j0:
+        collects = self.topo.local_rank == j
+        # Only the root's buffer may change: the other collecting ranks (local
+        # index j) reduce into a copy.
+        acc = flat if (me_root or not collects) else flat.copy()
+        # 1. inside every host, to local rank j; 2. among those, to the root's host.
+        self._phase(self.intra, "reduce", _C.reduce, acc, code, sop, j, _left(dl))
+        if collects:
             self._phase(self.inter, "reduce", _C.reduce, acc, code, sop, h0, _left(dl))
-            if me_root and op == _AVG:
-                _core.scale_kernel(flat, code, 1.0 / self.group.size)
+        if j != j0 and self.topo.host == h0:
+            # 3. (a root whose local index some host lacks) local rank j hands the
+            # result to the root: a broadcast inside its host, into scratch elsewhere.
+            into = flat if me_root else (acc if collects else np.empty_like(flat))
+            self._phase(self.intra, "broadcast", _C.broadcast, into, code, j, _left(dl))
+        if me_root and op == _AVG:
+            _core.scale_kernel(flat, code, 1.0 / self.group.size)
+
+
+def _addr(x: np.ndarray) -> int:
+    return x.__array_interface__["data"][0]
 
 
 _C = _core.Comm

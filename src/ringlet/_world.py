@@ -91,6 +91,7 @@ class World:
         self._watch_store = None
         self._fail_store: Any = None  # False once it could not be reached
         self._failed = False
+        self._cancelled: Optional[tuple] = None  # _cancel_all's arguments, once called
         self._closed = False
         # Per world rank: its same-host identity; and the algorithm choice and
         # cost model rank 0 handed out, so every rank's groups decide alike.
@@ -126,6 +127,8 @@ class World:
             g._topology, g._hier = _hier.plan(g, [self.host_ids[r] for r in ranks], self.algo,
                                               self.model)
         self._groups.add(g)
+        if self._cancelled is not None and rank >= 0:
+            g._cancel(*self._cancelled)  # the job failed already: its ops fail at once
         return g
 
     def sub_groups(self, parent: ProcessGroup, lists: Sequence[Sequence[int]],
@@ -136,6 +139,7 @@ class World:
         ``timeout`` bounds the creation (the calling operation's); the groups keep
         the parent's default timeout."""
         wait = parent.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait  # one bound for the record and every set-up
         # Once per parent group, from inside one of its operations: a key of its
         # own, so a new_group() racing on another thread cannot shift it.
         key = f"{self.prefix}sub/{parent.comm_id}"
@@ -150,8 +154,9 @@ class World:
                 raise DesyncError(f"rank {parent.rank}: hierarchical sub-groups {want} but "
                                   f"group rank 0 made {rec['lists']}", rank=parent.rank)
             ids = rec["ids"]
-        return [self.make_group(i, x, parent.timeout, setup_timeout=wait) if self.rank in x
-                else None for i, x in zip(ids, want)]
+        return [self.make_group(i, x, parent.timeout,
+                                setup_timeout=max(0.001, deadline - time.monotonic()))
+                if self.rank in x else None for i, x in zip(ids, want)]
 
     def job_key(self, purpose: str) -> bytes:
         return hmac.new(self.secret or _INSECURE_KEY,
@@ -174,7 +179,11 @@ class World:
             peer = group.ranks[peer]  # the record speaks world ranks
         else:
             peer = None
-        self._publish_record(_status_of(exc), peer, group.comm_id, str(exc))
+        msg = str(exc)
+        if not isinstance(exc, (RingletError, KeyboardInterrupt)):
+            # Raised by this rank's own code (a signal handler, say): name it.
+            msg = f"rank {self.rank}: {type(exc).__name__}: {msg}"
+        self._publish_record(_status_of(exc), peer, group.comm_id, msg)
 
     def _blame_earlier(self, exc: BaseException) -> bool:
         """A peer that closed its connection may have done so because another rank
@@ -226,6 +235,9 @@ class World:
         return self._fail_store or None
 
     def _cancel_all(self, status: int, reason: str, failed: Optional[int] = None) -> None:
+        # Remembered first: a group made from here on is cancelled by make_group
+        # (one made meanwhile is in the list below, or sees this).
+        self._cancelled = (status, reason, failed)
         _trace.on_failure(self, None, reason)  # before the cancel: blocked ops show as started
         for g in list(self._groups):
             if g._failure is None and not g._closed:
@@ -326,6 +338,8 @@ class World:
             if not g._closed:
                 g._close()
         if self.ctx is not None:
+            # Deferred by the context itself while a communicator of it is still
+            # in use by another thread (closed under it: Comm.close).
             self.ctx.close()
             self.ctx = None
 
@@ -998,6 +1012,12 @@ def new_group(ranks: Sequence[int], *, timeout: Optional[float] = None,
     collectives raise ``ValueError``.  The group gets fresh communicator ids,
     so its traffic never mixes with any other group's.
 
+    Raises:
+        ValueError: duplicate ranks, or ranks outside the parent group.
+        DesyncError: ``ranks`` differ from parent rank 0's.  That is a failure of
+            the parent group, published like any other: every other rank's next
+            collective (on the new group too) raises it at once.
+
     Example::
 
         evens = ringlet.new_group([0, 2])
@@ -1017,6 +1037,7 @@ def new_group(ranks: Sequence[int], *, timeout: Optional[float] = None,
     t = world.timeout if timeout is None else seconds(timeout)
     key = f"{world.prefix}group/{parent.comm_id}/{parent._ngroups}"
     parent._ngroups += 1
+    first = rl
     if world.size == 1:
         comm_id = 2 * (parent._ngroups + 1)
     elif parent.rank == 0:
@@ -1024,8 +1045,19 @@ def new_group(ranks: Sequence[int], *, timeout: Optional[float] = None,
         world.store.set(key, json.dumps({"id": comm_id, "ranks": rl}).encode())
     else:
         rec = json.loads(world.store.get(key, timeout=t).decode())
-        if rec["ranks"] != rl:
-            raise DesyncError(f"rank {parent.rank}: new_group({rl}) but parent rank 0 created "
-                              f"new_group({rec['ranks']})", rank=parent.rank)
-        comm_id = int(rec["id"])
-    return world.make_group(comm_id, rl, t)
+        comm_id, first = int(rec["id"]), [int(r) for r in rec["ranks"]]
+    # Every rank makes the group parent rank 0 recorded, even one that passed other
+    # ranks, so its members never wait for that one (in the shared-memory hand-over).
+    g = world.make_group(comm_id, first, t)
+    if first != rl:
+        exc = DesyncError(f"rank {parent.rank}: new_group({rl}) but parent rank 0 created "
+                          f"new_group({first})", rank=parent.rank)
+        # A failure of the parent: poisoned here, and every rank is told (the abort
+        # record), so the others' next collective fails at once, on the new group
+        # too; published before this rank's end of the group closes, so that a peer
+        # which sees the close first still names this error.
+        parent._record(exc)
+        g._close()
+        world._groups.discard(g)
+        raise exc
+    return g

@@ -3,7 +3,8 @@
 One base class, ``RingletError`` (a ``RuntimeError``), and one subclass per way a
 distributed operation can fail.  The ones that match a builtin category also
 derive from it (``CollectiveTimeout`` is a ``TimeoutError``, ``PeerClosedError``
-a ``ConnectionError``) so generic handlers keep working.
+a ``ConnectionError``, ``OutOfMemoryError`` a ``MemoryError``) so generic handlers
+keep working.
 
 Each error carries the context needed to debug a job from one rank's log:
 ``rank`` (this rank in the group), ``peer`` (the other rank involved, or None),
@@ -25,6 +26,7 @@ __all__ = [
     "AuthenticationError",
     "GroupPoisonedError",
     "ProtocolError",
+    "OutOfMemoryError",
 ]
 
 
@@ -78,3 +80,11 @@ class GroupPoisonedError(RingletError):
 
 class ProtocolError(RingletError):
     """A peer sent a malformed or oversized frame."""
+
+
+class OutOfMemoryError(RingletError, MemoryError):
+    """The C core could not allocate memory during an operation.
+
+    Also a ``MemoryError``, so ``except MemoryError`` keeps catching it; as a
+    ``RingletError`` it poisons the group and stops the other ranks like any failure.
+    """

@@ -13,6 +13,7 @@ frames.  After any failure the group is poisoned: later calls raise
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -22,7 +23,7 @@ from . import trace as _trace
 from ._buffers import as_array as _as_array
 from ._timeout import millis as _millis
 from ._dtypes import ReduceOp, check_op, dtype_code
-from .errors import GroupPoisonedError, RingletError
+from .errors import CollectiveTimeout, GroupPoisonedError, RingletError
 from .work import SerialExecutor, Work
 
 __all__ = ["ProcessGroup"]
@@ -66,9 +67,9 @@ _NO = object()  # "no fifth argument" for ProcessGroup._call
 _counts = _core.check_counts
 
 
-def _spread(comm: Any, fn: Callable[..., Any], args: tuple, _b: Any, _c: Any) -> Any:
-    # Lets _call run a binding of any arity: fn and its argument tuple ride as a, b.
-    return fn(comm, *args)
+def _barrier(comm: Any, _a: Any, _b: Any, _c: Any, ms: int) -> None:
+    # The barrier binding in _call's form, whose last argument is the timeout.
+    return _C.barrier(comm, ms)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -82,6 +83,32 @@ def _loads(data: bytes) -> Any:
     from ._wire.codec import loads
 
     return loads(data)
+
+
+def _encode(obj: Any) -> tuple:
+    """(bytes of ``obj`` as uint8, None), or (the reason it cannot be encoded, the
+    error): a rank that cannot encode its object still takes part in the exchange,
+    so no other rank waits for it."""
+    try:
+        return np.frombuffer(_dumps(obj), dtype=np.uint8), None
+    except Exception as exc:  # noqa: BLE001 - sent to every rank, then re-raised
+        why = f"{type(exc).__name__}: {exc}".encode(errors="replace")[:2000]
+        return np.frombuffer(why, dtype=np.uint8), exc
+
+
+def _encode_failure(op: str, failed: dict, mine: Optional[BaseException]) -> BaseException:
+    """The error every rank raises when ranks ``failed`` (rank -> reason) could not
+    encode their objects: the same class (the first reason's TypeError, else
+    ValueError) and message everywhere, chained to the codec's error where it rose."""
+    reasons = {r: why.decode(errors="replace") for r, why in sorted(failed.items())}
+    first = next(iter(reasons.values()))
+    cls = TypeError if first.startswith("TypeError") else ValueError
+    ranks = ", ".join(str(r) for r in reasons)
+    detail = "; ".join(f"rank {r}: {why}" for r, why in reasons.items())
+    err = cls(f"{op}: rank {ranks} could not encode its object, so nothing was exchanged "
+              f"({detail})")
+    err.__cause__ = mine
+    return err
 
 
 class ProcessGroup:
@@ -188,14 +215,29 @@ class ProcessGroup:
             f"({self._failure}); call ringlet.shutdown() and ringlet.init() to recover",
             rank=self.rank) from self._failure
 
-    def _guard(self, fn: Callable[[], Any]) -> Any:
+    def _guard(self, fn: Callable[[], Any], comm: Any = _NO) -> Any:
         if self._failure is not None:
             self._raise_poisoned()
         try:
             return fn()
-        except (RingletError, KeyboardInterrupt) as exc:
-            self._record(exc)
+        except BaseException as exc:
+            self._fail(exc, self._coll if comm is _NO else comm)
             raise
+
+    def _fail(self, exc: BaseException, comm: Any) -> None:
+        """Record ``exc``, raised by an operation on ``comm`` (None: a hierarchical
+        operation), unless it is a bad argument the binding refused before C ran:
+        a ``TypeError``/``ValueError`` while the C communicator has no failure.
+        Anything else (a ``RingletError``, ``KeyboardInterrupt``, an exception
+        a signal handler raised, ``MemoryError``) ends the operation on this rank
+        only, so the group is poisoned and the other ranks are told."""
+        if comm is not None and isinstance(exc, (TypeError, ValueError)):
+            try:
+                if comm.error() is None:
+                    return
+            except RingletError:
+                pass  # closed under the call: it failed
+        self._record(exc)
 
     def _record(self, exc: BaseException) -> None:
         """Remember the first failure and tell the other ranks about it."""
@@ -203,6 +245,10 @@ class ProcessGroup:
             exc.peer = self._failed_peer  # stopped by that rank's published failure
         if not isinstance(exc, GroupPoisonedError) and self._failure is None:
             self._failure = exc
+            if self._closed:
+                # This rank's own shutdown ended the operation: nothing to publish
+                # (its peers see the communicator close).
+                return
             self._world._publish_failure(self, exc)
             _trace.on_failure(self._world, exc)
 
@@ -212,12 +258,18 @@ class ProcessGroup:
 
         Returns its result, or a ``Work`` when ``async_op``.  Fixed arguments
         on the synchronous path: building and spreading argument tuples is a
-        measurable share of a small op (docs/experiments.md).
+        measurable share of a small op (docs/experiments.md).  The last
+        argument is always the timeout in milliseconds.
         """
         if async_op or self._exec._busy or self._closed or self.rank < 0:
             args = (a, b, c, d) if e is _NO else (a, b, c, d, e)
             keep = tuple(x for x in args if isinstance(x, np.ndarray))
             return self._run_queued(op, fn, args, keep, async_op)
+        if self._hier is not None:
+            # Hierarchical ops run on the sub-groups' communicators under the
+            # group's lock: flat ones take it too, so one op runs at a time.
+            return self._locked(op, fn, (a, b, c, d) if e is _NO else (a, b, c, d, e),
+                                self._coll)
         # No Python lock here: the C communicator runs its collectives one at
         # a time (and gives a waiting thread its deadline).
         if self._failure is not None:
@@ -226,8 +278,8 @@ class ProcessGroup:
             if e is _NO:
                 return fn(self._coll, a, b, c, d)
             return fn(self._coll, a, b, c, d, e)
-        except (RingletError, KeyboardInterrupt) as exc:
-            self._record(exc)
+        except BaseException as exc:
+            self._fail(exc, self._coll)
             raise
 
     def _call_args(self, op: str, async_op: bool, fn: Callable[..., Any], args: tuple) -> Any:
@@ -235,12 +287,14 @@ class ProcessGroup:
         if async_op or self._exec._busy or self._closed or self.rank < 0:
             keep = tuple(x for x in args if isinstance(x, np.ndarray))
             return self._run_queued(op, fn, args, keep, async_op)
+        if self._hier is not None:
+            return self._locked(op, fn, args, self._coll)
         if self._failure is not None:
             self._raise_poisoned()
         try:
             return fn(self._coll, *args)
-        except (RingletError, KeyboardInterrupt) as exc:
-            self._record(exc)
+        except BaseException as exc:
+            self._fail(exc, self._coll)
             raise
 
     def _run(self, op: str, fn: Callable[..., Any], args: tuple, keep: tuple,
@@ -248,18 +302,57 @@ class ProcessGroup:
         """``_call`` for hierarchical ops, whose phases (and first sub-group
         set-up) the group's lock keeps together."""
         if async_op or self._exec._busy or self._closed or self.rank < 0:
-            return self._run_queued(op, fn, args, keep, async_op)
-        with self._lock:
-            return self._call(op, False, _spread, fn, args, None, None)
+            return self._run_queued(op, fn, args, keep, async_op, comm=None)
+        # Run here under the lock, never queued: async work another thread
+        # queued meanwhile waits for this lock, so queueing behind it would
+        # wait for itself.
+        return self._locked(op, fn, args, None)
+
+    def _locked(self, op: str, fn: Callable[..., Any], args: tuple, comm: Any) -> Any:
+        """``fn(self._coll, *args)`` under the group's lock, synchronously.  The
+        wait for the lock counts against the op's deadline (``args[-1]``, in
+        milliseconds), as the C communicator's own wait does."""
+        lock = self._lock
+        if not lock.acquire(False):
+            ms = args[-1]
+            t0 = time.monotonic()
+            try:
+                got = lock.acquire(True, min(ms / 1000.0, threading.TIMEOUT_MAX))
+            except BaseException as exc:  # Ctrl-C while waiting: the op is abandoned
+                self._record(exc)
+                raise
+            if not got:
+                exc = CollectiveTimeout(
+                    f"rank {self.rank}: {op}: timed out after {ms / 1000.0:g}s waiting for "
+                    f"this group's previous operation, still running in another thread",
+                    rank=self.rank, op=op, waited=ms / 1000.0)
+                self._record(exc)  # the other ranks would run the op this rank gave up
+                raise exc
+            left = max(1, ms - int((time.monotonic() - t0) * 1000))
+            args = args[:-1] + (left,)
+        try:
+            if self._failure is not None:
+                self._raise_poisoned()
+            try:
+                return fn(self._coll, *args)
+            except BaseException as exc:
+                self._fail(exc, comm)
+                raise
+        finally:
+            lock.release()
 
     def _run_queued(self, op: str, fn: Callable[..., Any], args: tuple, keep: tuple,
-                    async_op: bool) -> Any:
+                    async_op: bool, comm: Any = _NO) -> Any:
+        """Queue ``fn(self._coll, *args)`` on the group's executor, under its lock.
+        ``comm``: what ``_fail`` checks (None: a hierarchical op; default: the
+        group's collective communicator)."""
         # busy: keep issue order behind queued async ops
         self._usable()
 
         def locked() -> Any:
             with self._lock:
-                return self._guard(lambda: fn(self._coll, *args))
+                return self._guard(lambda: fn(self._coll, *args),
+                                   self._coll if comm is _NO else comm)
 
         w = self._exec.submit(locked, Work(op, keep))
         return w if async_op else w.result()
@@ -433,6 +526,8 @@ class ProcessGroup:
         ``output_counts[s]`` from it; a pair that disagrees fails as a ``DesyncError``
         naming both sizes.  Runs over the group's shared-memory segment where it has one,
         else the pairwise exchange over TCP (docs/algorithms.md)."""
+        if self._closed or self.rank < 0:
+            self._usable()  # before the checks below index the counts by this rank
         if type(output) is not _ND:
             output = _as_array(output, "output", True)
         if type(input) is not _ND:
@@ -593,17 +688,18 @@ class ProcessGroup:
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
         """Return once every rank of the group has entered the barrier."""
-        if async_op or timeout is not None or self._exec._busy or self._closed or self.rank < 0:
+        if async_op or timeout is not None or self._exec._busy or self._closed or self.rank < 0 \
+                or self._hier is not None:
             ms = self._default_ms if timeout is None else _millis(timeout)
-            return self._call("barrier", async_op, _C.barrier, ms, None, None, None)
+            return self._call("barrier", async_op, _barrier, None, None, None, ms)
         # _call's synchronous path inlined: a barrier moves no data, and its
         # Python layers were most of its time (docs/experiments.md).
         if self._failure is not None:
             self._raise_poisoned()
         try:
             return _C.barrier(self._coll, self._default_ms, None, None, None)
-        except (RingletError, KeyboardInterrupt) as exc:
-            self._record(exc)
+        except BaseException as exc:
+            self._fail(exc, self._coll)
             raise
 
     # ---- point to point -----------------------------------------------------
@@ -637,14 +733,15 @@ class ProcessGroup:
             if ex is None:
                 ex = self._p2p_executor(kind, peer)
             args = (a, code, peer, tag, ms)
-            w = ex.submit(lambda: self._guard(lambda: fn(self._p2pc, *args)), Work(kind, (a,)))
+            w = ex.submit(lambda: self._guard(lambda: fn(self._p2pc, *args), self._p2pc),
+                          Work(kind, (a,)))
             return w if async_op else w.result()
         if self._failure is not None:
             self._raise_poisoned()
         try:
             return fn(self._p2pc, a, code, peer, tag, ms)
-        except (RingletError, KeyboardInterrupt) as exc:
-            self._record(exc)
+        except BaseException as exc:
+            self._fail(exc, self._p2pc)
             raise
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0, *,
@@ -680,31 +777,52 @@ class ProcessGroup:
         Objects travel in ringlet's bounded binary format (no pickle; see
         docs/rpc.md): None, bool, int, float, str, bytes, list, tuple, dict and
         numpy arrays.
+
+        Raises:
+            TypeError/ValueError: on every rank when ``src`` cannot encode ``obj``
+                (the message names ``src`` and the codec's reason); the group stays
+                usable.
         """
         src = self._peer(src, "src")
+        bad: Optional[BaseException] = None
         if self.rank == src:
-            payload = np.frombuffer(_dumps(obj), dtype=np.uint8)
-            n = np.array([payload.size], dtype=np.int64)
+            payload, bad = _encode(obj)
+            # A negative length says "no object": -1 - n bytes of the reason follow.
+            n = np.array([payload.size if bad is None else -1 - payload.size], dtype=np.int64)
         else:
             n = np.zeros(1, dtype=np.int64)
         self.broadcast(n, src, timeout=timeout)
+        size = int(n[0])
         if self.rank != src:
-            payload = np.empty(int(n[0]), dtype=np.uint8)
+            payload = np.empty(size if size >= 0 else -1 - size, dtype=np.uint8)
         else:
             payload = payload.copy()
         self.broadcast(payload, src, timeout=timeout)
+        if size < 0:
+            raise _encode_failure("broadcast_object", {src: payload.tobytes()}, bad)
         return obj if self.rank == src else _loads(payload.tobytes())
 
     def all_gather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
-        """Gather a small Python object from every rank; returns the list in rank order."""
-        mine = np.frombuffer(_dumps(obj), dtype=np.uint8)
+        """Gather a small Python object from every rank; returns the list in rank order.
+
+        Raises:
+            TypeError/ValueError: on every rank when some rank cannot encode its
+                object (the message names those ranks); the group stays usable.
+        """
+        mine, bad = _encode(obj)
         sizes = np.zeros(self.size, dtype=np.int64)
-        self.all_gather(sizes, np.array([mine.size], dtype=np.int64), timeout=timeout)
-        width = int(sizes.max()) if self.size else 0
+        self.all_gather(sizes, np.array([mine.size if bad is None else -1 - mine.size],
+                                        dtype=np.int64), timeout=timeout)
+        lens = np.where(sizes < 0, -1 - sizes, sizes)
+        width = int(lens.max()) if self.size else 0
         padded = np.zeros(width, dtype=np.uint8)
         padded[: mine.size] = mine
         out = np.empty(width * self.size, dtype=np.uint8)
         self.all_gather(out, padded, timeout=timeout)
+        failed = {r: out[r * width: r * width + int(lens[r])].tobytes()
+                  for r in range(self.size) if sizes[r] < 0}
+        if failed:
+            raise _encode_failure("all_gather_object", failed, bad)
         return [_loads(out[r * width: r * width + int(sizes[r])].tobytes())
                 for r in range(self.size)]
 
@@ -714,8 +832,6 @@ class ProcessGroup:
 
     def _drain(self, timeout: float) -> bool:
         """Wait for queued async work; True when every executor is idle."""
-        import time
-
         deadline = time.monotonic() + timeout
         return all(ex.drain(max(0.0, deadline - time.monotonic())) for ex in self._executors())
 
@@ -735,15 +851,16 @@ class ProcessGroup:
         self._closed = True
         if not self._drain(0.0):
             # Work still blocked in C (an irecv nobody answers, say): wake it
-            # with a cancel, and never free a communicator a thread is inside.
+            # with a cancel, and give it a moment to finish.
             self._cancel(3, f"rank {self.rank}: the group was shut down with work pending")
-            if not self._drain(5.0):
-                self._coll = self._p2pc = None  # leaked on purpose: a thread still uses it
+            self._drain(5.0)
         for ex in self._executors():
             ex.close()
+        # A thread still inside C on a communicator (work past the drain, or a
+        # synchronous op of another thread, which no executor sees) is woken by
+        # close() with an error, and the last such thread frees the communicator
+        # (and the context it uses) on its way out: Comm.close, Context.close.
         for comm in (self._coll, self._p2pc):
             if comm is not None:
                 comm.close()
         self._coll = self._p2pc = None
-
-
