@@ -1,7 +1,9 @@
-"""Explicit "I am blocked" signals for tests: read from the kernel, not guessed by timers."""
+"""Explicit "I am blocked" signals for tests, and the hand-over sockets a process holds:
+read from the kernel, not guessed by timers."""
 
 from __future__ import annotations
 
+import os
 import time
 
 _POLL_SYSCALLS = {"7", "271"}  # x86-64 poll, ppoll: where a call over TCP waits
@@ -34,3 +36,29 @@ def wait_until_blocked(tid: int, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.001)
     return False
+
+
+def handover_sockets(pids=None):
+    """Names of ringlet's shared-memory hand-over sockets (abstract Unix
+    sockets, from /proc/net/unix); with pids, only those these processes hold
+    (other jobs on the machine have their own)."""
+    inodes = None
+    if pids is not None:
+        inodes = set()
+        for pid in pids:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {r[-1][1:] for r in rows
+            if len(r) >= 8 and r[-1].startswith("@ringlet-shm-")
+            and (inodes is None or r[6] in inodes)}

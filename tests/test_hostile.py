@@ -35,6 +35,8 @@ from ringlet.errors import AuthenticationError
 from ringlet.store import Store
 from ringlet.testing import run_world
 
+from _blocked import handover_sockets
+
 _SRC = os.path.dirname(os.path.dirname(os.path.abspath(ringlet.__file__)))  # as installed
 
 # The attacker.  argv: JSON list of [port, kind, count, prefix_hex] and a
@@ -515,22 +517,6 @@ def test_rank_listener_caps_handshakes_by_descriptors_and_evicts_unproven_hellos
 
 
 # ---- the shared-memory hand-over under idle connections -----------------------------------
-def _handover_sockets(pid):
-    """Names of the ringlet hand-over sockets that process ``pid`` holds."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    with open("/proc/net/unix") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    return {r[-1][1:] for r in rows
-            if len(r) >= 8 and r[-1].startswith("@ringlet-shm-") and r[6] in inodes}
-
-
 class _IdleHolder:
     """An outsider in this process: once a new hand-over socket appears (rank 0
     serving a new group), it holds ``n`` idle connections to it, then sets
@@ -545,7 +531,7 @@ class _IdleHolder:
     def _run(self):
         name, deadline = None, time.monotonic() + 60
         while name is None and time.monotonic() < deadline:
-            for cand in _handover_sockets(os.getpid()) - self.before:  # rank 0 is a thread here
+            for cand in handover_sockets([os.getpid()]) - self.before:  # rank 0 is a thread here
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
                     s.connect("\0" + cand)
@@ -608,7 +594,7 @@ def test_idle_connections_cannot_hold_up_the_shared_memory_hand_over(monkeypatch
         ringlet.barrier()  # init's hand-over is over
         if rank == 1:
             joined["rejected0"] = _shm.rejected  # before the first idle connection
-            holder = _IdleHolder(n_idle, _handover_sockets(os.getpid()))
+            holder = _IdleHolder(n_idle, handover_sockets([os.getpid()]))
         ringlet.barrier()
         g = ringlet.new_group([0, 1], timeout=60)
         x = np.full(3, rank + 1.0)

@@ -29,6 +29,7 @@ from ringlet import ReduceOp, _auth, _core, _shm, _world
 from ringlet.errors import CollectiveTimeout, DesyncError, PeerClosedError, RingletError
 from ringlet.testing import WorldError, run_world
 
+from _blocked import handover_sockets as _abstract_sockets
 from _launchers import clean_env
 from _oracle import DTYPES, close, data, is_float, ops_for, reduce_np, same
 
@@ -1286,30 +1287,6 @@ def _tree_pids(root):
         except OSError:
             pass
     return pids
-
-
-def _abstract_sockets(pids=None):
-    """ringlet's hand-over sockets; with pids, only those these processes hold
-    (other jobs on the machine have their own)."""
-    inodes = None
-    if pids is not None:
-        inodes = set()
-        for pid in pids:
-            try:
-                fds = os.listdir(f"/proc/{pid}/fd")
-            except OSError:
-                continue
-            for fd in fds:
-                try:
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-    with open("/proc/net/unix") as f:
-        return {line.split()[-1][1:] for line in f.readlines()[1:]
-                if line.split()[-1].startswith("@ringlet-shm-")
-                and (inodes is None or line.split()[6] in inodes)}
 
 
 def test_outsider_with_wrong_secret_gets_no_segment(tmp_path):
