@@ -7,7 +7,7 @@ Examples::
     ringlet info --json
     ringlet --version
     ringlet bench --help
-    ringlet trace /tmp/ringlet-trace-0123456789abcdef
+    ringlet trace /tmp/ringlet-trace-4f0c2a9e
 """
 
 from __future__ import annotations
