@@ -455,6 +455,33 @@ def test_trace_command_rejects_empty_and_foreign_dirs(tmp_path, capsys):
     (tmp_path / "rank0.json").write_text('{"hello": 1}')
     assert cli_main(["trace", str(tmp_path)]) == 2
     assert "rank0.json: not a ringlet flight record" in capsys.readouterr().err
+    # the right format but missing fields: a clear error and exit 2, not a traceback
+    (tmp_path / "rank0.json").write_text(json.dumps({"format": trace._FORMAT,
+                                                     "rank": 0}))
+    assert cli_main(["trace", str(tmp_path)]) == 2
+    assert "a flight record is malformed (KeyError" in capsys.readouterr().err
+
+
+def _record(rank, seq, entries):
+    return {"format": trace._FORMAT, "rank": rank, "world_size": 2, "job_id": "ab" * 8,
+            "reason": "test", "communicators": [
+                {"kind": "collective", "comm_id": 0, "group_id": 0, "rank": rank,
+                 "ranks": [0, 1], "seq": seq, "capacity": len(entries), "entries": entries}]}
+
+
+def test_trace_without_entries_reports_unknown_not_completed(tmp_path, capsys):
+    # RINGLET_TRACE_ENTRIES=0 on rank 1: its last op's state is unknown, not "completed"
+    done = {"seq": 5, "op": "all_reduce", "dtype": "float32", "bytes": 8, "peer": -1,
+            "algorithm": "ring", "state": "completed", "status": "", "running_for_s": 0}
+    (tmp_path / "rank0.json").write_text(json.dumps(_record(0, 5, [done])))
+    (tmp_path / "rank1.json").write_text(json.dumps(_record(1, 5, [])))
+    assert cli_main(["trace", str(tmp_path), "--json"]) == 0
+    c = _comm0(json.loads(capsys.readouterr().out))
+    assert c["unknown_state"] == [{"rank": 1, "last_seq": 5}] and c["completed"] == [0]
+    assert cli_main(["trace", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "state unknown" in out and "rank 1 (last seq 5)" in out
+    assert "every rank completed every op" not in out
 
 
 # ---- concurrent p2p threads share one ring -------------------------------------------

@@ -311,10 +311,16 @@ def _analyze_comm(comm_id: int, recs: Dict[int, Dict]) -> Dict:
     out: Dict[str, Any] = {"comm_id": comm_id, "group_id": any_rec["group_id"],
                            "ranks": members, "missing_dumps": sorted(set(members) - set(recs)),
                            "last_seq": {str(wr): recs[wr]["seq"] for wr in sorted(recs)}}
+    # A rank that kept no entry of its last op (RINGLET_TRACE_ENTRIES=0) cannot
+    # say whether that op completed: it is reported as unknown, never as done.
+    unknown = [{"rank": wr, "last_seq": recs[wr]["seq"]} for wr in sorted(recs)
+               if recs[wr]["seq"] > 0 and recs[wr]["seq"] not in by_seq[wr]]
+    out["unknown_state"] = unknown
     seq = min(first_open.values())
     if all(recs[wr]["seq"] < seq for wr in recs):
         out.update(first_incomplete_seq=None, never_entered=[], stuck=[], failed=[],
-                   completed=sorted(recs), ops={}, mismatch=False)
+                   completed=sorted(set(recs) - {u["rank"] for u in unknown}), ops={},
+                   mismatch=False)
         return out
     never, stuck, failed, done, ops = [], [], [], [], {}
     for wr in sorted(recs):
@@ -385,9 +391,17 @@ def format_report(rep: Dict) -> str:
         lines.append(f"  WARNING: records from {len(rep['job_ids'])} different jobs")
     for c in rep["communicators"]:
         lines.append(f"group {c['group_id']} (comm {c['comm_id']}, world ranks {c['ranks']}):")
+        unknown = c.get("unknown_state") or []
+        if unknown:
+            lines.append("  state unknown (no operation entries kept, RINGLET_TRACE_ENTRIES=0?): "
+                         + _ranks([f"rank {u['rank']} (last seq {u['last_seq']})"
+                                   for u in unknown]))
         if c["first_incomplete_seq"] is None:
-            lines.append(f"  every rank completed every op (last seq "
-                         f"{max(int(v) for v in c['last_seq'].values())})")
+            if unknown:
+                lines.append("  the other ranks completed every op they recorded")
+            else:
+                lines.append(f"  every rank completed every op (last seq "
+                             f"{max(int(v) for v in c['last_seq'].values())})")
             continue
         seq = c["first_incomplete_seq"]
         kinds = sorted({f"{o['op']}" + (f" {o['dtype']}" if o["dtype"] else "")
@@ -430,6 +444,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rep = analyze(load(ns.directory))
     except (OSError, ValueError) as exc:
         print(f"ringlet trace: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        print(f"ringlet trace: {ns.directory}: a flight record is malformed "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     print(json.dumps(rep, indent=2) if ns.json else format_report(rep))
     return 0
