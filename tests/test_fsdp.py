@@ -710,6 +710,25 @@ def test_load_full_state_dict_rejects_bad_entries_on_every_rank():
         assert all(o[0] == "KeyError" and "0.bias" in o[1] for o in out)
 
 
+def test_a_plan_that_fails_on_one_rank_fails_on_every_rank():
+    # rank 1's wrap policy raises before the agreement: rank 0 must not wait in it
+    def body(rank, n):
+        def policy(name, m):
+            if rank == 1:
+                raise RuntimeError("policy broke on rank 1")
+            return False
+
+        try:
+            FSDP(seq_model(), auto_wrap=policy)
+        except (RuntimeError, ValueError) as exc:
+            return type(exc).__name__, str(exc)
+        return None
+
+    out = run_world(body, 2, timeout=120)
+    assert out[1] == ("RuntimeError", "policy broke on rank 1")
+    assert out[0][0] == "ValueError" and "world ranks [1]" in out[0][1], out
+
+
 def test_load_full_state_dict_rank0_only_with_a_non_string_key():
     # A key that names nothing (strict=False) on rank 0 must not stop rank 0
     # before the broadcast the other ranks wait in.

@@ -224,9 +224,15 @@ class FullyShardedDataParallel:
 
         # Names are taken from the model as given, before any wrapping.
         self._entries = state_entries(module)
-        units = plan_units(module, policy)
-        self._build(module, units)
-        self._verify()
+        # A plan or build that fails here (a user policy, shared parameters) joins the
+        # agreement below, so every rank raises instead of the others waiting in it.
+        failed: Optional[BaseException] = None
+        try:
+            units = plan_units(module, policy)
+            self._build(module, units)
+        except Exception as exc:  # re-raised by _verify, after the agreement
+            failed = exc
+        self._verify(failed)
         self._materialise_shards(self.sync_module_states)
         self._wrap(module)
 
@@ -366,9 +372,12 @@ class FullyShardedDataParallel:
                      self.prefetch, self.overlap_reduce, self.broadcast_buffers,
                      self.sync_module_states, units, [e[1] for e in self._entries], bufs))
 
-    def _verify(self) -> None:
-        """All ranks must agree on model layout and options, and the groups must form a grid."""
-        digest = layout_digest(self._describe())
+    def _verify(self, failed: Optional[BaseException] = None) -> None:
+        """All ranks must agree on model layout and options, and the groups must form a grid.
+
+        ``failed``: this rank's planning failed; it takes part, then raises that error.
+        """
+        digest = layout_digest(self._describe()) if failed is None else "failed"
         problems: List[str] = []
         sh, rep = self._shard, self._replicate
         R = rep.size if rep is not None else 1
@@ -404,6 +413,8 @@ class FullyShardedDataParallel:
             ringlet.all_reduce(flag, ringlet.ReduceOp.MAX, group=rep.pg)
         if sh.size > 1 and rep is not None:
             ringlet.all_reduce(flag, ringlet.ReduceOp.MAX, group=sh.pg)
+        if failed is not None:
+            raise failed
         if problems:
             raise ValueError("FSDP: ranks disagree: " + "; ".join(problems))
         if int(flag[0]):
