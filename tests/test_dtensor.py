@@ -401,3 +401,36 @@ def test_shard_sizes_is_array_split():
     for length in range(0, 12):
         for n in range(1, 6):
             assert shard_sizes(length, n) == [len(a) for a in np.array_split(np.arange(length), n)]
+
+
+def _draws(rank):
+    rng = np.random.default_rng(rank)
+    return rng.standard_normal((4, 3)), rng.standard_normal((5, 3))
+
+
+def _partial_to_shard_without_staging(rank, n):
+    # Partial -> Shard(0) with equal pieces reduces straight from the local array:
+    # the padded staging copy is only for uneven or reordered pieces.
+    mesh = DeviceMesh((n,))
+    g = mesh.get_group(0)
+    seen = []
+    real = g.reduce_scatter
+    outs = []
+    for x in _draws(rank):  # 4 rows: equal pieces; 5: uneven, staged
+
+        def spy(out, inp, *a, _x=x, **k):
+            seen.append(np.shares_memory(inp, _x))
+            return real(out, inp, *a, **k)
+
+        g.reduce_scatter = spy
+        outs.append(DTensor.from_local(x, mesh, [Partial()]).redistribute([Shard(0)]).to_local())
+    return seen, outs
+
+
+def test_partial_to_shard_reduces_equal_pieces_in_place_of_a_copy():
+    res = run_world(_partial_to_shard_without_staging, 2)
+    totals = [a + b for a, b in zip(_draws(0), _draws(1))]
+    for r, (seen, outs) in enumerate(res):
+        assert seen == [True, False]
+        for got, total in zip(outs, totals):
+            np.testing.assert_allclose(got, np.array_split(total, 2)[r], rtol=1e-12)

@@ -193,7 +193,8 @@ def reduce_scatter_axis(group: Any, order: Sequence[int], x: np.ndarray, axis: i
     """Reduce ``x`` over the line and keep this rank's piece of ``axis`` (array_split sizes).
 
     Each coordinate's segment is copied into an equal, zero-padded block so
-    one ``reduce_scatter`` does the work.
+    one ``reduce_scatter`` does the work; equal pieces along a contiguous
+    leading axis, in group order, are reduced straight from ``x``.
     """
     n = len(sizes)
     xt = np.moveaxis(x, axis, 0)
@@ -202,9 +203,13 @@ def reduce_scatter_axis(group: Any, order: Sequence[int], x: np.ndarray, axis: i
     mine = sizes[coord]
     if m == 0 or int(np.prod(rest, dtype=np.int64)) == 0:
         return np.zeros(x.shape[:axis] + (mine,) + x.shape[axis + 1:], x.dtype)
-    inp = np.zeros((n, m) + rest, x.dtype)
-    for c, off in enumerate(_offsets(sizes)):
-        inp[order[c], :sizes[c]] = xt[off: off + sizes[c]]
+    if (all(s == m for s in sizes) and list(order) == list(range(n))
+            and xt.flags.c_contiguous):
+        inp = xt  # equal pieces already in group order (axis 0): no staging copy
+    else:
+        inp = np.zeros((n, m) + rest, x.dtype)
+        for c, off in enumerate(_offsets(sizes)):
+            inp[order[c], :sizes[c]] = xt[off: off + sizes[c]]
     out = np.empty((m,) + rest, x.dtype)
     group.reduce_scatter(out, inp, op, timeout=timeout)
     return np.ascontiguousarray(np.moveaxis(out[:mine], 0, axis))
