@@ -122,6 +122,7 @@ static int recv_frame(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len,
     if (!u || (h.nbytes && !data)) {
         free(u);
         free(data);
+        __atomic_sub_fetch(&c->unexpected_bytes, h.nbytes, __ATOMIC_RELAXED);
         return rl_fail(c, op, RL_ERR_NOMEM, src, 0, "out of memory buffering a message");
     }
     u->tag = h.tag;
@@ -140,6 +141,7 @@ static int recv_frame(rl_comm *c, rl_opdesc *op, int src, void *buf, size_t len,
     if (st != RL_OK) {
         free(data);
         free(u);
+        __atomic_sub_fetch(&c->unexpected_bytes, h.nbytes, __ATOMIC_RELAXED);
         return st;
     }
     rl_unexpected **tail = &c->unexpected[src];
