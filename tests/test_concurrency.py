@@ -311,19 +311,11 @@ def test_a_thousand_mixed_ops_sync_and_async():
 
 
 # ---- hierarchical groups: one op at a time, never waiting for itself ---------------
-class _HookLock:
-    """A group's lock that runs ``hook`` once, right after it is first taken."""
+class _WrappedLock:
+    """A group's lock with an instrumented ``acquire`` (subclasses); the rest is a Lock's."""
 
-    def __init__(self, hook):
+    def __init__(self):
         self._lock = threading.Lock()
-        self._hook = hook
-
-    def acquire(self, blocking=True, timeout=-1):
-        got = self._lock.acquire(blocking, timeout)
-        if got and self._hook is not None:
-            hook, self._hook = self._hook, None
-            hook()
-        return got
 
     def release(self):
         self._lock.release()
@@ -334,6 +326,21 @@ class _HookLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+class _HookLock(_WrappedLock):
+    """A group's lock that runs ``hook`` once, right after it is first taken."""
+
+    def __init__(self, hook):
+        super().__init__()
+        self._hook = hook
+
+    def acquire(self, blocking=True, timeout=-1):
+        got = self._lock.acquire(blocking, timeout)
+        if got and self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        return got
 
 
 def _async_queued_under_a_sync_hier_op(rank, P):
@@ -358,30 +365,20 @@ def test_a_sync_hier_op_never_queues_behind_work_that_needs_its_lock(monkeypatch
                      host_ids=["a", "a", "b", "b"]) == [True] * 4
 
 
-class _SpyLock:
+class _SpyLock(_WrappedLock):
     """A group's lock that tells whether some caller had to wait for it."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        super().__init__()
         self.waited = threading.Event()
 
     def acquire(self, blocking=True, timeout=-1):
-        if self.lock.acquire(False):
+        if self._lock.acquire(False):
             return True
         if not blocking:
             return False
         self.waited.set()
-        return self.lock.acquire(True, timeout)
-
-    def release(self):
-        self.lock.release()
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
+        return self._lock.acquire(True, timeout)
 
 
 def _flat_op(g, op, rank):
@@ -402,7 +399,7 @@ def _flat_behind_a_hier_op(rank, P, op, go):
         _flat_op(g, op, rank)
         return None
     spy = g._lock = _SpyLock()
-    spy.lock.acquire()  # held, as by a hierarchical op running in another thread
+    spy._lock.acquire()  # held, as by a hierarchical op running in another thread
     started = g._coll.trace()[0]
     t = threading.Thread(target=_flat_op, args=(g, op, rank), daemon=True)
     t.start()
@@ -411,7 +408,7 @@ def _flat_behind_a_hier_op(rank, P, op, go):
             and time.monotonic() < deadline:
         time.sleep(0.001)
     waited, ran = spy.waited.is_set(), g._coll.trace()[0] != started
-    spy.lock.release()
+    spy._lock.release()
     go.set()
     t.join(30)
     return waited, ran, not t.is_alive()
