@@ -611,3 +611,77 @@ def test_idle_connections_cannot_hold_up_the_shared_memory_hand_over(monkeypatch
     # connection was evicted or cut, none left to its deadline, each counted.
     assert holder.drain(5.0) == n
     assert _shm.rejected - joined["rejected0"] >= n, (_shm.rejected, joined, n)
+
+
+# ---- the shared-memory hand-over out of descriptors ---------------------------------------
+# Rank 0's hand-over server alone in a process whose descriptors all but 4 are
+# taken.  argv: the key (hex).  Prints the socket name, serves comm rank 1 of
+# 2, then prints "served <rejected>" or "failed <error>".
+_HANDOVER_LOW_LIMIT = textwrap.dedent(r"""
+    import os, resource, socket, sys, time, types
+    from ringlet import _shm
+    _shm._HANDSHAKE_S = 60.0  # idle connections never end on their own here
+    key = bytes.fromhex(sys.argv[1])
+    name = "ringlet-shm-" + os.urandom(16).hex()
+    seg = os.memfd_create("ringlet-test", os.MFD_CLOEXEC)
+    os.ftruncate(seg, 4096)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    listener.bind("\0" + name)
+    listener.listen(64)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    filler = []
+    try:
+        while True:
+            filler.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass
+    for fd in filler[:4]:
+        os.close(fd)
+    print(name, flush=True)
+    try:
+        _shm._serve(types.SimpleNamespace(rank=0), listener, [seg], key, name, 2,
+                    time.monotonic() + 60)
+        print("served", _shm.rejected, flush=True)
+    except Exception as exc:
+        print("failed", type(exc).__name__, exc, flush=True)
+""")
+
+
+def test_shared_memory_hand_over_out_of_descriptors_evicts_idle_connections():
+    # Idle connections hold the last descriptors of rank 0: accept() fails with
+    # EMFILE.  The hand-over frees one by evicting the oldest unproven
+    # connection, as the rank listener and the store do, instead of failing
+    # the group; the genuine rank behind 40 idle connections gets its segment.
+    from ringlet import _shm
+
+    key = os.urandom(32)
+    env = dict(os.environ, PYTHONPATH=_SRC)
+    server = subprocess.Popen([sys.executable, "-c", _HANDOVER_LOW_LIMIT, key.hex()],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    idle = []
+    try:
+        name = server.stdout.readline().strip()
+        assert name.startswith("ringlet-shm-"), name
+        for _ in range(40):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            s.setblocking(False)
+            assert s.connect_ex("\0" + name) == 0
+            idle.append(s)
+        world = type("World", (), {"rank": 1})()
+        msg, fds = _shm._fetch(world, name, key, 1, time.monotonic() + 30)
+        try:
+            assert msg == b"\1" and len(fds) == 1, (msg, fds)
+            assert os.fstat(fds[0]).st_size == 4096
+        finally:
+            for fd in fds:
+                os.close(fd)
+        out, _ = server.communicate(timeout=60)
+    finally:
+        for s in idle:
+            s.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert out.startswith("served"), out
+    assert int(out.split()[1]) >= 40, out  # every idle connection evicted and counted

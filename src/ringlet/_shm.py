@@ -20,6 +20,7 @@ pair of ranks) in the same hand-over, when its size allows one.
 from __future__ import annotations
 
 import array
+import errno
 import fcntl
 import json
 import os
@@ -41,6 +42,8 @@ _MODES = ("auto", "shm", "tcp")
 # beyond, a new connection evicts the oldest one not yet authenticated (_serve).
 _MAX_HANDSHAKES = 32
 _HANDSHAKE_S = 2.0
+# accept() errors that mean "no descriptor to be had" (_serve evicts then).
+_NO_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 rejected = 0  # connections refused by this process's hand-over servers (tests read it)
 _rejected_lock = threading.Lock()
@@ -305,6 +308,16 @@ def _serve(world: Any, listener: socket.socket, fds: list, key: bytes, name: str
             try:
                 conn, _ = listener.accept()
             except socket.timeout:
+                continue
+            except OSError as exc:
+                if exc.errno not in _NO_FDS:
+                    raise
+                # Out of descriptors: free one by evicting the oldest unproven
+                # connection (its thread closes it), as the rank listener and the
+                # store do; with none to evict, rest until a handshake ends (0.1 s).
+                with cond:
+                    evict_oldest()
+                    cond.wait(0.1)
                 continue
             conn.setblocking(True)
             with cond:
