@@ -142,6 +142,7 @@ class Parameter:
         self.grad: Optional[np.ndarray] = None
         self.requires_grad = bool(requires_grad)
         self._hooks: Dict[int, Callable[["Parameter"], None]] = {}
+        self._pre_hooks: Dict[int, Callable[["Parameter"], None]] = {}
         self._hook_ids = itertools.count()
         self._pending = 0  # forward uses whose gradient has not been accumulated yet
 
@@ -197,6 +198,7 @@ class Parameter:
         if g.shape != self.data.shape:
             raise ValueError(f"gradient of shape {g.shape} does not match parameter shape "
                              f"{self.data.shape}")
+        self._before_accumulate()
         if self.grad is None:
             self.grad = np.array(g, dtype=self.data.dtype, copy=True, order="C")
         else:
@@ -208,10 +210,16 @@ class Parameter:
         """Scatter-add ``rows`` into ``.grad[index]`` (embedding backward) and count one use."""
         if not self.requires_grad:
             return
+        self._before_accumulate()
         if self.grad is None:
             self.grad = np.zeros_like(self.data, order="C")
         np.add.at(self.grad, index, rows.astype(self.data.dtype, copy=False))
         self._use_done()
+
+    def _before_accumulate(self) -> None:
+        # A pre-accumulate hook that raises refuses the gradient before .grad changes.
+        for fn in list(self._pre_hooks.values()):
+            fn(self)
 
     def _note_use(self) -> None:
         self._pending += 1
@@ -249,6 +257,33 @@ class Parameter:
         key = next(self._hook_ids)
         self._hooks[key] = fn
         return HookHandle([lambda: self._hooks.pop(key, None)])
+
+    def register_grad_pre_accumulate_hook(self, fn: Callable[["Parameter"], None]) -> HookHandle:
+        """Call ``fn(param)`` before each gradient is added into ``.grad`` in backward.
+
+        If ``fn`` raises, the gradient is refused: ``.grad`` is left untouched
+        and the exception propagates out of the layer's backward.
+        ``DistributedDataParallel`` uses it to refuse a gradient for a
+        parameter whose bucket is already being reduced.
+
+        Args:
+            fn: callable taking the parameter.
+        Returns:
+            A ``HookHandle``; ``handle.remove()`` unregisters ``fn``.
+        Raises:
+            TypeError: ``fn`` is not callable.
+
+        Example::
+
+            def frozen(p):
+                raise RuntimeError("no gradients for this one")
+            h = layer.weight.register_grad_pre_accumulate_hook(frozen)
+        """
+        if not callable(fn):
+            raise TypeError(f"hook must be callable, got {type(fn).__name__}")
+        key = next(self._hook_ids)
+        self._pre_hooks[key] = fn
+        return HookHandle([lambda: self._pre_hooks.pop(key, None)])
 
     def zero_grad(self) -> None:
         """Set ``.grad`` to zero in place (no-op while it is None)."""

@@ -31,6 +31,19 @@ False, every rank then contributes a 0/1 flag to one small all-reduce issued
 right after the last bucket; when any rank had unused parameters, every rank
 learns their names (``all_gather_object``) and raises the same
 ``RuntimeError`` naming them — no rank is left behind in a collective.
+
+Late gradients
+--------------
+Once a parameter is ready its slice may be under reduction (its bucket
+launched) or waiting for it, so a further gradient for it in the same
+iteration (backward run twice over one forward, a forward/backward on the
+module behind the wrapper's back, a layer that accumulates for a use it did
+not count) cannot be added.  A pre-accumulate hook refuses it *before*
+``.grad`` changes and raises on that rank, naming the parameter and its
+bucket.  ``sync_gradients`` still completes every bucket (so the other ranks
+are not left waiting), then raises on every rank (with the same flag as for
+unused parameters; only on that rank with ``find_unused_parameters``) and
+drops the module's saved contexts of the broken pass.
 """
 
 from __future__ import annotations
@@ -141,6 +154,8 @@ class DistributedDataParallel:
         self.last_sync_wait_s = 0.0  # seconds sync_gradients spent waiting (benchmarks)
         self._reset_iteration()
         self._handles = [p.register_grad_ready_hook(self._on_grad_ready) for p in self._params]
+        self._handles += [p.register_grad_pre_accumulate_hook(self._on_grad_pre_accumulate)
+                          for p in self._params]
         if init_sync and self.world_size > 1:
             self.broadcast_parameters(0)
 
@@ -221,9 +236,10 @@ class DistributedDataParallel:
         self._pending = list(self._bucket_sizes)
         self._next_launch = 0
         self._works: List[Any] = [None] * len(self.buckets)
+        self._late: List[Tuple[int, int, bool]] = []  # refused (param, bucket, launched)
 
     def _dirty(self) -> bool:
-        return self._next_launch > 0 or any(self._ready)
+        return self._next_launch > 0 or any(self._ready) or bool(self._late)
 
     def _mark_ready(self, i: int) -> None:
         self._ready[i] = True
@@ -240,6 +256,32 @@ class DistributedDataParallel:
             np.copyto(slot, p.grad, casting="unsafe")
         b = self._bucket_of[i]
         self._pending[b] -= 1
+
+    def _on_grad_pre_accumulate(self, p: nn.Parameter) -> None:
+        # Before the layer adds into .grad (a view of a bucket that may be
+        # under reduction): refuse a gradient for a parameter already ready.
+        if not self._require_sync:
+            return
+        i = self._index[id(p)]
+        if not self._ready[i]:
+            return
+        b = self._bucket_of[i]
+        launched = b < self._next_launch
+        self._late.append((i, b, launched))
+        state = ("was already launched (its all-reduce is in flight or done)" if launched
+                 else "is ready and waiting to be launched")
+        raise RuntimeError(
+            f"DistributedDataParallel: rank {self.rank} got a second gradient for parameter "
+            f"'{self._names[i]}' (index {i}) in one iteration, after it was marked ready; "
+            f"its bucket {b} {state}. The gradient was refused (.grad is unchanged). Causes: "
+            f"backward run twice over one forward, a forward/backward on the module outside "
+            f"the wrapper (ddp.module or the model itself) before sync_gradients(), or a "
+            f"layer accumulating a gradient for a use it did not pass to _save() "
+            f"(find_unused_parameters does not change this). Run every forward through ddp, "
+            f"call sync_gradients() after each backward (accumulate micro-batches inside "
+            f"ddp.no_sync()). Call sync_gradients() on every rank now (it completes the "
+            f"reduction, then raises on every rank) or end the job: the other ranks wait in this "
+            f"iteration's reduction until their timeout")
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._require_sync:
@@ -307,6 +349,7 @@ class DistributedDataParallel:
         """
         if not self._require_sync:
             return
+        late = self._late
         unused = [i for i, r in enumerate(self._ready) if not r]
         for i in unused:
             self._mark_ready(i)
@@ -315,7 +358,7 @@ class DistributedDataParallel:
             self._launch_ready()
             flag = None
             if not self.find_unused_parameters and self.world_size > 1:
-                flag = np.array([1 if unused else 0], np.int32)
+                flag = np.array([1 if unused else 0, 1 if late else 0], np.int32)
                 flag_work = ringlet.all_reduce(flag, ringlet.ReduceOp.SUM, group=self.group,
                                                async_op=True)
             first_exc: Optional[BaseException] = None
@@ -334,23 +377,49 @@ class DistributedDataParallel:
         finally:
             self.last_sync_wait_s = time.perf_counter() - t0
             self._reset_iteration()
+            if late:  # the broken backward left saved contexts and uses: drop them
+                self.module.clear_context()
+                for p in self._params:  # a layer that raised after _pop() left its use counted
+                    p._pending = 0
         if not self.gradient_as_bucket_view:
             for p, slot in zip(self._params, self._slots):
                 if p.grad is None:
                     p.grad = slot.copy()
                 else:
                     np.copyto(p.grad, slot, casting="unsafe")
-        if self.find_unused_parameters:
+        mine = ([] if self.find_unused_parameters else [self._names[i] for i in unused],
+                [(self._names[i], i, b, launched) for i, b, launched in late])
+        if flag is None:  # one rank, or find_unused_parameters: nothing to tell the others
+            if mine[0] or mine[1]:
+                raise RuntimeError(self._iteration_message({self.rank: mine}))
             return
-        if flag is None:
-            if unused:
-                raise RuntimeError(self._unused_message({self.rank: [self._names[i]
-                                                                    for i in unused]}))
-            return
-        if int(flag[0]) > 0:
-            per_rank = ringlet.all_gather_object([self._names[i] for i in unused],
-                                                 group=self.group)
-            raise RuntimeError(self._unused_message({r: n for r, n in enumerate(per_rank) if n}))
+        if flag.any():
+            per_rank = ringlet.all_gather_object(mine, group=self.group)
+            raise RuntimeError(self._iteration_message(
+                {r: m for r, m in enumerate(per_rank) if m[0] or m[1]}))
+
+    @classmethod
+    def _iteration_message(cls, per_rank: Dict[int, Tuple[List[str], List[Any]]]) -> str:
+        unused = {r: m[0] for r, m in per_rank.items() if m[0]}
+        late = {r: m[1] for r, m in per_rank.items() if m[1]}
+        parts = []
+        if late:
+            where = "; ".join(
+                f"rank {r}: " + ", ".join(f"'{n}' (index {i}, bucket {b}, "
+                                          f"{'launched' if lau else 'not yet launched'})"
+                                          for n, i, b, lau in items)
+                for r, items in sorted(late.items()))
+            parts.append(
+                f"DistributedDataParallel: a second gradient in one iteration was refused for "
+                f"parameters already marked ready ({where}): those gradients, and the rest "
+                f"of the backward that raised there, are not in this iteration's reduction, "
+                f"so if they belong to this step, zero_grad() and redo it. Run every forward "
+                f"through ddp and call sync_gradients() after each backward. The buckets were "
+                f"still reduced on every rank and the saved contexts of the broken pass "
+                f"dropped.")
+        if unused:
+            parts.append(cls._unused_message(unused))
+        return " ".join(parts)
 
     @staticmethod
     def _unused_message(per_rank: Dict[int, List[str]]) -> str:
