@@ -60,6 +60,7 @@ from ._replicas import broadcast_packed, gather_layouts, layout_digest
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "MixedPrecision"]
 
+_NORM_CHUNK = 1 << 20  # elements widened to float64 at a time by clip_grad_norm_
 
 
 class ShardingStrategy(enum.Enum):
@@ -244,6 +245,10 @@ class FullyShardedDataParallel:
         self._fwd_order_prev: List[_FSDPUnit] = list(self._units)  # registration order first
         self._bwd_order_cur: List[_FSDPUnit] = []
         self._bwd_order_prev: Optional[List[_FSDPUnit]] = None
+        # After a backward that raised: why, and what it left that only zero_grad() clears.
+        self._failed: Optional[str] = None
+        self._failed_lost = False
+        self._failed_inplace: List[_FlatGroup] = []
         self.memory.reset_peak()
 
     # ---- construction ----------------------------------------------------------------------
@@ -540,6 +545,8 @@ class FullyShardedDataParallel:
         """
         if self._root.fwd_pending == 0:
             self._start_iteration()
+            if self._failed is not None and nn.is_grad_enabled():
+                self._check_after_failure()
         if nn.is_grad_enabled():
             self._require_sync = self._no_sync_depth == 0
         if self.broadcast_buffers and self.world_size > 1:
@@ -560,6 +567,16 @@ class FullyShardedDataParallel:
         have all finished, so ``fsdp.parameters()`` hold the mean gradient over
         all ranks (added to what they held, as with plain backward).
 
+        If it raises part-way (a layer's error), the failed pass is dropped:
+        its saved contexts, the outstanding forwards, and the unit gradients
+        not yet reduced, so they never join a later reduction.  Reductions
+        already started are completed first and add to the shard gradients,
+        as plain backward leaves partial ``.grad``: call ``zero_grad`` before
+        redoing the step.
+        Where dropping lost more than the failed pass (gradients accumulated
+        under ``no_sync`` or by earlier forwards; NO_SHARD's in-place
+        gradients), the next forward raises until ``fsdp.zero_grad()``.
+
         Raises:
             RuntimeError: no forward (with gradients enabled) to back-propagate.
         """
@@ -567,18 +584,69 @@ class FullyShardedDataParallel:
             raise RuntimeError("FSDP.backward: no forward to back-propagate (call fsdp(x) "
                                "with gradients enabled first; forwards under no_grad() save "
                                "nothing)")
+        # Unreduced gradients from before this backward (no_sync, earlier forwards in flight).
+        had_accum = any(fg.grad_full is not None and not fg.permanent for fg in self._groups)
         self._bwd_order_cur = []
         self._in_call += 1
         try:
             gin = self._root.backward(grad_output)
-        finally:
+        except BaseException as exc:
             self._in_call -= 1
+            self._drop_failed_pass(exc, had_accum)
+            raise
+        self._in_call -= 1
         self._bwd_order_prev = self._bwd_order_cur
         _col.progress(self, block=True)
         if self._root.fwd_pending == 0:
             for fg in self._groups:  # backward prefetches that found no taker
                 _col.free_full(self, fg)
         return gin
+
+    def _drop_failed_pass(self, exc: BaseException, had_accum: bool) -> None:
+        # Local: this may be the only rank that failed.  It only completes the
+        # reductions already started (every rank started them, in this order).
+        self.module.clear_context()  # else the next backward would consume them first
+        inplace = []
+        for fg in self._groups:
+            if fg.grad_full is None:
+                continue
+            for p in fg.params:
+                p.grad = None
+            if fg.permanent:  # NO_SHARD: the gradients went straight into the shard's
+                inplace.append(fg)
+            else:
+                self.memory.release(fg.grad_full)
+            fg.grad_full = None
+        try:
+            # Land the reductions already started now, not after the caller's
+            # zero_grad(); free the gathered parameters (and unused prefetches).
+            self._start_iteration()
+        except Exception:  # noqa: BLE001 - a failed group reports it at its next call
+            pass
+        for u in self._units:
+            object.__setattr__(u, "fwd_pending", 0)
+        self._failed = f"{type(exc).__name__}: {exc}"[:300]
+        self._failed_lost = self._failed_lost or had_accum
+        self._failed_inplace = list({id(fg): fg for fg in self._failed_inplace + inplace}
+                                    .values())
+
+    def _check_after_failure(self) -> None:
+        dirty = [fg.name for fg in self._failed_inplace
+                 if fg.shard.grad is not None and fg.shard.grad.any()]
+        if not self._failed_lost and not dirty:
+            self._failed, self._failed_inplace = None, []
+            return
+        what = []
+        if self._failed_lost:
+            what.append("the gradients accumulated before it (under no_sync() or by earlier "
+                        "forwards) shared the dropped buffers and are lost")
+        if dirty:
+            what.append(f"NO_SHARD gradients {dirty} still hold its unreduced partial "
+                        f"gradients")
+        raise RuntimeError(f"FSDP: the previous backward raised part-way ({self._failed}); "
+                           f"its pass was dropped, but {' and '.join(what)}. Call "
+                           f"fsdp.zero_grad() on every rank before the next forward, then "
+                           f"redo the step")
 
     def _start_iteration(self) -> None:
         _col.progress(self, block=True)
@@ -627,7 +695,11 @@ class FullyShardedDataParallel:
             yield fg.name, fg.shard  # type: ignore[misc]
 
     def zero_grad(self) -> None:
-        """Zero the shard gradients (and gradients accumulated under ``no_sync``) in place."""
+        """Zero the shard gradients (and gradients accumulated under ``no_sync``) in place.
+
+        Also acknowledges a backward that raised part-way (see ``backward``).
+        """
+        self._failed, self._failed_lost, self._failed_inplace = None, False, []
         for fg in self._groups:
             if fg.shard.grad is not None:
                 fg.shard.grad[...] = 0
@@ -646,6 +718,8 @@ class FullyShardedDataParallel:
         """Scale the shard gradients so their global L2 norm is at most ``max_norm``.
 
         Collective over the shard group.  Returns the norm before clipping.
+        The sum of squares is accumulated in float64, widening at most
+        ``_NORM_CHUNK`` elements at a time (no float64 copy of a whole shard).
 
         Raises:
             ValueError: ``max_norm`` is not a positive number.
@@ -656,10 +730,21 @@ class FullyShardedDataParallel:
                              f"{max_norm!r}")
         _col.progress(self, block=True)
         sq = np.zeros(1, np.float64)
+        wide: Optional[np.ndarray] = None  # one float64 chunk, reused
         for fg in self._groups:
-            if fg.shard.grad is not None:
-                g = fg.shard.grad.astype(np.float64, copy=False)
+            g = fg.shard.grad
+            if g is None:
+                continue
+            if g.dtype == np.float64:  # no copy needed
                 sq[0] += float(np.dot(g, g))
+                continue
+            for lo in range(0, g.size, _NORM_CHUNK):
+                c = g[lo:lo + _NORM_CHUNK]
+                if wide is None or wide.size < c.size:
+                    wide = np.empty(c.size, np.float64)
+                w = wide[:c.size]
+                np.copyto(w, c, casting="unsafe")
+                sq[0] += float(np.dot(w, w))
         if self._shard.size > 1:  # replicas hold identical shards: sum over one copy
             ringlet.all_reduce(sq, ringlet.ReduceOp.SUM, group=self._shard.pg)
         norm = float(np.sqrt(sq[0]))
