@@ -89,7 +89,8 @@ def test_slurm_master_that_does_not_resolve(monkeypatch):
 def test_precedence_ringlet_over_torchrun_over_mpi_over_slurm():
     # Parsing logic: which of several launchers' variables wins (nested launches).
     ringlet_vars = {"RINGLET_RANK": "0", "RINGLET_WORLD_SIZE": "2"}
-    torch_vars = {"RANK": "1", "WORLD_SIZE": "3"}
+    # torchrun's own markers: it is then the launcher nested inside the others.
+    torch_vars = {"RANK": "1", "WORLD_SIZE": "3", "TORCHELASTIC_RUN_ID": "none", "GROUP_RANK": "0"}
     ompi_vars = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}
     mpich_vars = {"PMI_RANK": "3", "PMI_SIZE": "5"}
     slurm_vars = {"SLURM_PROCID": "4", "SLURM_NTASKS": "6", "SLURM_JOB_NODELIST": "localhost"}
@@ -101,6 +102,45 @@ def test_precedence_ringlet_over_torchrun_over_mpi_over_slurm():
             env.update(layer)
         e = detect(env)
         assert e.source == source and e.rank == i and e.world_size == i + 2
+
+
+@pytest.mark.parametrize("mpi", [
+    {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+    {"PMI_RANK": "1", "PMI_SIZE": "2"},
+])
+def test_a_stale_rank_and_world_size_never_outvote_the_mpi_launcher(mpi):
+    # RANK=5 WORLD_SIZE=7 left in the shell, then `mpirun -n 2`: both ranks took
+    # rank 5 of 7 and waited for ranks that never came.
+    (rank_var, rank), (size_var, size) = mpi.items()
+    stale = {"RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "5"}
+    with pytest.raises(ValueError) as info:
+        detect(dict(mpi, **stale))
+    msg = str(info.value)
+    assert "conflicting launcher variables" in msg
+    assert f"{rank_var}=1, {size_var}=2" in msg and "RANK=5, WORLD_SIZE=7" in msg
+    assert "RINGLET_RANK" in msg  # says how to choose explicitly
+    # The same numbering twice (a wrapper that copies MPI's) is no conflict.
+    e = detect(dict(mpi, RANK=rank, WORLD_SIZE=size))
+    assert (e.rank, e.world_size) == (1, 2)
+    # torchrun's markers: torchrun started this process, under mpirun (one per node).
+    e = detect(dict(mpi, **dict(stale, WORLD_SIZE="8"), TORCHELASTIC_RUN_ID="job7"))
+    assert (e.source, e.rank, e.world_size) == ("torchrun", 5, 8)
+    e = detect(dict(mpi, **dict(stale, WORLD_SIZE="8"), GROUP_RANK="1"))
+    assert (e.source, e.rank, e.world_size) == ("torchrun", 5, 8)
+    # An explicit choice wins over both.
+    e = detect(dict(mpi, **stale, RINGLET_RANK="0", RINGLET_WORLD_SIZE="3"))
+    assert (e.source, e.rank, e.world_size) == ("ringlet", 0, 3)
+    # Half a pair still gives way to the launcher's complete one.
+    e = detect(dict(mpi, WORLD_SIZE="7"))
+    assert (e.rank, e.world_size) == (1, 2)
+
+
+def test_a_hand_set_rank_wins_over_a_slurm_shell():
+    # `srun --pty bash` (and a batch script) carry a one-task step's variables for a
+    # shell that may start ranks by hand: those are the job's.
+    shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "localhost"}
+    e = detect(dict(shell, RANK="1", WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500"))
+    assert (e.source, e.rank, e.world_size) == ("torchrun", 1, 2)
 
 
 def test_a_half_set_pair_gives_way_to_a_complete_later_launcher():

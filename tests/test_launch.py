@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -68,6 +69,27 @@ def test_mpirun_sets_what_detect_reads(tmp_path):
                          capture_output=True, text=True, timeout=120)
     for r in _reports(out, tmp_path, 3):
         assert (r["source"], r["master_addr"], r["master_port"]) == ("openmpi", None, None)
+
+
+def test_mpirun_with_a_stale_rank_and_world_size_fails_fast_and_says_why(tmp_path):
+    # RANK=5 WORLD_SIZE=7 (and an address) left in the shell: under `mpirun -n 2`
+    # both ranks took rank 5 of 7 and waited for a store nobody served until the
+    # init timeout.  Now each rank stops at init and names both sets of variables.
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = openmpi_env(RANK="5", WORLD_SIZE="7", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()))
+    t0 = time.monotonic()
+    out = subprocess.run([openmpi_mpirun(), "-n", "2", "--oversubscribe", sys.executable,
+                          str(script)], env=env, capture_output=True, text=True, timeout=180)
+    took = time.monotonic() - t0
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "OK rank=" not in text, text
+    # mpirun kills the other rank once one exits non-zero, maybe before it printed.
+    assert any(f"conflicting launcher variables: OMPI_COMM_WORLD_RANK={r}, "
+               f"OMPI_COMM_WORLD_SIZE=2" in text for r in range(2)), text
+    assert "RANK=5, WORLD_SIZE=7" in text, text
+    assert took < 30, f"took {took:.1f} s: waited for the init timeout (60 s)?"
 
 
 def test_mpich_mpiexec_runs_a_job(tmp_path):

@@ -240,6 +240,129 @@ def test_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
     assert not any(alive(pid) for pid in pids)
 
 
+# ---- remote ranks (--hosts, --rsh) --------------------------------------------------------------
+# ssh's model, on this host: `RSH HOST COMMAND...` runs the words as one shell command in a
+# session of its own (sshd's), relaying the streams; interrupted or killed, it exits 255 and
+# signals nothing (the remote command sees EOF on its stdin and nothing else).
+_SSH_LIKE = textwrap.dedent("""
+    import os, signal, subprocess, sys, threading
+    p = subprocess.Popen(["/bin/sh", "-c", " ".join(sys.argv[2:])], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    def pump(src, dst, close):
+        while True:
+            data = os.read(src, 65536)
+            if not data:
+                break
+            try:
+                os.write(dst, data)
+            except OSError:
+                break
+        if close:
+            os.close(dst)
+
+    threading.Thread(target=pump, args=(0, p.stdin.fileno(), True), daemon=True).start()
+    outs = [threading.Thread(target=pump, args=(p.stdout.fileno(), 1, False), daemon=True),
+            threading.Thread(target=pump, args=(p.stderr.fileno(), 2, False), daemon=True)]
+    for t in outs:
+        t.start()
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda *a: os._exit(255))
+    rc = p.wait()
+    for t in outs:
+        t.join()
+    os._exit(rc if rc >= 0 else 255)
+""")
+# `ringlet run` with "remotehost" taken for another host, served by the rsh above.
+_LAUNCH_WITH_A_REMOTE_HOST = (
+    "import sys\n"
+    "import ringlet.run as r\n"
+    "r._is_this_host = lambda h: h != 'remotehost'\n"
+    "r._store_address = lambda hosts: '127.0.0.1'\n"
+    "sys.exit(r.main(sys.argv[1:]))\n")
+_WAITS_FOR_A_SIGNAL = textwrap.dedent("""
+    import os, signal, sys, time
+    if sys.argv[1] == "stubborn" and os.environ["RINGLET_RANK"] == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("up", os.getpid(), flush=True)
+    try:
+        time.sleep(120)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise SystemExit(1)
+""")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie waiting for init to reap it is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal_a_job_with_a_remote_rank(tmp_path, sig, mode, grace):
+    """Start rank 0 here and rank 1 on "remotehost", send ``sig`` to the launcher once
+    both are up; returns (exit code, stdout, stderr, {rank: pid}, seconds to exit)."""
+    rsh = tmp_path / "ssh_like.py"
+    rsh.write_text(_SSH_LIKE)
+    job = tmp_path / "job.py"
+    job.write_text(_WAITS_FOR_A_SIGNAL)
+    p = subprocess.Popen([sys.executable, "-c", _LAUNCH_WITH_A_REMOTE_HOST,
+                          "--hosts", "localhost:1,remotehost:1",
+                          "--rsh", f"{sys.executable} {rsh}", "--grace", str(grace),
+                          str(job), mode],
+                         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        pids, lines = {}, []
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()  # ranks print "up" once they can be signalled
+            if not line:
+                break
+            lines.append(line)
+            parts = line.split()
+            if len(parts) == 3 and parts[1] == "up":
+                pids[int(parts[0].strip("[]"))] = int(parts[2])
+        assert sorted(pids) == [0, 1], lines + [p.stderr.read() if p.poll() is not None else ""]
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        rest, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+    return p.returncode, "".join(lines) + rest, err, pids, took
+
+
+def test_ctrl_c_reaches_a_remote_rank_as_sigint_and_its_last_words_arrive(tmp_path):
+    # The launcher killed the remote shell; the agent saw only EOF and sent SIGTERM:
+    # the rank's KeyboardInterrupt handler never ran and its output was cut off.
+    code, out, err, pids, _ = _signal_a_job_with_a_remote_rank(tmp_path, signal.SIGINT,
+                                                               "polite", 20)
+    assert code == 130, err
+    assert "[0] interrupted" in out and "[1] interrupted" in out, (out, err)
+    assert not any(_alive(pid) for pid in pids.values()), pids
+
+
+def test_a_remote_rank_ignoring_sigterm_is_gone_when_the_launcher_exits(tmp_path):
+    # The launcher returned at once (its remote shell died); the remote rank lived on
+    # for --grace before its agent killed it, out of the launcher's sight.
+    code, out, err, pids, took = _signal_a_job_with_a_remote_rank(tmp_path, signal.SIGTERM,
+                                                                  "stubborn", 2)
+    assert code == 128 + signal.SIGTERM, err
+    assert not _alive(pids[1]) and not _alive(pids[0]), (pids, err)
+    assert "rank(s) [1] still running 2s after being asked to stop; sending SIGKILL" in err, err
+    assert took < 2 + 10, took
+
+
 # ---- argument handling (in-process) -------------------------------------------------------------
 def test_split_argv_keeps_program_options_for_the_program():
     split = runmod._split_argv

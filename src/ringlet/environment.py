@@ -1,7 +1,7 @@
 """Where am I in the job?  Launcher detection, network interface choice, the job secret.
 
 ``detect()`` reads rank, world size and the rendezvous address from whichever
-launcher started this process, in this order (the first that is present wins):
+launcher started this process:
 
 ==========  ==============================================  ===========================
 source      rank / world size / local rank / local size     rendezvous address
@@ -18,6 +18,14 @@ slurm       SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,      first node of SLURM_
             SLURM_STEP_TASKS_PER_NODE + SLURM_NODEID        20000 + (SLURM_JOB_ID +
                                                             7919 SLURM_STEP_ID) % 20000
 ==========  ==============================================  ===========================
+
+When several are set, RINGLET_* wins; then RANK/WORLD_SIZE if torchrun set them
+(TORCHELASTIC_RUN_ID or GROUP_RANK beside them: torchrun under srun or mpirun,
+one agent per node); then Open MPI's, then MPICH's variables, which only their
+launcher sets, and a hand-set RANK/WORLD_SIZE that disagrees with them is an
+error rather than a guess (a stale export would give ranks the wrong places);
+then RANK/WORLD_SIZE; then Slurm's (an interactive ``srun --pty bash`` or a
+batch script sets them for a shell that may start a job by hand).
 
 For every source, RINGLET_MASTER_ADDR / RINGLET_MASTER_PORT, then MASTER_ADDR /
 MASTER_PORT, override the address when set.  Missing local rank / size fall
@@ -124,8 +132,31 @@ def _addr(env: Mapping[str, str]) -> Optional[str]:
     return _get(env, "RINGLET_MASTER_ADDR") or _get(env, "MASTER_ADDR")
 
 
+_SPECS = (
+    # source, rank variable, size variable, local rank variables, local size variables
+    ("ringlet", "RINGLET_RANK", "RINGLET_WORLD_SIZE", ("RINGLET_LOCAL_RANK",),
+     ("RINGLET_LOCAL_WORLD_SIZE",)),
+    ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    ("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID",), ("MPI_LOCALNRANKS",)),
+    ("slurm", "SLURM_PROCID", None, ("SLURM_LOCALID",), ()),
+)
+# torchrun (torch.distributed.elastic) sets these beside RANK/WORLD_SIZE; a shell
+# export or a job script that sets RANK/WORLD_SIZE by hand does not.
+TORCHRUN_MARKERS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK")
+_MPI_LAUNCHER = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpiexec (or another PMI "
+                 "process manager)"}
+
+
 def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
     """Work out rank, world size and rendezvous address from the launcher's variables.
+
+    Which launcher's variables count when several are set (docs/launching.md,
+    "Which launcher wins"): RINGLET_RANK/RINGLET_WORLD_SIZE always; else
+    RANK/WORLD_SIZE when torchrun set them (TORCHELASTIC_RUN_ID or GROUP_RANK
+    beside them); else an MPI launcher's (Open MPI, then MPICH), which must
+    agree with a hand-set RANK/WORLD_SIZE; else RANK/WORLD_SIZE; else Slurm's.
 
     Args:
         environ: the environment to read (default: ``os.environ``).
@@ -135,7 +166,9 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
     Raises:
         ValueError: a variable is malformed (not an integer, rank >= world
             size, only one of a rank/size pair set while no later launcher's
-            variables are complete); the message names it.
+            variables are complete); or RANK/WORLD_SIZE set without torchrun's
+            markers disagree with the MPI launcher's rank and size (a stale
+            export: the message names both sets and their values).
         RendezvousError: Slurm's first node name does not resolve.
 
     Example::
@@ -147,62 +180,99 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
     env = os.environ if environ is None else environ
     # A pair half set (WORLD_SIZE exported by a batch script, say) is an error
     # only if no later launcher's variables are complete.
-    half: Optional[str] = None
-    for source, rank_var, size_var, lrank_vars, lsize_vars in (
-            ("ringlet", "RINGLET_RANK", "RINGLET_WORLD_SIZE", ("RINGLET_LOCAL_RANK",),
-             ("RINGLET_LOCAL_WORLD_SIZE",)),
-            ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
-            ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-             ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
-            ("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID",), ("MPI_LOCALNRANKS",)),
-            ("slurm", "SLURM_PROCID", None, ("SLURM_LOCALID",), ())):
-        if source == "slurm":
-            if _get(env, rank_var) is None:
-                continue
-            size, size_var = _first_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
-                                              "SLURM_NPROCS"), minimum=1)
-            if size is None:
-                raise ValueError("SLURM_PROCID is set but none of SLURM_STEP_NUM_TASKS, "
-                                 "SLURM_NTASKS, SLURM_NPROCS is")
-        else:
-            has_rank, has_size = _get(env, rank_var) is not None, _get(env, size_var) is not None
-            if not has_rank and not has_size:
-                continue
-            if not (has_rank and has_size):
-                missing = size_var if has_rank else rank_var
-                present = rank_var if has_rank else size_var
-                half = half or f"{present} is set but {missing} is not; a {source} launch sets both"
-                continue
-            size = _int(env, size_var, minimum=1)
-        rank = _int(env, rank_var)
-        if rank >= size:
-            raise ValueError(f"{rank_var}={rank} is not below {size_var}={size}")
-        lrank, lrank_var = _first_int(env, lrank_vars)
-        if source == "slurm":
-            lsize, lsize_var = _slurm_local_size(env)
-        else:
-            lsize, lsize_var = _first_int(env, lsize_vars, minimum=1)
-        if lrank is None:
-            lrank, lrank_var = rank, rank_var
-        if lsize is None:
-            lsize, lsize_var = size, size_var
-        if lrank >= lsize:
-            raise ValueError(f"{lrank_var}={lrank} is not below {lsize_var}={lsize}")
-        addr = _addr(env)
-        port, _ = _port(env)
-        if source == "slurm":
-            if addr is None:
-                addr = _slurm_master(env)
-            if port is None:
-                job, _ = _first_int(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
-                if job is not None:
-                    # The step too: steps of one job run side by side (srun a & srun b).
-                    step, _ = _first_int(env, ("SLURM_STEP_ID", "SLURM_STEPID"))
-                    port = 20000 + (job + 7919 * (step or 0)) % 20000
-        return LaunchEnv(rank, size, lrank, lsize, addr, port, source)
-    if half is not None:
-        raise ValueError(half)
+    half: List[str] = []
+    specs = {spec[0]: spec for spec in _SPECS}
+    found = _read_source(env, specs["ringlet"], half)
+    if found is not None:
+        return found  # explicit: never second-guessed
+    torch = _read_source(env, specs["torchrun"], half)
+    if torch is not None and any(_get(env, m) is not None for m in TORCHRUN_MARKERS):
+        # torchrun started this process; an srun or mpirun around it (one agent
+        # per node) numbers nodes, not ranks.
+        return torch
+    for source in ("openmpi", "mpich"):
+        mpi = _read_source(env, specs[source], half)
+        if mpi is None:
+            continue
+        if torch is not None and (torch.rank, torch.world_size) != (mpi.rank, mpi.world_size):
+            raise ValueError(_conflict(env, specs["torchrun"], specs[source]))
+        return torch or mpi
+    if torch is not None:
+        return torch
+    found = _read_source(env, specs["slurm"], half)
+    if found is not None:
+        return found
+    if half:
+        raise ValueError(half[0])
     return None
+
+
+def _conflict(env: Mapping[str, str], torch_spec: tuple, mpi_spec: tuple) -> str:
+    def values(spec: tuple) -> str:
+        return f"{spec[1]}={_get(env, spec[1])}, {spec[2]}={_get(env, spec[2])}"
+
+    return (f"conflicting launcher variables: {values(mpi_spec)} ({mpi_spec[0]}: set by "
+            f"{_MPI_LAUNCHER[mpi_spec[0]]}, which started this process) but "
+            f"{values(torch_spec)} (set by hand or left over: torchrun would also have set "
+            f"{' or '.join(TORCHRUN_MARKERS)}). Each rank would take the wrong place in the "
+            f"job. Unset RANK and WORLD_SIZE (and LOCAL_RANK, LOCAL_WORLD_SIZE) before "
+            f"launching with mpirun or mpiexec, or set RINGLET_RANK and RINGLET_WORLD_SIZE "
+            f"to choose explicitly")
+
+
+def _read_source(env: Mapping[str, str], spec: tuple, half: List[str]) -> Optional[LaunchEnv]:
+    """One launcher's ``LaunchEnv``, or None when its variables are absent or half set
+    (then a message goes to ``half``).
+
+    Raises:
+        ValueError: a malformed value.
+        RendezvousError: Slurm's first node name does not resolve.
+    """
+    source, rank_var, size_var, lrank_vars, lsize_vars = spec
+    if source == "slurm":
+        if _get(env, rank_var) is None:
+            return None
+        size, size_var = _first_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
+                                          "SLURM_NPROCS"), minimum=1)
+        if size is None:
+            raise ValueError("SLURM_PROCID is set but none of SLURM_STEP_NUM_TASKS, "
+                             "SLURM_NTASKS, SLURM_NPROCS is")
+    else:
+        has_rank, has_size = _get(env, rank_var) is not None, _get(env, size_var) is not None
+        if not has_rank and not has_size:
+            return None
+        if not (has_rank and has_size):
+            missing = size_var if has_rank else rank_var
+            present = rank_var if has_rank else size_var
+            half.append(f"{present} is set but {missing} is not; a {source} launch sets both")
+            return None
+        size = _int(env, size_var, minimum=1)
+    rank = _int(env, rank_var)
+    if rank >= size:
+        raise ValueError(f"{rank_var}={rank} is not below {size_var}={size}")
+    lrank, lrank_var = _first_int(env, lrank_vars)
+    if source == "slurm":
+        lsize, lsize_var = _slurm_local_size(env)
+    else:
+        lsize, lsize_var = _first_int(env, lsize_vars, minimum=1)
+    if lrank is None:
+        lrank, lrank_var = rank, rank_var
+    if lsize is None:
+        lsize, lsize_var = size, size_var
+    if lrank >= lsize:
+        raise ValueError(f"{lrank_var}={lrank} is not below {lsize_var}={lsize}")
+    addr = _addr(env)
+    port, _ = _port(env)
+    if source == "slurm":
+        if addr is None:
+            addr = _slurm_master(env)
+        if port is None:
+            job, _ = _first_int(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
+            if job is not None:
+                # The step too: steps of one job run side by side (srun a & srun b).
+                step, _ = _first_int(env, ("SLURM_STEP_ID", "SLURM_STEPID"))
+                port = 20000 + (job + 7919 * (step or 0)) % 20000
+    return LaunchEnv(rank, size, lrank, lsize, addr, port, source)
 
 
 def torchrun_agent_store(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -735,7 +805,7 @@ def _environ_summary(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     prefixes = ("RINGLET_", "OMPI_COMM_WORLD_", "PMI_", "SLURM_PROCID", "SLURM_NTASKS",
                 "SLURM_LOCALID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
     plain = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-             "MASTER_PORT", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+             "MASTER_PORT", "MPI_LOCALRANKID", "MPI_LOCALNRANKS") + TORCHRUN_MARKERS
     out = {}
     for k in sorted(env):
         if k.startswith(prefixes) or k in plain:

@@ -33,7 +33,8 @@ Shutdown rules:
   * ``--timeout`` bounds the whole run: all ranks are stopped, exit code 124.
 
 Each rank runs in its own process group (session), so the launcher alone
-decides how signals reach it, and stopping a rank also stops the processes it
+decides how signals reach it (a remote rank's go to its agent as lines on the
+remote shell's stdin), and stopping a rank also stops the processes it
 started (data loader workers, shells).  On Linux each rank also gets
 ``PR_SET_PDEATHSIG`` (SIGKILL), so even a launcher killed with SIGKILL leaves
 no orphans behind.
@@ -322,6 +323,9 @@ def _store_address(hosts: List[Tuple[str, int]]) -> str:
 
 # The remote end of one rank (`CMD HOST 'cd DIR && exec PYTHON -c AGENT'`).
 _AGENT = "from ringlet.run import _agent; _agent()"
+# What the launcher may send a remote rank through its agent's stdin.
+_CHANNEL_SIGNALS = frozenset({int(signal.SIGINT), int(signal.SIGTERM), int(signal.SIGHUP),
+                              int(signal.SIGKILL)})
 # Launcher variables that describe its own host, which a remote rank's host decides.
 _NOT_FORWARDED = frozenset({"RINGLET_HOST_ID", "RINGLET_IFNAME", "RINGLET_RPC_HOST",
                             "RINGLET_SECRET_FILE"})
@@ -334,9 +338,15 @@ def _agent() -> None:
     travels there, never in a command line), starts the rank in a process
     group of its own and exits with its code (128 + S if signal S killed it),
     once whatever the rank left in its process group is gone too.
-    The launcher going away (stdin at EOF, as when ssh exits) or a SIGINT,
-    SIGTERM or SIGHUP stops the rank: that signal (SIGTERM at EOF), then
-    SIGKILL after the launcher's grace period.
+    Later stdin lines are the launcher's signals for the rank
+    (``{"signal": N}``), sent to its process group as they come (the launcher
+    keeps the grace period and sends SIGKILL itself): a remote shell forwards
+    no signal (ssh's remote command gets none), so this is how the launcher's
+    Ctrl-C reaches a remote rank as SIGINT while the launcher still sees the
+    rank's last output and real exit.  The launcher going away (stdin at EOF,
+    as when ssh exits) or a SIGINT, SIGTERM or SIGHUP to this agent stops the
+    rank too: that signal (SIGTERM at EOF), then SIGKILL after the launcher's
+    grace period.
     """
     line = sys.stdin.buffer.readline(1 << 20)
     try:
@@ -358,8 +368,22 @@ def _agent() -> None:
         sys.stderr.write(f"{_PROG}: cannot start {cmd[0]!r} on {socket.gethostname()}: {exc}\n")
         os._exit(127)
     gone = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.buffer.read(), gone.set()), daemon=True).start()
+    told: List[int] = []  # the launcher's signals: it keeps the time (--grace) itself
+
+    def channel() -> None:
+        # The launcher's signals, one JSON line each, until EOF (launcher gone).
+        for msg in iter(lambda: sys.stdin.buffer.readline(1 << 10), b""):
+            try:
+                sig = json.loads(msg)["signal"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if sig in _CHANNEL_SIGNALS:
+                told.append(int(sig))
+        gone.set()
+
+    threading.Thread(target=channel, daemon=True).start()
     stop_at: Optional[float] = None
+    forwarded = relayed = 0
     while True:
         try:
             rc = p.wait(timeout=0.1)
@@ -367,8 +391,16 @@ def _agent() -> None:
         except subprocess.TimeoutExpired:
             pass
         try:
-            if stop_at is None and (asked or gone.is_set()):
-                os.killpg(p.pid, asked[0] if asked else signal.SIGTERM)
+            while relayed < len(told):  # in order: a later one may be SIGKILL
+                os.killpg(p.pid, told[relayed])
+                relayed += 1
+            while forwarded < len(asked):
+                os.killpg(p.pid, asked[forwarded])
+                forwarded += 1
+                if stop_at is None:
+                    stop_at = time.monotonic() + grace
+            if stop_at is None and gone.is_set():
+                os.killpg(p.pid, signal.SIGTERM)
                 stop_at = time.monotonic() + grace
             elif stop_at is not None and time.monotonic() >= stop_at:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -412,14 +444,31 @@ class _Launcher:
             self.signal = signum
         self.signal_count += 1
 
-    def _send(self, sig: int, ranks: Optional[Sequence[int]] = None) -> None:
+    def _send(self, sig: int, ranks: Optional[Sequence[int]] = None, *,
+              hard: bool = False) -> None:
+        """Signal ranks: a local rank's process group; a remote rank's agent through
+        its remote shell's stdin (the shell's own group with ``hard``, or when the
+        channel is gone: that only cuts the shell, and the agent then sees EOF)."""
         for r, p in enumerate(self.procs):
             if ranks is not None and r not in ranks:
+                continue
+            if p.stdin is not None and not hard and self._tell(p, sig):
                 continue
             try:
                 os.killpg(p.pid, sig)  # the rank's whole process group
             except (ProcessLookupError, PermissionError):
                 pass
+
+    @staticmethod
+    def _tell(p: subprocess.Popen, sig: int) -> bool:
+        """Write ``{"signal": sig}`` to a remote rank's agent; False if the channel is gone."""
+        try:
+            # Non-blocking (set at spawn): a remote shell that stopped reading
+            # must not hold up the launcher; it is cut instead.
+            return os.write(p.stdin.fileno(), json.dumps({"signal": int(sig)}).encode()
+                            + b"\n") > 0
+        except (OSError, ValueError):
+            return False
 
     # ---- run --------------------------------------------------------------------------
     def run(self) -> int:
@@ -442,7 +491,8 @@ class _Launcher:
             # outlives the launcher.
             still = [r for r in range(len(self.procs)) if r not in self.codes]
             if still:
-                self._send(signal.SIGKILL, still)
+                self._send(signal.SIGKILL, still)  # through the channel first,
+                self._send(signal.SIGKILL, still, hard=True)  # then the shells
             for p in self.procs:
                 if p.stdin is not None:  # a remote rank's channel: its EOF stops the rank
                     try:
@@ -499,6 +549,7 @@ class _Launcher:
                 try:
                     p.stdin.write(json.dumps(desc).encode() + b"\n")
                     p.stdin.flush()
+                    os.set_blocking(p.stdin.fileno(), False)  # for _tell
                 except OSError:
                     pass  # the remote shell failed at once: its exit code says why
             self.procs.append(p)
@@ -573,6 +624,7 @@ class _Launcher:
         deadline = None if self.timeout is None else start + self.timeout
         stopping_since: Optional[float] = None
         killed_at: Optional[float] = None
+        cut = False
         forwarded = 0
         code: Optional[int] = None
         pending: Optional[Tuple[int, int, int, str]] = None  # (blamed, first, its rc, report)
@@ -602,6 +654,12 @@ class _Launcher:
                               f"asked to stop; sending SIGKILL")
                 self._send(signal.SIGKILL, running)
                 killed_at = now
+            if killed_at is not None and not cut and now > killed_at + 2.0:
+                # A remote shell still there 2 s after its rank's SIGKILL went down
+                # the channel: unreachable host or hung ssh.  Cut it.
+                self._send(signal.SIGKILL, [r for r in running
+                                            if self.procs[r].stdin is not None], hard=True)
+                cut = True
             if killed_at is not None and now > killed_at + 5.0:
                 self._say(f"rank(s) {running} survive SIGKILL (uninterruptible?); giving up")
                 break
@@ -647,7 +705,7 @@ class _Launcher:
             self._verdict(pending[1], pending[2], "")
         # Anything a stopped rank left in its process group goes too.
         if stopping_since is not None:
-            self._send(signal.SIGKILL)
+            self._send(signal.SIGKILL, hard=True)
         return 0 if code is None else code
 
 
