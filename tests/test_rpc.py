@@ -163,6 +163,8 @@ def _all_pairs(rank, n):
     fired = []
     futs[0].add_done_callback(lambda f: fired.append(f.done()))
     asy = [f.result(timeout=20) for f in futs]
+    # Callbacks run on the callback pool: result() may return just before they do.
+    poll_until(lambda: fired, 10, "the done-callback")
     assert all(f.done() for f in futs) and fired == [True]
     nested = rpc.rpc_sync((rank + 1) % n, relay, args=((rank + 2) % n, rank))
     rpc.shutdown()
@@ -801,13 +803,14 @@ def test_remote_to_self_settles_when_its_request_fails():
     assert "not ready" not in msg and took < 10, out
 
 
-def _timer_thread_blocked(rank, n):
+def _blocked_callback_and_timeouts(rank, n):
     rpc.init_rpc(f"w{rank}", rpc_timeout=20)
     out = None
     if rank == 0:
         unblock = threading.Event()
         first = rpc.rpc_async("w1", wait_for, args=("tb-release", 15.0, 1), timeout=0.3)
-        # A callback of a timed-out call runs on the timer thread and blocks it.
+        # A callback of a timed-out call that blocks: it used to run on the timer
+        # thread and hold up every other call's timeout.
         first.add_done_callback(lambda f: unblock.wait(30))
         t0 = time.monotonic()
         try:
@@ -820,8 +823,53 @@ def _timer_thread_blocked(rank, n):
     return out
 
 
-def test_a_wait_ends_past_the_deadline_when_the_timer_thread_is_blocked():
-    # rpc_sync waited on its future's timer only; a done-callback holding the
-    # timer thread kept it waiting as long as the callback ran.
-    msg, took = run_world(_timer_thread_blocked, 2, timeout=90)[0]
-    assert "timer did not fire" in msg and took < 20, (msg, took)
+def test_a_blocking_done_callback_holds_up_no_other_calls_timeout():
+    msg, took = run_world(_blocked_callback_and_timeouts, 2, timeout=90)[0]
+    assert "timed out after 0.3 s" in msg and took < 5, (msg, took)
+
+
+def _callbacks_that_call(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        held = rpc.remote(1, "Counter", args=(5,))  # owned by w1: sending it asks w1 to count it
+        held.confirmed()
+        seen: dict = {}
+        finished = threading.Event()
+
+        def callback(f):
+            try:
+                where = threading.current_thread().name
+                # Both wait for replies from w1 on the connection whose reply
+                # completed ``f``: its reader must not be the thread running this.
+                echoed = rpc.rpc_sync(1, whoami, args=(f.result() + 1,), timeout=5)
+                owner = rpc.rpc_sync(1, keep_rref, args=("from-callback", held), timeout=5)
+                seen["ok"] = (where, echoed, owner)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                seen["error"] = repr(exc)
+            finally:
+                finished.set()
+
+        fut = rpc.rpc_async(1, wait_for, args=("cb-go", 10.0, 1))
+        fut.add_done_callback(callback)  # before the reply can arrive: w1 waits for cb-go
+        t0 = time.monotonic()
+        rpc.rpc_sync(1, set_event, args=("cb-go",))
+        assert finished.wait(30), "the callback never finished"
+        took = time.monotonic() - t0
+        counted = rpc.rpc_sync(1, use_kept, args=("from-callback",))
+        rpc.rpc_sync(1, drop_kept, args=("from-callback",))
+        out = (seen, took, counted)
+    rpc.shutdown()
+    return out
+
+
+def test_a_done_callback_may_call_the_same_worker_and_send_it_rrefs():
+    # The callback ran on the reader of the connection to w1; its own call to w1
+    # (and the count an RRef argument needs from w1) waited for a reply that
+    # reader could not read, until the call's timeout.
+    seen, took, counted = run_world(_callbacks_that_call, 2, timeout=90)[0]
+    assert "error" not in seen, seen
+    where, echoed, owner = seen["ok"]
+    assert where.startswith("rpc0-callback"), where
+    assert echoed == [1, 2] and owner == "w1" and counted == 5
+    assert took < 4, took  # well inside the inner calls' 5 s timeouts

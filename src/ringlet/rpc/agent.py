@@ -134,6 +134,10 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         self.port = self._listener.getsockname()[1]
         self._threads: List[threading.Thread] = []
         self._pool: Optional[_Pool] = None
+        # Done-callbacks of this agent's futures: never on a reader or the timer
+        # thread, since a callback that calls (or sends an RRef) waits for a
+        # reply only those threads deliver.
+        self._callback_pool: Optional[_Pool] = None
 
     # ---- startup ------------------------------------------------------------------
     def endpoint_record(self) -> list:
@@ -162,6 +166,7 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
                              for r in records]
         self._connect_locks = {r: threading.Lock() for r in range(self.world_size)}
         self._pool = _Pool(self.num_worker_threads, f"rpc{self.rank}-worker", self)
+        self._callback_pool = _Pool(self.num_worker_threads, f"rpc{self.rank}-callback", self)
         for target, nm in ((self._accept_loop, "accept"), (self._timer_loop, "timer"),
                            (self._release_loop, "release")):
             t = threading.Thread(target=target, name=f"rpc{self.rank}-{nm}", daemon=True)
@@ -232,6 +237,7 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         deadline = time.monotonic() + timeout
         fut = Future(desc, rank=self.rank, peer=dst)
         fut._deadline = deadline
+        fut._runner = self._run_callbacks
         transferred: List[Tuple[int, RRefKey]] = []
         try:
             enc = ser.encode(payload, limits=self._peer_limits[dst], allow_pickle=self._pickle_with(dst),
@@ -273,6 +279,28 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
                 err = self._shut_error(desc)
             self._complete(rid, exc=err)
         return fut
+
+    def _run_callbacks(self, job: Any) -> None:
+        """Run a future's done-callbacks (``job``) on the callback pool.
+
+        They count as completing until they return, so graceful shutdown's
+        drain waits for the calls they make.  Once the pool is closed they run
+        on the completing thread (shutdown failing the last pending calls).
+        """
+        with self._plock:
+            self._completing += 1
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                with self._plock:
+                    self._completing -= 1
+                    self._pcond.notify_all()
+
+        pool = self._callback_pool
+        if pool is None or not pool.submit(run):
+            run()
 
     def _shut_error(self, desc: str) -> RingletError:
         return RingletError(f"{desc}: ringlet.rpc on worker {self.name!r} was shut down", rank=self.rank, op="rpc")
@@ -562,6 +590,8 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         self._release_q.put(None)
         if self._pool is not None:
             self._pool.close(join_timeout=2.0)
+        if self._callback_pool is not None:
+            self._callback_pool.close(join_timeout=2.0)
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(2.0)

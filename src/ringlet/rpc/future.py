@@ -59,7 +59,7 @@ class Future:
     """
 
     __slots__ = ("_desc", "_rank", "_peer", "_event", "_lock", "_value", "_exc", "_callbacks",
-                 "_deadline")
+                 "_deadline", "_runner")
 
     def __init__(self, description: str = "rpc", *, rank: Optional[int] = None, peer: Optional[int] = None) -> None:
         self._desc = description
@@ -74,6 +74,9 @@ class Future:
         # without a timeout ends a little after it even if the timer thread,
         # which completes timed-out calls, is held up by a done-callback.
         self._deadline: Optional[float] = None
+        # Where done-callbacks run, set by the agent: off the RPC I/O threads,
+        # whose replies a callback's own blocking call would wait for.
+        self._runner: Optional[Callable[[Callable[[], None]], None]] = None
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._exc is not None else "done")
@@ -136,11 +139,21 @@ class Future:
     def add_done_callback(self, fn: Callable[["Future"], None]) -> None:
         """Call ``fn(future)`` when the future completes (at once if it already has).
 
-        The callback runs on the thread that completes the future (an RPC
-        I/O thread), so it should be quick; exceptions it raises are logged.
+        The callbacks of an RPC's future run, in the order they were added, on
+        one of the agent's callback threads (``num_worker_threads`` of them),
+        never on the thread that reads replies or fires timeouts: a callback
+        may make blocking RPC calls, send RRefs or wait on other futures.
+        One added to a future that is already done runs at once on the
+        calling thread.  Graceful ``shutdown`` waits for running callbacks;
+        exceptions they raise are logged.
 
         Raises:
             TypeError: ``fn`` is not callable.
+
+        Example::
+
+            fut = rpc.rpc_async("ps", "get_weights")
+            fut.add_done_callback(lambda f: rpc.rpc_sync("ps", "ack", args=(len(f.result()),)))
         """
         if not callable(fn):
             raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")
@@ -165,6 +178,13 @@ class Future:
             self._exc = exc
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
+        if callbacks:
+            if self._runner is not None:
+                self._runner(lambda: self._run_callbacks(callbacks))
+            else:
+                self._run_callbacks(callbacks)
+        return True
+
+    def _run_callbacks(self, callbacks: List[Callable[["Future"], None]]) -> None:
         for fn in callbacks:
             self._run_callback(fn)
-        return True

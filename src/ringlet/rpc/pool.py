@@ -19,12 +19,19 @@ class _Pool:
     def __init__(self, n: int, name: str, agent: Any) -> None:
         self._q: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
         self._agent = agent
+        self._lock = threading.Lock()
+        self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
-        self._q.put(job)
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue ``job``; False (and not queued) once the pool is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._q.put(job)
+            return True
 
     def _run(self) -> None:
         _tls.agent = self._agent
@@ -41,8 +48,13 @@ class _Pool:
             job = None
 
     def close(self, join_timeout: float) -> None:
-        for _ in self._threads:
-            self._q.put(None)
+        """Let the queued jobs finish, then stop the threads (joined up to ``join_timeout``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                self._q.put(None)
         deadline = time.monotonic() + join_timeout
         for t in self._threads:
             if t is not threading.current_thread():
