@@ -222,22 +222,10 @@ def test_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path):
         p.kill()
         p.wait(30)
 
-    def alive(pid):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        # A zombie waiting for init to reap it is gone for our purposes.
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().split(")")[-1].split()[0] != "Z"
-        except OSError:
-            return False
-
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(_alive(pid) for pid in pids)
 
 
 # ---- remote ranks (--hosts, --rsh) --------------------------------------------------------------

@@ -252,11 +252,7 @@ class Parameter:
             ...
             h.remove()
         """
-        if not callable(fn):
-            raise TypeError(f"hook must be callable, got {type(fn).__name__}")
-        key = next(self._hook_ids)
-        self._hooks[key] = fn
-        return HookHandle([lambda: self._hooks.pop(key, None)])
+        return self._add_hook(self._hooks, fn)
 
     def register_grad_pre_accumulate_hook(self, fn: Callable[["Parameter"], None]) -> HookHandle:
         """Call ``fn(param)`` before each gradient is added into ``.grad`` in backward.
@@ -279,11 +275,15 @@ class Parameter:
                 raise RuntimeError("no gradients for this one")
             h = layer.weight.register_grad_pre_accumulate_hook(frozen)
         """
+        return self._add_hook(self._pre_hooks, fn)
+
+    def _add_hook(self, table: Dict[int, Callable[["Parameter"], None]],
+                  fn: Callable[["Parameter"], None]) -> HookHandle:
         if not callable(fn):
             raise TypeError(f"hook must be callable, got {type(fn).__name__}")
         key = next(self._hook_ids)
-        self._pre_hooks[key] = fn
-        return HookHandle([lambda: self._pre_hooks.pop(key, None)])
+        table[key] = fn
+        return HookHandle([lambda: table.pop(key, None)])
 
     def zero_grad(self) -> None:
         """Set ``.grad`` to zero in place (no-op while it is None)."""
