@@ -930,7 +930,7 @@ static int connect_once(rl_comm *c, const rl_opdesc *op, int peer,
         }
         int soerr = 0;
         socklen_t el = sizeof soerr;
-        getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &el);
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &el) != 0) soerr = errno;
         if (soerr) {
             close(fd);
             return connect_fail(c, op, peer, soerr);
@@ -947,9 +947,22 @@ static int connect_once(rl_comm *c, const rl_opdesc *op, int peer,
     put32(hello + 24, c->id);
     put32(hello + 28, (uint32_t)ctx->rank);
     put32(hello + 32, (uint32_t)wr);
-    if (rl_random_bytes(hello + 36, 32) != 0) { close(fd); return rl_fail(c, op, RL_ERR_SYSTEM, peer, errno, "getrandom failed"); }
+    if (rl_random_bytes(hello + 36, 32) != 0) {
+        int e = errno;
+        close(fd);
+        return rl_fail(c, op, RL_ERR_SYSTEM, peer, e, "getrandom failed");
+    }
+    /* The acceptor reads a HELLO whole before it refuses one, so a close
+     * while ours is still going out is an eviction: retry. */
     st = hs_io(fd, hello, HELLO_LEN, 1, deadline, &got);
-    if (st == RL_OK) st = hs_io(fd, reply, REPLY_LEN, 0, deadline, &got);
+    if (st == RL_ERR_PEER_CLOSED) {
+        close(fd);
+        *dropped = 1;
+        return st;
+    }
+    if (st != RL_OK) return hs_fail(c, op, peer, fd, st, "sending our HELLO");
+    /* From here `got` counts reply bytes only: a refusal is those 4 bytes, then a close. */
+    st = hs_io(fd, reply, REPLY_LEN, 0, deadline, &got);
     if (st == RL_ERR_PEER_CLOSED && got == 4 && get32(reply) == HELLO_REFUSED) {
         close(fd);
         return rl_fail(c, op, RL_ERR_AUTH, peer, 0,
