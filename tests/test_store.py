@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 
 import pytest
 
@@ -102,6 +103,32 @@ def test_large_value_round_trip(client):
     rng = os.urandom(8 << 20)
     client.set("big", rng)
     assert client.get("big") == rng
+
+
+def _peak_above_start(fn):
+    """(fn's result, the most memory Python held during fn above what it held before)."""
+    base = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    out = fn()
+    return out, tracemalloc.get_traced_memory()[1] - base
+
+
+def test_a_large_value_is_held_once_not_copied(client):
+    # Server and client run in this process, so tracemalloc sees both.  The
+    # value is the server's stored copy on set and the client's result on
+    # get: each close to n once.  Receiving into a buffer and then copying it
+    # (or slicing it, then copying the slice) held it two or three times.
+    n = 32 << 20
+    value = b"\xa5" * n
+    tracemalloc.start()
+    try:
+        _, set_peak = _peak_above_start(lambda: client.set("big", value))
+        got, get_peak = _peak_above_start(lambda: client.get("big"))
+    finally:
+        tracemalloc.stop()
+    assert type(got) is bytes and got == value
+    assert set_peak < 1.5 * n, f"set held {set_peak / n:.2f}x the value"
+    assert get_peak < 1.5 * n, f"get held {get_peak / n:.2f}x the value"
 
 
 def test_bad_arguments_raise_before_sending(client):
@@ -382,6 +409,57 @@ def _authed_raw(server) -> socket.socket:
     return s
 
 
+def test_an_unauthenticated_peer_gets_no_large_read_buffer(server):
+    # Before the handshake the server reads at most what a handshake holds
+    # (one byte over shows a client that sends ahead): receiving 200 bytes
+    # of noise used to allocate a 1 MiB chunk.
+    def noise():
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            try:
+                s.sendall(b"\xff" * 200)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            assert _recv_eof(s)
+
+    before = server.rejected
+    tracemalloc.start()
+    try:
+        _, peak = _peak_above_start(noise)
+    finally:
+        tracemalloc.stop()
+    poll(lambda: server.rejected == before + 1, what="the noise to be counted")
+    assert peak < 256 << 10, f"{peak} bytes held while refusing 200 bytes of noise"
+
+
+def test_large_values_pipelined_with_other_requests(server):
+    # A large value is received into its own buffer; the bytes after it (the
+    # next requests, sent in the same write) must still be read as requests.
+    big = os.urandom(3 << 20)
+    with _authed_raw(server) as s:
+        s.sendall(struct.pack("!BIQQ", 1, 1, len(big), 0) + b"b" + big     # SET b
+                  + struct.pack("!BIQQ", 1, 1, 2, 0) + b"s" + b"hi"        # SET s
+                  + struct.pack("!BIQQ", 2, 1, 0, 0) + b"s"                # GET s
+                  + struct.pack("!BIQQ", 2, 1, 0, 0) + b"b")               # GET b
+        s.settimeout(10)
+        want = (struct.pack("!BQ", 0, 0) * 2 + struct.pack("!BQ", 0, 2) + b"hi"
+                + struct.pack("!BQ", 0, len(big)) + big)
+        data = bytearray()
+        while len(data) < len(want):
+            chunk = s.recv(1 << 20)
+            assert chunk, "the server closed the connection"
+            data += chunk
+        assert data == want
+
+
+def test_a_client_gone_in_the_middle_of_a_large_value_is_forgotten(server, client):
+    with _authed_raw(server) as s:
+        s.sendall(struct.pack("!BIQQ", 1, 1, 8 << 20, 0) + b"k" + bytes(1 << 20))
+        poll(lambda: any(c.body is not None for c in list(server._conns)),
+             what="the value to be received into its own buffer")
+    poll(lambda: len(server._conns) == 1, what="the connection to be closed")
+    assert not client.check("k")
+
+
 @pytest.mark.parametrize("header", [
     struct.pack("!BIQQ", 1, 3, 1 << 40, 0),       # 1 TiB value announced
     struct.pack("!BIQQ", 2, 1 << 31, 0, 0),       # 2 GiB key announced
@@ -389,6 +467,7 @@ def _authed_raw(server) -> socket.socket:
     struct.pack("!BIQQ", 1, 0, 1, 0) + b"x",      # SET without a key
     struct.pack("!BIQQ", 6, 0, 3, 0) + b"\0\0\0",  # malformed WAIT key list
     struct.pack("!BIQQ", 3, 1, 2, 0) + b"k\0\0",  # ADD with a 2-byte amount
+    struct.pack("!BIQQ", 3, 1, 1 << 16, 0) + b"k" + bytes(1 << 16),  # ... a 64 KiB one
 ])
 def test_malformed_request_closes_only_that_client(server, client, header):
     before = server.rejected

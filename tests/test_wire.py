@@ -302,3 +302,158 @@ def test_python_server_follows_the_spec():
         ls.close()
     assert got["claim"] == claim
 
+
+
+# ---- the stream and the codec hold a large payload once ------------------------------
+import signal  # noqa: E402
+import tracemalloc  # noqa: E402
+
+from ringlet._wire import codec as _codec, stream as _stream  # noqa: E402
+
+
+def _tcp_pair():
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        a = socket.create_connection(ls.getsockname(), timeout=DEADLINE_S)
+        b, _ = ls.accept()
+    return a, b
+
+
+def _send_later(sock, parts, *, gap=0.0, between=None, close=False):
+    """Thread: send ``parts`` with ``gap`` s between them, calling ``between()`` in each gap."""
+    def run():
+        try:
+            for i, part in enumerate(parts):
+                if i:
+                    time.sleep(gap)
+                    if between is not None:
+                        between()
+                    time.sleep(gap)
+                sock.sendall(part)
+            if close:
+                sock.close()
+        except OSError:
+            pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _peak_above_start(fn):
+    """(fn's result, the most memory Python held during fn above what it held before)."""
+    base = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    out = fn()
+    return out, tracemalloc.get_traced_memory()[1] - base
+
+
+def test_recv_exact_holds_a_large_payload_once():
+    # Received straight into the bytes object returned; a bytearray that was
+    # then copied into bytes held the payload twice.
+    n = 16 << 20
+    payload = os.urandom(n)
+    parts = [payload[i:i + (1 << 20)] for i in range(0, n, 1 << 20)]
+    a, b = _tcp_pair()
+    with a, b:
+        t = _send_later(b, parts)
+        tracemalloc.start()
+        try:
+            got, peak = _peak_above_start(
+                lambda: _stream.recv_exact(a, n, time.monotonic() + DEADLINE_S))
+        finally:
+            tracemalloc.stop()
+        t.join(DEADLINE_S)
+    assert type(got) is bytes and got == payload
+    assert peak < 1.5 * n, f"recv_exact held {peak / n:.2f}x the payload"
+
+
+def test_recv_exact_keeps_its_deadline_and_reports_eof():
+    n = 1 << 20
+    a, b = _tcp_pair()
+    with a, b:
+        b.sendall(bytes(n // 2))  # then silence
+        t0 = time.monotonic()
+        with pytest.raises(socket.timeout):
+            _stream.recv_exact(a, n, t0 + 0.5)
+        took = time.monotonic() - t0
+        assert 0.45 <= took < 10, took
+    a, b = _tcp_pair()
+    with a:
+        b.sendall(bytes(100_000))
+        b.close()
+        with pytest.raises(_stream.ShortRead) as info:
+            _stream.recv_exact(a, n, time.monotonic() + DEADLINE_S)
+        assert (info.value.got, info.value.n) == (100_000, n)
+    a, b = _tcp_pair()
+    with a:
+        b.close()
+        with pytest.raises(_stream.ShortRead) as info:
+            _stream.recv_exact(a, n, time.monotonic() + DEADLINE_S)
+        assert info.value.got == 0
+
+
+def test_recv_exact_finishes_a_payload_a_signal_cut():
+    # A signal whose handler returns ends the in-place receive part way; the
+    # rest must still be read, not reported as EOF.
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run in the main thread only")
+    n = 4 << 20
+    payload = os.urandom(n)
+    hits = []
+    main = threading.main_thread().ident
+    old = signal.signal(signal.SIGUSR1, lambda *_: hits.append(1))
+    a, b = _tcp_pair()
+    try:
+        with a, b:
+            t = _send_later(b, [payload[:n // 2], payload[n // 2:]], gap=0.2,
+                            between=lambda: signal.pthread_kill(main, signal.SIGUSR1))
+            got = _stream.recv_exact(a, n, time.monotonic() + DEADLINE_S)
+            t.join(DEADLINE_S)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert hits == [1]
+    assert got == payload
+
+
+def test_codec_copies_large_bytes_once():
+    # dumps: each out-of-band buffer joined as it is (it was copied, then
+    # joined); loads: meta read where it lies, bytes sliced out once (they
+    # went through a bytearray, then were copied).
+    n = 16 << 20
+    value = {"blob": os.urandom(n), "step": 3}
+    tracemalloc.start()
+    try:
+        frame, dumps_peak = _peak_above_start(lambda: _codec.dumps(value))
+        out, loads_peak = _peak_above_start(lambda: _codec.loads(frame))
+    finally:
+        tracemalloc.stop()
+    assert out == value
+    assert dumps_peak < 1.5 * n, f"dumps held {dumps_peak / n:.2f}x the value"
+    assert loads_peak < 1.5 * n, f"loads held {loads_peak / n:.2f}x the value"
+
+
+def test_decode_payload_reads_out_of_band_bytes_with_read_bytes():
+    value = {"blob": os.urandom(1 << 20), "a": np.arange(50_000, dtype=np.int32), "s": "x"}
+    frame = _codec.dumps(value)
+    a, b = _tcp_pair()
+    with a, b:
+        b.sendall(frame)
+        deadline = time.monotonic() + DEADLINE_S
+        header = _codec.parse_header(_stream.recv_exact(a, _codec.HEADER_SIZE, deadline))
+        calls = []
+
+        def read_bytes(k):
+            calls.append(k)
+            return _stream.recv_exact(a, k, deadline)
+
+        out = _codec.decode_payload(
+            header, lambda mv: _stream.recv_exact_into(a, mv, deadline), read_bytes=read_bytes)
+    assert calls == [1 << 20]
+    assert out["blob"] == value["blob"] and out["s"] == "x"
+    assert np.array_equal(out["a"], value["a"])
+    # Out-of-band bytes longer than what the frame still carries are refused
+    # before anything is read for them.
+    bad = bytearray(_codec.dumps(b"x" * (1 << 17))[:-1])
+    struct.pack_into("<Q", bad, 24, len(bad) - _codec.HEADER_SIZE)  # the header's payload_len
+    with pytest.raises(_errors.ProtocolError, match="out-of-band bytes left"):
+        _codec.loads(bad)

@@ -477,10 +477,12 @@ def parse_header(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Header:
 
 
 ReadInto = Callable[[memoryview], None]
+ReadBytes = Callable[[int], bytes]
 
 
 class _Decoder:
-    __slots__ = ("meta", "pos", "limits", "allow_pickle", "ext", "read_oob", "oob_left", "elements")
+    __slots__ = ("meta", "pos", "limits", "allow_pickle", "ext", "read_oob", "read_bytes",
+                 "oob_left", "elements")
 
     def __init__(
         self,
@@ -490,6 +492,7 @@ class _Decoder:
         limits: Limits,
         allow_pickle: bool,
         ext: Optional[ExtDecode],
+        read_bytes: Optional[ReadBytes] = None,
     ) -> None:
         self.meta = meta
         self.pos = 0
@@ -497,6 +500,7 @@ class _Decoder:
         self.allow_pickle = allow_pickle
         self.ext = ext
         self.read_oob = read_oob
+        self.read_bytes = read_bytes
         self.oob_left = oob_len
         self.elements = 0
 
@@ -597,6 +601,10 @@ class _Decoder:
             n = self._blob_len("bytes")
             if n > self.oob_left:
                 raise ProtocolError(f"bytes of {n} bytes exceed the {self.oob_left} out-of-band bytes left")
+            if self.read_bytes is not None:
+                # Straight into the bytes object returned: not a buffer, then a copy of it.
+                self.oob_left -= n
+                return self.read_bytes(n)
             buf = bytearray(n)
             self._oob_into(memoryview(buf))
             return bytes(buf)
@@ -676,6 +684,7 @@ def decode_payload(
     limits: Limits = DEFAULT_LIMITS,
     allow_pickle: bool = False,
     ext_decode: Optional[ExtDecode] = None,
+    read_bytes: Optional[ReadBytes] = None,
 ) -> Any:
     """Read and decode the payload that follows ``header``.
 
@@ -687,6 +696,10 @@ def decode_payload(
         limits: the receiver's limits.
         allow_pickle: accept pickled values.
         ext_decode: hook turning extension values back into objects.
+        read_bytes: optional; returns the next ``n`` bytes of the stream as one
+            ``bytes`` object (e.g. ``_wire.stream.recv_exact``).  Out-of-band
+            ``bytes`` values are then read with it, received in place, instead
+            of through ``read_into`` and a copy.
 
     Returns:
         The decoded value.
@@ -698,7 +711,14 @@ def decode_payload(
     meta = bytearray(header.meta_len)
     if header.meta_len:
         read_into(memoryview(meta))
-    dec = _Decoder(memoryview(meta), header.payload_len - header.meta_len, read_into, limits, allow_pickle, ext_decode)
+    return _decode(memoryview(meta), header, read_into, read_bytes, limits, allow_pickle,
+                   ext_decode)
+
+
+def _decode(meta: memoryview, header: Header, read_into: ReadInto, read_bytes: Optional[ReadBytes],
+            limits: Limits, allow_pickle: bool, ext_decode: Optional[ExtDecode]) -> Any:
+    dec = _Decoder(meta, header.payload_len - header.meta_len, read_into, limits, allow_pickle,
+                   ext_decode, read_bytes)
     try:
         value = dec.value(0)
     except RecursionError:
@@ -711,12 +731,13 @@ def decode_payload(
 
 
 def dumps(value: Any, *, kind: int = 0, req_id: int = 0, limits: Limits = DEFAULT_LIMITS, allow_pickle: bool = False) -> bytes:
-    """Encode ``value`` as one complete frame in a single bytes object (copies; for files and tests).
+    """Encode ``value`` as one complete frame in a single bytes object (one copy of the data).
 
     Raises:
         TypeError, ValueError: as :func:`encode`.
     """
-    return b"".join(bytes(b) for b in encode_frame(kind, req_id, encode(value, limits=limits, allow_pickle=allow_pickle)))
+    # join takes the out-of-band memoryviews as they are: each byte is copied once.
+    return b"".join(encode_frame(kind, req_id, encode(value, limits=limits, allow_pickle=allow_pickle)))
 
 
 def loads(data: Any, *, limits: Limits = DEFAULT_LIMITS, allow_pickle: bool = False) -> Any:
@@ -729,7 +750,7 @@ def loads(data: Any, *, limits: Limits = DEFAULT_LIMITS, allow_pickle: bool = Fa
     header = parse_header(bytes(mv[:HEADER_SIZE]), limits)
     if len(mv) != HEADER_SIZE + header.payload_len:
         raise ProtocolError(f"frame declares {HEADER_SIZE + header.payload_len} bytes but {len(mv)} were given")
-    pos = HEADER_SIZE
+    pos = HEADER_SIZE + header.meta_len
 
     def read_into(dst: memoryview) -> None:
         nonlocal pos
@@ -737,4 +758,11 @@ def loads(data: Any, *, limits: Limits = DEFAULT_LIMITS, allow_pickle: bool = Fa
         dst.cast("B")[:] = mv[pos : pos + n]
         pos += n
 
-    return decode_payload(header, read_into, limits=limits, allow_pickle=allow_pickle)
+    def read_bytes(n: int) -> bytes:
+        nonlocal pos
+        pos += n
+        return bytes(mv[pos - n : pos])
+
+    # The meta is decoded where it lies, and each value copied out of the frame once.
+    meta = mv[HEADER_SIZE : HEADER_SIZE + header.meta_len]
+    return _decode(meta, header, read_into, read_bytes, limits, allow_pickle, None)

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import errno
 import socket
+import struct
 import time
 
-__all__ = ["ShortRead", "connect", "send_all", "recv_exact"]
+__all__ = ["ShortRead", "connect", "send_all", "recv_exact", "recv_exact_into"]
+
+# Payloads at least this large are received in place into the bytes object
+# returned; below it, through a bytearray whose copy costs nothing.
+_IN_PLACE_MIN = 1 << 16
 
 
 class ShortRead(ConnectionResetError):
@@ -51,23 +56,81 @@ def send_all(sock: socket.socket, data, deadline: float) -> None:
     sock.sendall(data)
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: float, *, chunk: int = 8 << 20) -> bytes:
-    """Read exactly ``n`` bytes by ``deadline``, at most ``chunk`` per ``recv``.
+def recv_exact_into(sock: socket.socket, buf, deadline: float, *, start: int = 0) -> None:
+    """Fill the writable buffer ``buf`` from byte ``start`` on, by ``deadline``.
 
     Raises:
-        socket.timeout: the deadline passed.  ShortRead: EOF first.
-        OSError: the connection failed.
+        socket.timeout: the deadline passed.  ShortRead: EOF first (``got``
+        counts from the start of ``buf``).  OSError: the connection failed.
     """
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+    view = memoryview(buf).cast("B")
+    n = view.nbytes
+    got = start
     while got < n:
         left = deadline - time.monotonic()
         if left <= 0:
             raise socket.timeout()
         sock.settimeout(left)
-        k = sock.recv_into(view[got:], min(n - got, chunk))
+        k = sock.recv_into(view[got:])
         if k == 0:
             raise ShortRead(got, n)
         got += k
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Read exactly ``n`` bytes by ``deadline``, as one ``bytes`` object.
+
+    A large payload is received straight into that object, so it is never
+    held twice (no buffer that is then copied).
+
+    Raises:
+        socket.timeout: the deadline passed.  ShortRead: EOF first.
+        OSError: the connection failed.
+    """
+    if n < _IN_PLACE_MIN:
+        buf = bytearray(n)
+        recv_exact_into(sock, buf, deadline)
+        return bytes(buf)
+    data = _recv_waitall(sock, n, deadline)
+    if len(data) == n:
+        return data
+    if not data:
+        raise ShortRead(0, n)
+    # Cut short (EOF, the deadline, or a signal whose handler returned): the
+    # rest goes through a buffer, with the usual checks.
+    buf = bytearray(n)
+    got = len(data)
+    buf[:got] = data
+    del data
+    recv_exact_into(sock, buf, deadline, start=got)
     return bytes(buf)
+
+
+def _recv_waitall(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """One ``recv(n, MSG_WAITALL)``: up to ``n`` bytes in a single bytes object.
+
+    MSG_WAITALL waits for all ``n`` only on a blocking socket, so for this call
+    the socket blocks and SO_RCVTIMEO carries the deadline; a signal or EOF
+    returns what came so far.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout()
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(left))
+    try:
+        return sock.recv(n, socket.MSG_WAITALL)
+    except BlockingIOError:  # SO_RCVTIMEO passed before the first byte
+        raise socket.timeout() from None
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0.0))
+
+
+def _timeval(seconds: float) -> bytes:
+    """A ``struct timeval``; 0 means no timeout, so a positive wait is at least 1 us."""
+    seconds = min(seconds, float(1 << 30))  # fits a 32-bit time_t; the kernel caps it anyway
+    sec = int(seconds)
+    usec = int((seconds - sec) * 1e6)
+    if seconds > 0 and sec == 0 and usec == 0:
+        usec = 1
+    return struct.pack("@ll", sec, usec)

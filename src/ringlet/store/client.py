@@ -14,7 +14,7 @@ from .._wire import stream
 from ..errors import AuthenticationError, RendezvousError
 from .protocol import (I64 as _I64, MAX_TIMEOUT_MS as _MAX_TIMEOUT_MS, MAX_VALUE_BYTES,
                        OP_ADD, OP_CHECK, OP_DELETE, OP_GET, OP_INFO, OP_SET, OP_WAIT, OP_WILL,
-                       PURPOSE as _PURPOSE, RECV_CHUNK as _RECV_CHUNK, REQ as _REQ,
+                       PURPOSE as _PURPOSE, REQ as _REQ,
                        RESP as _RESP, ST_ERROR, ST_OK, ST_TIMEOUT,
                        decode_keys as _decode_keys, encode_keys as _encode_keys,
                        fmt_addr as _fmt_addr, key_bytes as _key_bytes)
@@ -203,7 +203,7 @@ class Store:
 
     @staticmethod
     def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-        return stream.recv_exact(sock, n, deadline, chunk=_RECV_CHUNK * 8)
+        return stream.recv_exact(sock, n, deadline)
 
     def _wait_arg(self, timeout: Optional[float]) -> float:
         if timeout is None:

@@ -34,7 +34,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Set, Tuple
+from typing import Deque, Dict, List, Optional, Set, Tuple, Union
 
 from .. import _auth
 from .._timeout import seconds
@@ -57,6 +57,13 @@ _MAX_HANDSHAKES = 512  # unauthenticated connections held at once (oldest evicte
 _ACCEPT_BATCH = 64  # accepts per loop turn, so a flood cannot starve served clients
 _ACCEPT_PAUSE = 0.1  # s the listener rests when out of descriptors with nothing to evict
 _NO_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# A value at least this large, once its key is in, is received straight into
+# a buffer of its own, which the store then keeps: it is never copied.
+_BODY_MIN = 1 << 16
+
+# A stored value: bytes, or the bytearray a large one was received into
+# (never resized or written once stored).
+Value = Union[bytes, bytearray]
 
 
 _HELLO, _PROOF, _READY = 0, 1, 2
@@ -77,7 +84,7 @@ class _Conn:
     """One client connection as the selector loop sees it."""
 
     __slots__ = ("sock", "addr", "state", "inbuf", "out", "deadline", "claim", "nonce_c",
-                 "nonce_s", "parked", "closing", "open", "events", "will")
+                 "nonce_s", "parked", "closing", "open", "events", "will", "body")
 
     def __init__(self, sock: socket.socket, addr, deadline: float) -> None:
         self.sock = sock
@@ -93,7 +100,21 @@ class _Conn:
         self.closing = False  # close once `out` is flushed
         self.open = True
         self.events = selectors.EVENT_READ
-        self.will: Optional[Tuple[bytes, bytes]] = None  # (key, value) set when it closes
+        self.will: Optional[Tuple[bytes, Value]] = None  # (key, value) set when it closes
+        self.body: Optional[_Body] = None  # a large value being received
+
+
+class _Body:
+    """A request whose large value is being received into ``value``."""
+
+    __slots__ = ("op", "key", "tmo", "value", "got")
+
+    def __init__(self, op: int, key: bytes, tmo: int, value: bytearray, got: int) -> None:
+        self.op = op
+        self.key = key
+        self.tmo = tmo
+        self.value = value
+        self.got = got
 
 
 class _Waiter:
@@ -170,7 +191,7 @@ class StoreServer:
         self.job_id = bytes(job_id)
         self.rejected = 0
         self._hs_timeout = float(handshake_timeout)
-        self._data: Dict[bytes, bytes] = {}
+        self._data: Dict[bytes, Value] = {}
         self._waiters: Dict[bytes, Set[_Waiter]] = {}
         self._timers: List[Tuple[float, int, object]] = []  # heap of (deadline, seq, conn|waiter)
         self._seq = itertools.count()
@@ -187,7 +208,9 @@ class StoreServer:
         self._runnable: Deque[_Conn] = collections.deque()
         # Wills of closed connections, set by the loop (not inside _close_conn,
         # which runs in the middle of other requests' bookkeeping).
-        self._wills: Deque[Tuple[bytes, bytes]] = collections.deque()
+        self._wills: Deque[Tuple[bytes, Value]] = collections.deque()
+        # Every read lands here first (one loop thread): no allocation per read.
+        self._rbuf = memoryview(bytearray(_RECV_CHUNK))
         self._close_lock = threading.Lock()
         self._closed = False
         self._stop = False
@@ -383,8 +406,14 @@ class StoreServer:
             self._guarded(conn, self._on_readable)
 
     def _on_readable(self, conn: _Conn) -> None:
+        if conn.body is not None:
+            self._read_body(conn)
+            return
+        # Unauthenticated, a client gets no more than the handshake holds, and
+        # one byte over to show it sent ahead.
+        want = _HS_IN_CAP + 1 - len(conn.inbuf) if conn.state != _READY else _RECV_CHUNK
         try:
-            chunk = conn.sock.recv(_RECV_CHUNK)
+            n = conn.sock.recv_into(self._rbuf, want)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -393,14 +422,14 @@ class StoreServer:
             else:
                 self._close_conn(conn)
             return
-        if not chunk:
+        if not n:
             if conn.state != _READY:
                 self._reject(conn, "closed during the handshake (wrong secret, or not a "
                                    "ringlet client)")
             else:
                 self._close_conn(conn)
             return
-        conn.inbuf += chunk
+        conn.inbuf += self._rbuf[:n]
         cap = _HS_IN_CAP if conn.state != _READY else _MAX_REQUEST
         if len(conn.inbuf) > cap:
             self._reject(conn, f"sent {len(conn.inbuf)} bytes without waiting for replies")
@@ -408,9 +437,27 @@ class StoreServer:
         if conn.parked is None:
             self._guarded(conn, self._process)
 
+    def _read_body(self, conn: _Conn) -> None:
+        """Receive more of ``conn.body``'s value; run its request once it is whole."""
+        body = conn.body
+        try:
+            n = conn.sock.recv_into(memoryview(body.value)[body.got:])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close_conn(conn)
+            return
+        if not n:
+            self._close_conn(conn)
+            return
+        body.got += n
+        if body.got == len(body.value):
+            conn.body = None
+            self._execute(conn, body.op, body.key, body.value, body.tmo)
+
     def _process(self, conn: _Conn) -> None:
         """Consume whatever complete frames ``conn.inbuf`` holds."""
-        while conn.open and not conn.closing and conn.parked is None:
+        while conn.open and not conn.closing and conn.parked is None and conn.body is None:
             buf = conn.inbuf
             if conn.state == _HELLO:
                 if len(buf) < _auth.HELLO_LEN:
@@ -452,16 +499,25 @@ class StoreServer:
                 if klen > MAX_KEY_BYTES or vlen > MAX_VALUE_BYTES:
                     raise _Reject(f"oversized request (key {klen} bytes, value {vlen} bytes; "
                                   f"limits {MAX_KEY_BYTES} and {MAX_VALUE_BYTES})")
-                need = _REQ.size + klen + vlen
+                start = _REQ.size + klen
+                need = start + vlen
                 if len(buf) < need:
+                    if vlen >= _BODY_MIN and len(buf) >= start:
+                        # The rest of this request is all value: no more goes to inbuf.
+                        value = bytearray(vlen)
+                        got = len(buf) - start
+                        value[:got] = memoryview(buf)[start:]
+                        conn.body = _Body(op, bytes(buf[_REQ.size:start]),
+                                          min(tmo, _MAX_TIMEOUT_MS), value, got)
+                        del buf[:]
                     return
-                key = bytes(buf[_REQ.size:_REQ.size + klen])
-                value = bytes(buf[_REQ.size + klen:need])
+                key = bytes(buf[_REQ.size:start])
+                value = bytes(memoryview(buf)[start:need])
                 del buf[:need]
                 self._execute(conn, op, key, value, min(tmo, _MAX_TIMEOUT_MS))
 
     # ---- requests -----------------------------------------------------------------------
-    def _execute(self, conn: _Conn, op: int, key: bytes, value: bytes, tmo: int) -> None:
+    def _execute(self, conn: _Conn, op: int, key: bytes, value: Value, tmo: int) -> None:
         if op in (OP_WAIT, OP_INFO):
             if key:
                 raise _Reject(f"{_OP_NAMES[op]} takes no key")
@@ -518,7 +574,7 @@ class StoreServer:
         else:  # OP_INFO
             self._reply(conn, ST_OK, self.job_id)
 
-    def _set(self, key: bytes, value: bytes) -> None:
+    def _set(self, key: bytes, value: Value) -> None:
         self._data[key] = value
         for w in list(self._waiters.pop(key, ())):
             if w.done:
@@ -549,7 +605,7 @@ class StoreServer:
         if w.conn.parked is w:
             w.conn.parked = None
 
-    def _finish(self, w: _Waiter, status: int, payload: bytes = b"") -> None:
+    def _finish(self, w: _Waiter, status: int, payload: Value = b"") -> None:
         self._unpark(w)
         if w.conn.open:
             self._reply(w.conn, status, payload)
@@ -580,12 +636,12 @@ class StoreServer:
             self._compact_at = max(1024, 4 * len(self._timers))
 
     # ---- output -------------------------------------------------------------------------
-    def _reply(self, conn: _Conn, status: int, payload: bytes = b"") -> None:
+    def _reply(self, conn: _Conn, status: int, payload: Value = b"") -> None:
         self._queue(conn, _RESP.pack(status, len(payload)))
         if payload:
             self._queue(conn, payload)
 
-    def _queue(self, conn: _Conn, data: bytes) -> None:
+    def _queue(self, conn: _Conn, data: Value) -> None:
         conn.out.append(memoryview(data))
         self._flush(conn)
 
@@ -619,6 +675,7 @@ class StoreServer:
         if conn.will is not None and not self._stop:
             self._wills.append(conn.will)
         conn.will = None
+        conn.body = None
         self._pending_hello.pop(conn, None)
         self._pending_proof.pop(conn, None)
         if conn.parked is not None:
