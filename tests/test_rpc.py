@@ -873,3 +873,206 @@ def test_a_done_callback_may_call_the_same_worker_and_send_it_rrefs():
     assert where.startswith("rpc0-callback"), where
     assert echoed == [1, 2] and owner == "w1" and counted == 5
     assert took < 4, took  # well inside the inner calls' 5 s timeouts
+
+
+# ---- Future.then and shutdown from callbacks ----------------------------------------
+
+def _then_chains(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        order = []  # tags in the order callbacks ran (list.append is atomic)
+
+        def double(f):
+            order.append(("double", threading.current_thread().name))
+            return f.wait() * 2
+
+        def plus_one(f):
+            order.append(("plus_one", None))
+            return f.value() + 1
+
+        def to_str(f):
+            order.append(("to_str", None))
+            return str(f.result())
+
+        def boom(f):
+            order.append(("boom", None))
+            raise KeyError("boom in then")
+
+        def call_again(f):
+            order.append(("call_again", None))
+            return rpc.rpc_async(1, whoami, args=(f.wait(),))  # a future as the value
+
+        def inspect(f):
+            try:
+                f.wait()
+            except rpc.RemoteError as exc:
+                return ("remote", exc.remote_type, type(f.exception()).__name__)
+            return ("no error", None, None)
+
+        fut = rpc.rpc_async(1, wait_for, args=("then-go", 10.0, 3))  # pending until then-go
+        with pytest.raises(RingletError, match="before the future completed"):
+            fut.value()
+        with pytest.raises(TypeError, match="then needs a callable"):
+            fut.then(3)
+        doubled = fut.then(double)
+        fut.add_done_callback(lambda f: order.append(("done-cb", None)))
+        chained = doubled.then(plus_one).then(to_str)
+        raised = fut.then(boom)
+        after_raise = raised.then(lambda f: type(f.exception()).__name__)
+        nested = fut.then(call_again)
+        rpc.rpc_sync(1, set_event, args=("then-go",))
+
+        bad = rpc.rpc_async(1, fail, args=("value",))
+        seen = bad.then(inspect)
+        passed_on = bad.then(lambda f: f.value())
+
+        out = {"doubled": doubled.wait(timeout=20), "chained": chained.wait(timeout=20),
+               "after_raise": after_raise.wait(timeout=20), "seen": seen.wait(timeout=20)}
+        with pytest.raises(KeyError, match="boom in then"):
+            raised.wait(timeout=20)
+        with pytest.raises(rpc.RemoteError, match="bad value 42"):
+            passed_on.wait(timeout=20)
+        inner = nested.wait(timeout=20)
+        out["nested"] = (type(inner).__name__, inner.wait(timeout=20))
+        late = fut.then(lambda f: f.value() + 10)  # fut is done: runs at once, on this thread
+        out["late"] = (late.done(), late.value())
+        poll_until(lambda: ("done-cb", None) in order, 10, "the done-callback")
+        out["order"] = order
+    rpc.shutdown()
+    return out
+
+
+def test_then_chains_values_exceptions_and_remote_failures():
+    out = run_world(_then_chains, 2, timeout=90)[0]
+    assert out["doubled"] == 6 and out["chained"] == "7", out
+    assert out["after_raise"] == "KeyError", out
+    assert out["seen"] == ("remote", "ValueError", "RemoteError"), out
+    assert out["nested"] == ("Future", [1, 3]), out
+    assert out["late"] == (True, 13), out
+    tags = [t for t, _ in out["order"]]
+    # Callbacks of one future run in the order they were added, each link of a
+    # chain after the one before.
+    assert [t for t in tags if t in ("double", "done-cb", "boom", "call_again")] == \
+        ["double", "done-cb", "boom", "call_again"], tags
+    assert tags.index("double") < tags.index("plus_one") < tags.index("to_str"), tags
+    where = dict(out["order"])["double"]
+    assert where.startswith("rpc0-callback"), where
+
+
+def _shutdown_in_callback(rank, n, how):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=30)
+    if rank != 0:
+        t0 = time.monotonic()
+        rpc.shutdown(timeout=20)
+        return time.monotonic() - t0
+    seen: dict = {}
+    finished = threading.Event()
+
+    def stop(f):
+        t0 = time.monotonic()
+        try:
+            rpc.shutdown(timeout=20)
+            seen["ok"] = (f.wait(), time.monotonic() - t0)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            seen["error"] = repr(exc)
+        finally:
+            finished.set()
+        return "stopped"
+
+    fut = rpc.rpc_async(1, whoami, args=("last",))
+    child = fut.then(stop) if how == "then" else fut.add_done_callback(stop)
+    assert finished.wait(60), "the callback's shutdown never returned"
+    after = rpc.is_initialized()
+    rpc.shutdown(timeout=20)  # nothing left to do
+    return seen, after, None if child is None else child.wait(timeout=10)
+
+
+@pytest.mark.parametrize("how", ["done_callback", "then"])
+def test_shutdown_called_from_a_callback_finishes(how):
+    # The callback calling shutdown counted as still running, so its own drain
+    # waited for it until the drain's timeout (and the other ranks with it).
+    res = run_world(_shutdown_in_callback, 2, args=(how,), timeout=90)
+    seen, after, child = res[0]
+    assert "error" not in seen, seen
+    value, took = seen["ok"]
+    assert value == [1, "last"] and took < 10, seen  # well inside the 20 s drain timeout
+    assert res[1] < 10, res
+    assert after is False
+    assert child == ("stopped" if how == "then" else None)
+
+
+def _shutdown_twice(rank, n, first):
+    # Both orders must work; the events make the named one all but certain:
+    # the thread that sets an event reaches shutdown's first step before the
+    # thread it wakes gets the interpreter (and, for "main", before w1's reply).
+    rpc.init_rpc(f"w{rank}", rpc_timeout=30)
+    if rank != 0:
+        assert _event("twice-main").wait(30)
+        if first == "main":
+            _event("twice-go").set()  # lets w0's callback run, once w0's main thread drains
+        t0 = time.monotonic()
+        rpc.shutdown(timeout=20)
+        return time.monotonic() - t0
+    seen: dict = {}
+    started = threading.Event()
+
+    def stop(f):
+        started.set()
+        t0 = time.monotonic()
+        try:
+            rpc.shutdown(timeout=20)
+            seen["ok"] = time.monotonic() - t0
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            seen["error"] = repr(exc)
+
+    if first == "main":
+        fut = rpc.rpc_async(1, wait_for, args=("twice-go", 20.0, 1))
+    else:
+        fut = rpc.rpc_async(1, whoami, args=(1,))
+    fut.add_done_callback(stop)
+    if first == "callback":
+        assert started.wait(30)
+    _event("twice-main").set()
+    t0 = time.monotonic()
+    rpc.shutdown(timeout=20)  # drains (first == "main") or waits for the callback's shutdown
+    took = time.monotonic() - t0
+    poll_until(lambda: seen, 20, "the callback's shutdown to return")
+    return seen, took, fut.done()
+
+
+@pytest.mark.parametrize("first", ["main", "callback"])
+def test_shutdown_from_a_callback_and_the_main_thread_at_once(first):
+    # Two graceful shutdowns of one worker ran two drains, each waiting for the
+    # other (the callback counted as running) until their timeouts.
+    for name in ("twice-go", "twice-main"):
+        _events.pop(name, None)
+    res = run_world(_shutdown_twice, 2, args=(first,), timeout=90)
+    seen, took, done = res[0]
+    assert "error" not in seen, seen
+    assert seen["ok"] < 10 and took < 10 and res[1] < 10 and done, res
+
+
+@rpc.register
+def stop_from_inside():
+    try:
+        rpc.shutdown(timeout=20)
+    except ringlet.RingletError as exc:
+        return str(exc)
+    return "shut down"
+
+
+def _shutdown_in_served_call(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=30)
+    out = None
+    if rank == 0:
+        t0 = time.monotonic()
+        out = (rpc.rpc_sync(1, stop_from_inside, timeout=25), time.monotonic() - t0)
+    rpc.shutdown(timeout=20)
+    return out
+
+
+def test_shutdown_inside_a_served_call_fails_at_once():
+    msg, took = run_world(_shutdown_in_served_call, 2, timeout=90)[0]
+    assert "inside a function served over RPC" in msg and "'w1'" in msg, msg
+    assert took < 10, took  # at once, not after the 20 s drain timeout

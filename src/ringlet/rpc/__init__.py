@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 _MAX_WORKER_NAME = 128
+_CLOSE_GRACE_S = 10.0  # past a drain's timeout, for its close() to join the agent's threads
 
 
 def _world_host() -> str:
@@ -177,6 +178,14 @@ def shutdown(graceful: bool = True, timeout: Optional[float] = None) -> None:
     once; pending calls fail.  If ``init_rpc`` created the ringlet world, it
     is shut down too.  Does nothing when RPC is not initialised.
 
+    It may be called from a done-callback or a ``then`` callback: the drain
+    then waits for every other callback, not for the one calling it (nor the
+    callbacks after it on the same future, which run once the agent is
+    closed).  A graceful shutdown that another thread of this worker is
+    already running is not started twice: called from a callback, this
+    returns at once (that drain waits for the callback); from any other
+    thread, it waits for that shutdown to finish.
+
     Args:
         graceful: drain every worker's outstanding calls first (every rank
             must call ``shutdown(graceful=True)``).
@@ -184,7 +193,19 @@ def shutdown(graceful: bool = True, timeout: Optional[float] = None) -> None:
 
     Raises:
         CollectiveTimeout: the drain did not finish in time (the agent is
-            closed anyway).
+            closed anyway), or the shutdown another thread runs did not
+            finish within ``timeout`` plus a few seconds to close.
+        TypeError, ValueError: ``timeout`` is not a positive number (the
+            agent stays open).
+        RingletError: graceful, from inside a function served over RPC (the
+            drain would wait for that call's own reply; the agent stays open).
+
+    Example::
+
+        rpc.shutdown()
+
+        # or, on a worker that stops once its last call has answered:
+        rpc.rpc_async("ps", "final_report").then(lambda f: rpc.shutdown())
     """
     import ringlet
 
@@ -192,9 +213,31 @@ def shutdown(graceful: bool = True, timeout: Optional[float] = None) -> None:
         agent = current_agent()
     except ringlet.RingletError:
         return
+    if graceful and agent.serving_call():
+        # The drain would wait for this very call's reply, which is sent only
+        # once the function returns.
+        raise ringlet.RingletError(
+            f"rpc.shutdown(graceful=True) on worker {agent.name!r} was called inside a function "
+            f"served over RPC, whose own reply the drain would wait for; call it from the "
+            f"worker's main thread (or a done-callback), or pass graceful=False",
+            rank=agent.rank, op="rpc.shutdown")
+    if graceful:
+        drain_timeout = agent.check_timeout(timeout)
+        other = agent.claim_shutdown()
+        if other is not None:
+            if agent.in_callback():
+                # That drain waits for this callback to return: waiting here
+                # for the drain would hold both up until its timeout.
+                return
+            if not agent.wait_closed(drain_timeout + _CLOSE_GRACE_S):
+                raise ringlet.CollectiveTimeout(
+                    f"rpc shutdown on worker {agent.name!r}: the shutdown started by thread "
+                    f"{other.name!r} has not finished after {drain_timeout + _CLOSE_GRACE_S:.3g} s",
+                    rank=agent.rank, op="rpc.shutdown")
+            return
     try:
         if graceful:
-            agent.drain(agent.check_timeout(timeout))
+            agent.drain(drain_timeout)
     finally:
         agent.close("shut down" if graceful else "shut down (not gracefully)")
         if agent.created_world:

@@ -138,6 +138,12 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         # thread, since a callback that calls (or sends an RRef) waits for a
         # reply only those threads deliver.
         self._callback_pool: Optional[_Pool] = None
+        # How many callback jobs the current thread is running (see drain).
+        self._in_callbacks = threading.local()
+        # The thread running a graceful shutdown (guarded by _clock), and
+        # whether close() has finished, for a second caller to wait on.
+        self._shutdown_by: Optional[threading.Thread] = None
+        self._closed_done = threading.Event()
 
     # ---- startup ------------------------------------------------------------------
     def endpoint_record(self) -> list:
@@ -291,9 +297,12 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
             self._completing += 1
 
         def run() -> None:
+            depth = getattr(self._in_callbacks, "n", 0)
+            self._in_callbacks.n = depth + 1
             try:
                 job()
             finally:
+                self._in_callbacks.n = depth
                 with self._plock:
                     self._completing -= 1
                     self._pcond.notify_all()
@@ -506,6 +515,27 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
                 "allow_pickle": self.allow_pickle}
 
     # ---- shutdown -----------------------------------------------------------------
+    def serving_call(self) -> bool:
+        """Whether the calling thread is running a function called over RPC."""
+        return self._pool is not None and self._pool.owns(threading.current_thread())
+
+    def in_callback(self) -> bool:
+        """Whether the calling thread is running one of this agent's done-callbacks."""
+        return getattr(self._in_callbacks, "n", 0) > 0
+
+    def claim_shutdown(self) -> Optional[threading.Thread]:
+        """Make the calling thread the one that shuts down; None if it now is,
+        else the thread already doing it."""
+        with self._clock:
+            if self._shutdown_by is None:
+                self._shutdown_by = threading.current_thread()
+                return None
+            return self._shutdown_by
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait until :meth:`close` has finished; False if ``timeout`` passed first."""
+        return self._closed_done.wait(timeout)
+
     def drain(self, timeout: float) -> None:
         """Wait until no worker has an RPC in flight (a collective over the RPC group).
 
@@ -519,16 +549,21 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         the job key) has its calls answered but never counted as sent, and
         must not keep shutdown waiting.
 
+        Called from a done-callback, the callbacks the calling thread is
+        running do not count: they cannot finish before the drain does, and
+        any call they make afterwards fails, the agent being closed.
+
         Raises:
             CollectiveTimeout: not quiet within ``timeout`` seconds.
         """
         import ringlet
 
         deadline = time.monotonic() + timeout
+        own = getattr(self._in_callbacks, "n", 0)
         prev: Optional[tuple] = None
         while True:
             with self._pcond:
-                while self._pending or self._completing:
+                while self._pending or self._completing > own:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         descs = sorted({p.desc for p in self._pending.values()})[:5]
@@ -536,7 +571,7 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
                                                 f"{timeout:.3g} s: {descs}", rank=self.rank, op="rpc.shutdown")
                     self._pcond.wait(min(left, POLL_INTERVAL))
                 mine = [list(self._sent_to), list(self._handled_from),
-                        len(self._pending) + self._completing]
+                        len(self._pending) + self._completing - own]
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CollectiveTimeout(f"rpc shutdown on worker {self.name!r}: other workers still busy after "
@@ -596,6 +631,7 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
             if t is not threading.current_thread():
                 t.join(2.0)
         self.owned.clear()
+        self._closed_done.set()
 
 
 def _check_args(args: Any, kwargs: Any) -> Tuple[tuple, dict]:

@@ -131,6 +131,31 @@ class Future:
 
     wait = result  # torch.distributed.rpc spelling
 
+    def value(self) -> Any:
+        """The outcome of a future that has completed, without waiting (torch's ``Future.value``).
+
+        Meant for a ``then`` or done-callback, or after :meth:`wait`.
+
+        Returns:
+            The remote function's return value.
+
+        Raises:
+            RingletError: the future has not completed yet.
+            Exception: the call failed; its own error is raised
+                (``RemoteError``, ``CollectiveTimeout``, ``PeerClosedError``...).
+
+        Example::
+
+            fut.then(lambda f: f.value() * 2)
+        """
+        if not self._event.is_set():
+            raise RingletError(f"{self._desc}: value() called before the future completed; "
+                               "use wait() or result() to wait for it",
+                               rank=self._rank, peer=self._peer, op=self._desc)
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """Wait like :meth:`result`, then return the exception (None on success)."""
         self._wait(timeout)
@@ -162,6 +187,58 @@ class Future:
                 self._callbacks.append(fn)
                 return
         self._run_callback(fn)
+
+    def then(self, callback: Callable[["Future"], Any]) -> "Future":
+        """A new future that completes with ``callback(self)`` once this one has completed.
+
+        As ``torch.futures.Future.then``: ``callback`` gets this (completed)
+        future and runs whether it succeeded or failed, so it may call
+        :meth:`wait`, :meth:`result` or :meth:`value`, which raise its
+        exception.  The returned future completes with what ``callback``
+        returns, or fails with what it raises.  A future that ``callback``
+        returns is the value as it is (not waited for), as in torch.
+
+        ``callback`` runs like a done-callback (see :meth:`add_done_callback`):
+        on the agent's callback threads, in the order callbacks were added to
+        this future, at once on the calling thread if this future is already
+        done, and waited for by graceful ``shutdown``.  Chained futures' own
+        callbacks run on the callback threads too.
+
+        Args:
+            callback: called with this future as its only argument.
+
+        Returns:
+            A new :class:`Future` for ``callback``'s outcome.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+
+        Example::
+
+            fut = rpc.rpc_async("ps", "get_weights")
+            small = fut.then(lambda f: len(f.wait())).then(lambda f: f.wait() < 10)
+            print(small.wait())
+        """
+        if not callable(callback):
+            raise TypeError(f"then needs a callable, got {type(callback).__name__}")
+        name = getattr(callback, "__qualname__", type(callback).__name__)
+        child = Future(f"{self._desc} .then({name})", rank=self._rank, peer=self._peer)
+        # The child's callbacks go to the same pool: running them inline here
+        # would nest one call frame per link of a long chain.
+        child._runner = self._runner
+
+        def chain(parent: "Future") -> None:
+            try:
+                value = callback(parent)
+            except BaseException as exc:
+                child._complete(exc=exc)
+                if not isinstance(exc, Exception):
+                    raise  # KeyboardInterrupt, SystemExit: the child has it, the thread too
+                return
+            child._complete(value)
+
+        self.add_done_callback(chain)
+        return child
 
     def _run_callback(self, fn: Callable[["Future"], None]) -> None:
         try:

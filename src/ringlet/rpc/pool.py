@@ -33,6 +33,10 @@ class _Pool:
             self._q.put(job)
             return True
 
+    def owns(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` is one of this pool's threads."""
+        return thread in self._threads
+
     def _run(self) -> None:
         _tls.agent = self._agent
         while True:
