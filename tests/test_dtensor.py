@@ -291,12 +291,16 @@ def _bad_from_local_2d(rank, n):
         DTensor.from_local(np.zeros((2, 3), dt), mesh, [Replicate(), Shard(0)], timeout=10)
     msg = str(info.value)
     if rank in (2, 3):
-        assert "differ in dtype or in the sizes" in msg, msg
+        assert "do not fit together" in msg, msg
+        assert "world rank 2: float64 (2, 3), world rank 3: float32 (2, 3)" in msg, msg
     else:
         assert "world rank 2" in msg, msg
     mesh1 = DeviceMesh((n,), ("x",))
-    with pytest.raises(ValueError, match="differ in dtype or in the sizes"):
+    with pytest.raises(ValueError) as info:
         DTensor.from_local(np.zeros((2, 3 + rank)), mesh1, [Shard(0)], timeout=10)
+    msg = str(info.value)
+    assert "do not fit together" in msg, msg
+    assert ", ".join(f"world rank {r}: float64 (2, {3 + r})" for r in range(n)) in msg, msg
     # Nothing stale is left: a good call right after agrees everywhere.
     piece = expected_piece(GLOBAL, mesh.shape, [Shard(0), Shard(1)], mesh.coordinate)
     x = DTensor.from_local(piece.copy(), mesh, [Shard(0), Shard(1)], timeout=10)
@@ -307,6 +311,55 @@ def _bad_from_local_2d(rank, n):
 
 def test_from_local_errors_raise_on_every_rank_of_the_mesh():
     assert all(run_world(_bad_from_local_2d, 4, timeout=60))
+
+
+def _from_local_ndim_mismatch(rank, n):
+    # Pieces of different ndim.  Before, a rank whose piece lacked the sharded
+    # dimension raised alone and the others waited in the shape inference's
+    # all-gather until their timeout.
+    mesh = DeviceMesh((n,), ("x",))
+    # (rank 0's piece shape, the other ranks', placements)
+    cases = [((3,), (4, 3), [Shard(1)]),    # rank 0's piece has no dimension 1
+             ((4, 3), (3,), [Shard(0)]),    # every piece has dimension 0
+             ((3,), (4, 3), [Shard(-1)])]   # -1 is another dimension by ndim
+    for first, rest, ps in cases:
+        with pytest.raises(ValueError) as info:
+            DTensor.from_local(np.zeros(first if rank == 0 else rest), mesh, ps, timeout=10)
+        msg = str(info.value)
+        assert "do not fit together" in msg, msg
+        for r in range(n):
+            assert f"world rank {r}: float64 {first if r == 0 else rest}" in msg, msg
+    # Every rank's piece lacks the dimension: every rank raises alike.
+    with pytest.raises(ValueError, match="do not fit together"):
+        DTensor.from_local(np.zeros(3), mesh, [Shard(1)], timeout=10)
+    # On a 2-D mesh the ranks off the failing line name its first world rank.
+    mesh2 = DeviceMesh((2, n // 2), ("a", "b"))
+    local = np.zeros(2) if rank == 3 else np.zeros((2, 3))
+    with pytest.raises(ValueError) as info:
+        DTensor.from_local(local, mesh2, [Shard(0), Shard(1)], timeout=10)
+    msg = str(info.value)
+    if rank in (2, 3):
+        assert "world rank 2: float64 (2, 3), world rank 3: float64 (2,)" in msg, msg
+    else:
+        assert "world rank 2" in msg and "see the error there" in msg, msg
+    # A Shard dim missing on a mesh dimension of one rank: no line to tell, the
+    # final agreement over the other dimensions does.
+    mesh3 = DeviceMesh((1, n), ("one", "x"))
+    local = np.zeros(4) if rank == 1 else np.zeros((4, 3))
+    with pytest.raises(ValueError) as info:
+        DTensor.from_local(local, mesh3, [Shard(1), Shard(0)], timeout=10)
+    msg = str(info.value)
+    assert ("out of range" in msg) if rank == 1 else ("world rank 1" in msg), msg
+    # Nothing stale is left: a good call right after agrees everywhere.
+    piece = np.array_split(GLOBAL, n, axis=1)[rank]
+    x = DTensor.from_local(piece.copy(), mesh, [Shard(1)], timeout=10)
+    assert x.shape == GLOBAL.shape
+    np.testing.assert_array_equal(x.full_tensor(), GLOBAL)
+    return True
+
+
+def test_from_local_pieces_of_different_ndim_raise_on_every_rank():
+    assert all(run_world(_from_local_ndim_mismatch, 4, timeout=60))
 
 
 def _distribute_src_errors(rank, n):
@@ -369,6 +422,84 @@ def _distribute_from_src(rank, n):
 
 def test_distribute_from_one_rank_with_custom_layout():
     assert all(run_world(_distribute_from_src, 4))
+
+
+def _spy_received(mesh, dtype, log):
+    """Record, on every group of ``mesh``, the element count of each ``dtype`` array this
+    rank receives through broadcast, scatter or scatter_v (not the metadata's)."""
+    for k in range(mesh.ndim):
+        if mesh.shape[k] == 1:
+            continue
+        g = mesh.get_group(k)
+
+        def broadcast(array, src=0, *a, _g=g, _real=g.broadcast, **kw):
+            if array.dtype == dtype and _g.rank != src:
+                log.append(array.size)
+            return _real(array, src, *a, **kw)
+
+        def scatter_v(output, input, counts, src=0, *a, _g=g, _real=g.scatter_v, **kw):
+            if output.dtype == dtype and _g.rank != src:
+                log.append(output.size)
+            return _real(output, input, counts, src, *a, **kw)
+
+        def scatter(output, input, src=0, *a, _g=g, _real=g.scatter, **kw):
+            if output.dtype == dtype and _g.rank != src:
+                log.append(output.size)
+            return _real(output, input, src, *a, **kw)
+
+        g.broadcast, g.scatter_v, g.scatter = broadcast, scatter_v, scatter
+
+
+def _distribute_scatters(rank, n, mesh_shape, ranks):
+    # distribute(src=) sends each rank its piece, not the whole array: a rank
+    # receives one array, the piece the Shard dimensions before its turn leave
+    # (its own piece when one mesh dimension shards).  Results equal src=None.
+    mesh = DeviceMesh(mesh_shape, tuple("ab"[:len(mesh_shape)]), ranks=ranks)
+    log: list = []
+    _spy_received(mesh, np.dtype(np.float32), log)
+    one = [Shard(0), Shard(1)]
+    if len(mesh_shape) == 1:
+        combos = [[p] for p in one]
+    else:
+        combos = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)],
+                  [Replicate(), Shard(0)], [Shard(1), Replicate()], [Shard(1), Partial()],
+                  [Partial(ReduceOp.MAX), Shard(0)], [Replicate(), Replicate()]]
+    for shape in ((7, 5), (2, 3), (0, 3), (8, 4)):
+        g = np.arange(float(np.prod(shape)), dtype=np.float32).reshape(shape) - 3
+        for src in range(n):
+            for ps in combos:
+                del log[:]
+                x = distribute(g if rank == src else None, mesh, ps, src=src, timeout=30)
+                check_layout(x, g)
+                ref = distribute(g, mesh, ps)
+                assert x.to_local().dtype == ref.to_local().dtype
+                np.testing.assert_array_equal(x.to_local(), ref.to_local())
+                if rank == src:
+                    assert log == [], (ps, log)
+                    continue
+                if g.size == 0:  # a line with nothing to scatter skips the collective
+                    assert set(log) <= {0}, (ps, log)
+                    continue
+                assert len(log) == 1, (ps, log)     # one array, whatever the mesh
+                shards = [i for i, p in enumerate(ps)
+                          if isinstance(p, Shard) and mesh.shape[i] > 1]
+                if not shards:
+                    assert log == [g.size]
+                    continue
+                # At most the piece of the first Shard dimension: never the whole array.
+                first = expected_piece(g, mesh.shape, [ps[i] if i == shards[0] else Replicate()
+                                                       for i in range(mesh.ndim)],
+                                       mesh.coordinate)
+                assert log[0] <= first.size < g.size, (ps, log, first.shape)
+                if len(shards) == 1:
+                    assert log[0] == x.to_local().size, (ps, log)
+    return True
+
+
+@pytest.mark.parametrize("mesh_shape,ranks", [((4,), None), ((2, 2), None),
+                                              ((2, 2), [3, 1, 0, 2])])
+def test_distribute_from_src_scatters_pieces(mesh_shape, ranks):
+    assert all(run_world(_distribute_scatters, 4, args=(mesh_shape, ranks), timeout=120))
 
 
 def _bad_args(rank, n):
@@ -434,3 +565,49 @@ def test_partial_to_shard_reduces_equal_pieces_in_place_of_a_copy():
         assert seen == [True, False]
         for got, total in zip(outs, totals):
             np.testing.assert_allclose(got, np.array_split(total, 2)[r], rtol=1e-12)
+
+
+def _gather_and_all_to_all_buffers(rank, n, ranks):
+    # The collectives read the local piece and write the result in place when the
+    # layout allows: Shard(0) -> Replicate gathers into the result, Shard(1) ->
+    # Replicate sends the piece itself (before: a transposed copy, padded when
+    # uneven, then one or two copies of the output); Shard(1) -> Shard(0) sends
+    # the local array itself and Shard(0) -> Shard(1) receives into the result
+    # (before: block copies, a concatenation and a concatenated output).
+    mesh = DeviceMesh((n,), ("x",), ranks=ranks)
+    in_order = ranks is None or list(ranks) == sorted(ranks)
+    g = mesh.get_group(0)
+    calls = []
+    for name in ("all_gather", "all_gather_v", "all_to_all_v"):
+        real = getattr(g, name)
+
+        def spy(out, *a, _real=real, _name=name, **k):
+            inp = a[1] if _name != "all_gather" else a[0]
+            calls.append((_name, out, inp))
+            return _real(out, *a, **k)
+
+        setattr(g, name, spy)
+    for shape in ((8, 6), (7, 5)):       # equal pieces on 2 ranks, then uneven
+        glob = np.arange(float(np.prod(shape))).reshape(shape)
+        for src, dst in ((Shard(0), Replicate()), (Shard(1), Replicate()),
+                         (Shard(1), Shard(0)), (Shard(0), Shard(1))):
+            x = distribute(glob, mesh, [src])
+            del calls[:]
+            y = x.redistribute([dst])
+            check_layout(y, glob)
+            (name, out, inp), = calls
+            uneven = shape[src.dim] % n != 0
+            if dst == Replicate():
+                assert name == ("all_gather_v" if uneven else "all_gather")
+                assert np.shares_memory(inp, x.to_local()), (src, dst)
+                assert np.shares_memory(out, y.to_local()) == (src.dim == 0 and in_order)
+            elif src == Shard(1):
+                assert np.shares_memory(inp, x.to_local()) == in_order, (src, dst)
+            else:
+                assert np.shares_memory(out, y.to_local()) == in_order, (src, dst)
+    return True
+
+
+@pytest.mark.parametrize("n,ranks", [(2, None), (3, None), (3, [2, 0, 1])])
+def test_gather_and_all_to_all_use_the_arrays_in_place(n, ranks):
+    assert all(run_world(_gather_and_all_to_all_buffers, n, args=(ranks,)))

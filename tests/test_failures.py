@@ -735,3 +735,49 @@ def test_new_group_with_different_members_fails_on_every_rank_at_once():
         assert kind in ("DesyncError", "PeerClosedError"), res
         assert "new_group([0, 2]) but parent rank 0 created new_group([0, 1, 2])" in msg, res
         assert took < 10, res  # not the 20 s deadline
+
+
+# ---- closing a group ------------------------------------------------------------------
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _close_group(rank, P):
+    x = np.ones(1 << 16, np.float32)
+    ringlet.all_reduce(x)  # the world's own connections exist before counting
+    ringlet.barrier()
+    before = _fds()
+    g = ringlet.new_group([0, 1])
+    if rank < 2:
+        y = np.full(1 << 16, rank + 1, np.float32)
+        g.all_reduce(y)
+        assert y[0] == 3
+        g.barrier()
+    opened = _fds()
+    g.close()
+    g.close()  # a second close does nothing
+    closed = _fds()
+    err = ""
+    if rank < 2:
+        try:
+            g.all_reduce(np.ones(4, np.float32))
+        except RingletError as exc:
+            err = str(exc)
+    try:
+        _world._current().group.close()
+        world_close = "closed"
+    except ValueError as exc:
+        world_close = str(exc)
+    ringlet.all_reduce(x)  # the world still works
+    return before, opened, closed, err, world_close, float(x[0])
+
+
+def test_closing_a_group_releases_its_resources_and_refuses_later_use():
+    res = run_world(_close_group, 3, mode="process", timeout=120)
+    for rank, (before, opened, closed, err, world_close, x0) in enumerate(res):
+        if rank < 2:
+            assert opened > before, (rank, before, opened)
+            assert "ProcessGroup.close()" in err and "[0, 1]" in err, err
+        assert closed <= before, (rank, before, opened, closed)
+        assert "world group" in world_close, world_close
+        assert x0 == 9.0

@@ -141,6 +141,66 @@ def test_mesh_over_subset_of_world():
     assert out == [None, 3, 3, 7, 7, None]
 
 
+def _new_groups(before):
+    """The groups this rank's world made since ``before`` (a set of ids), strongly held."""
+    from ringlet import _world
+
+    return [g for g in list(_world._current()._groups) if id(g) not in before]
+
+
+def _close(rank, n):
+    from ringlet import _world
+
+    import ringlet
+    from ringlet.dtensor import Shard, distribute
+    from ringlet.errors import RingletError
+
+    before = {id(g) for g in _world._current()._groups}
+    # Ranks 0 and 5 hold only non-member handles; they close them too.
+    mesh = DeviceMesh((2, 2), ("dp", "tp"), ranks=[1, 2, 3, 4])
+    sub = mesh.get_subgroup("dp", (1,))
+    made = _new_groups(before)
+    assert len(made) == 2 + 2 + 2        # the lines of both dims, get_subgroup's
+    assert all(not g._closed for g in made)
+    if mesh.coordinate is not None:
+        tp = mesh["tp"]
+        inner = mesh["dp", "tp"]
+        with pytest.raises(ValueError, match="sub-mesh"):
+            inner.close()                # it owns nothing
+        v = np.array([rank], np.int64)
+        tp.all_reduce(v)
+    ringlet.barrier()                    # nobody is still in an operation on the groups
+    assert not mesh.closed
+    mesh.close()
+    assert mesh.closed and all(g._closed for g in made)
+    mesh.close()                         # idempotent
+    if mesh.coordinate is not None:
+        for use in (lambda: mesh.get_group("tp"), lambda: mesh["dp"],
+                    lambda: mesh.submesh(("dp",)), lambda: mesh.get_subgroup("tp", (0,)),
+                    lambda: inner.get_group("dp"),
+                    lambda: distribute(np.zeros((4, 2)), mesh, [Shard(0), Shard(1)])):
+            with pytest.raises(RingletError, match="was closed"):
+                use()
+        with pytest.raises(RingletError):
+            tp.all_reduce(np.zeros(1))  # a handle taken before fails on use
+        assert sub is None or sub._closed
+    # The world and new meshes are unaffected; the context manager closes on exit.
+    before = {id(g) for g in _world._current()._groups}
+    with DeviceMesh((6,), ("x",)) as m2:
+        made = _new_groups(before)       # held here: closed groups are dropped
+        v = np.array([rank], np.int64)
+        m2["x"].all_reduce(v)
+        ringlet.barrier()
+    assert len(made) == 1 and made[0]._closed and m2.closed
+    w = np.array([1], np.int64)
+    ringlet.all_reduce(w)
+    return int(v[0]), int(w[0])
+
+
+def test_close_releases_every_group_the_mesh_made():
+    assert run_world(_close, 6) == [(15, 6)] * 6
+
+
 def _bad(rank, n):
     with pytest.raises(ValueError, match="holds 6 ranks"):
         DeviceMesh((2, 3))

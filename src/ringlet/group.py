@@ -138,6 +138,7 @@ class ProcessGroup:
         self._p2p_exec_lock = threading.Lock()
         self._ngroups = 0
         self._closed = False
+        self._closed_by = "ringlet.shutdown()"  # named when a closed group is used
         # Set by World.make_group: the host layout, and the hierarchical plan
         # (None: every op runs flat; one attribute test on each op's path).
         self._topology: Any = None
@@ -166,7 +167,8 @@ class ProcessGroup:
     # ---- plumbing ----------------------------------------------------------
     def _usable(self) -> None:
         if self._closed:
-            raise RingletError("this process group was shut down; call ringlet.init() again")
+            raise RingletError(f"the process group of world ranks {self.ranks} was closed by "
+                               f"{self._closed_by} (world rank {self._world.rank})")
         if self.rank < 0:
             raise ValueError(f"this rank (world rank {self._world.rank}) is not a member of "
                              f"the group of world ranks {self.ranks}")
@@ -846,6 +848,35 @@ class ProcessGroup:
                     comm.cancel(status, reason)
                 except RingletError:
                     pass
+
+    def close(self) -> None:
+        """Release this rank's handle on a group made by ``new_group``: its
+        connections, shared-memory segment and threads.
+
+        Local, not collective: call it on every member once no rank will use
+        the group again (after a barrier on it, when a peer may still be in an
+        operation).  Work still pending on this rank is cancelled and fails.
+        Calling it again does nothing; ``ringlet.shutdown()`` closes every group.
+        Afterwards every operation on the group raises ``RingletError``.
+
+        Raises:
+            ValueError: on the world group (``ringlet.shutdown()`` ends it).
+
+        Example::
+
+            tp = ringlet.new_group([0, 1])
+            ...
+            tp.barrier()
+            tp.close()
+        """
+        if self._closed:
+            return
+        if self is self._world.group:
+            raise ValueError("ProcessGroup.close: this is the world group; "
+                             "ringlet.shutdown() ends it")
+        self._closed_by = "ProcessGroup.close()"
+        self._close()
+        self._world._groups.discard(self)
 
     def _close(self) -> None:
         self._closed = True

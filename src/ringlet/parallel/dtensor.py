@@ -29,7 +29,7 @@ mesh dimension changes at a time:
 =========================  ==============================================
 from -> to                 data movement along that mesh dimension
 =========================  ==============================================
-Shard(d) -> Replicate      ``all_gather`` (pieces padded to the largest)
+Shard(d) -> Replicate      ``all_gather`` (uneven pieces: ``all_gather_v``)
 Partial -> Replicate       ``all_reduce(op)``
 Partial -> Shard(d)        ``reduce_scatter(op)`` (blocks padded)
 Shard(d) -> Shard(e)       ``all_to_all_v`` (exact per-pair counts)
@@ -160,31 +160,88 @@ def _take(x: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
 # ---- collectives along one line of the mesh ------------------------------------------
 # ``order[c]`` is the group rank of the member at line coordinate c (mesh.line_order).
 
+def _in_group_order(order: Sequence[int]) -> bool:
+    return list(order) == list(range(len(order)))
+
+
+def _flat_view(x: np.ndarray, axis: int, order: Sequence[int]) -> Optional[np.ndarray]:
+    """``x`` flat, when its pieces along ``axis`` in coordinate order are also its blocks
+    in group-rank order (contiguous, nothing before ``axis`` but size-1 dims, lines in
+    group order); else None.  Such an ``x`` is a collective's buffer as it is."""
+    if not (_in_group_order(order) and x.flags.c_contiguous
+            and int(np.prod(x.shape[:axis], dtype=np.int64)) == 1):
+        return None
+    return x.reshape(-1)
+
+
+def _block_counts(shape: Sequence[int], axis: int, sizes: Sequence[int],
+                  order: Sequence[int]) -> List[int]:
+    """Element count of each piece along ``axis`` of an array of ``shape``, in group-rank
+    order (the count list of a v-collective)."""
+    inner = int(np.prod([s for a, s in enumerate(shape) if a != axis], dtype=np.int64))
+    counts = [0] * len(sizes)
+    for c, s in enumerate(sizes):
+        counts[order[c]] = s * inner
+    return counts
+
+
+def _pack(x: np.ndarray, axis: int, sizes: Sequence[int], order: Sequence[int]) -> np.ndarray:
+    """``x``'s pieces along ``axis`` as flat blocks in group-rank order, each piece's
+    elements in C order: ``x`` itself when it already is that layout, else one copy."""
+    flat = _flat_view(x, axis, order)
+    if flat is not None:
+        return flat
+    out = np.empty(x.size, x.dtype)
+    off = _offsets(sizes)
+    counts = _block_counts(x.shape, axis, sizes, order)
+    g_off = _offsets(counts)
+    for c in range(len(sizes)):
+        piece = _take(x, axis, off[c], off[c] + sizes[c])
+        g = order[c]
+        out[g_off[g]: g_off[g] + counts[g]].reshape(piece.shape)[...] = piece
+    return out
+
+
+def _unpack(flat: np.ndarray, res: np.ndarray, axis: int, sizes: Sequence[int],
+            order: Sequence[int]) -> None:
+    """The inverse of ``_pack``: copy blocks in group-rank order into ``res``'s pieces."""
+    off = _offsets(sizes)
+    counts = _block_counts(res.shape, axis, sizes, order)
+    g_off = _offsets(counts)
+    for c in range(len(sizes)):
+        piece = _take(res, axis, off[c], off[c] + sizes[c])
+        g = order[c]
+        piece[...] = flat[g_off[g]: g_off[g] + counts[g]].reshape(piece.shape)
+
+
 def gather_axis(group: Any, order: Sequence[int], x: np.ndarray, axis: int,
                 sizes: Sequence[int], *, timeout: Optional[float] = None) -> np.ndarray:
     """All-gather pieces of ``axis`` (array_split ``sizes``, coordinate order) into the whole.
 
-    Pieces are padded to the largest size so one ``all_gather`` moves them;
-    the padding is dropped on arrival.  Used by DTensor and the tensor-parallel
-    layers (sequence-parallel gathers).
+    Each rank sends its piece as it lies in memory (C order); equal pieces
+    travel with ``all_gather``, uneven ones with ``all_gather_v`` (exact
+    sizes, no padding).  The collective writes straight into the result
+    when the pieces are its consecutive blocks (``axis`` leads, lines in
+    group order); otherwise into one staging buffer, copied once into
+    place.  Used by DTensor and the tensor-parallel layers
+    (sequence-parallel gathers).
     """
-    n = len(sizes)
-    xt = np.moveaxis(x, axis, 0)
-    rest = xt.shape[1:]
-    m = max(sizes)
-    if m == 0 or int(np.prod(rest, dtype=np.int64)) == 0:
-        return np.zeros(x.shape[:axis] + (sum(sizes),) + x.shape[axis + 1:], x.dtype)
-    uniform = all(s == m for s in sizes) and list(order) == list(range(n))
-    buf = np.ascontiguousarray(xt) if xt.shape[0] == m else None
-    if buf is None:
-        buf = np.zeros((m,) + rest, x.dtype)
-        buf[:xt.shape[0]] = xt
-    out = np.empty((n * m,) + rest, x.dtype)
-    group.all_gather(out, buf, timeout=timeout)
-    if not uniform:
-        out = np.concatenate([out[order[c] * m: order[c] * m + sizes[c]] for c in range(n)],
-                             axis=0)
-    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+    res = np.empty(x.shape[:axis] + (sum(sizes),) + x.shape[axis + 1:], x.dtype)
+    if res.size == 0:
+        return res  # every rank computes this alike: the line moves nothing
+    mine = np.ascontiguousarray(x).reshape(-1)
+    out = _flat_view(res, axis, order)
+    staged = out is None
+    if staged:
+        out = np.empty(res.size, x.dtype)
+    if all(s == sizes[0] for s in sizes):
+        group.all_gather(out, mine, timeout=timeout)
+    else:
+        group.all_gather_v(out, _block_counts(res.shape, axis, sizes, order), mine,
+                           timeout=timeout)
+    if staged:
+        _unpack(out, res, axis, sizes, order)
+    return res
 
 
 def reduce_scatter_axis(group: Any, order: Sequence[int], x: np.ndarray, axis: int,
@@ -223,35 +280,30 @@ def all_to_all_axes(group: Any, order: Sequence[int], x: np.ndarray, src_axis: i
     ``x`` holds piece ``coord`` of ``src_axis`` and all of ``dst_axis``.  The
     block for coordinate c is ``x``'s piece c of ``dst_axis``; the block from
     coordinate c is its piece of ``src_axis`` restricted to this rank's piece
-    of ``dst_axis``.  Exact counts, no padding.
+    of ``dst_axis``.  Exact counts, no padding.  The blocks are packed into
+    one send buffer (none when ``x`` already is one) and the collective
+    receives straight into the result when its blocks are the result's
+    consecutive pieces, else into one buffer copied once into place.
     """
-    n = len(src_sizes)
-    dst_off = _offsets(dst_sizes)
-    send: List[Optional[np.ndarray]] = [None] * n
-    for c in range(n):
-        blk = _take(x, dst_axis, dst_off[c], dst_off[c] + dst_sizes[c])
-        send[order[c]] = np.ascontiguousarray(blk).reshape(-1)
-    in_counts = [int(b.size) for b in send]
-    shapes = []
-    for c in range(n):
-        shp = list(x.shape)
-        shp[src_axis] = src_sizes[c]
-        shp[dst_axis] = dst_sizes[coord]
-        shapes.append(tuple(shp))
-    out_counts = [0] * n
-    for c in range(n):
-        out_counts[order[c]] = int(np.prod(shapes[c], dtype=np.int64))
-    inp = np.concatenate(send) if n else np.zeros(0, x.dtype)
-    out = np.empty(sum(out_counts), x.dtype)
+    shp = list(x.shape)
+    shp[src_axis] = sum(src_sizes)
+    shp[dst_axis] = dst_sizes[coord]
+    res = np.empty(tuple(shp), x.dtype)
+    inp = _pack(x, dst_axis, dst_sizes, order)
+    in_counts = _block_counts(x.shape, dst_axis, dst_sizes, order)
+    out_counts = _block_counts(res.shape, src_axis, src_sizes, order)
+    out = _flat_view(res, src_axis, order)
+    staged = out is None
+    if staged:
+        out = np.empty(res.size, x.dtype)
     # Skip only when the whole line moves nothing, which every rank computes
     # alike; a rank whose own piece is empty must still join the others.
     rest = int(np.prod([s for a, s in enumerate(x.shape) if a != src_axis], dtype=np.int64))
     if sum(src_sizes) * rest:
         group.all_to_all_v(out, out_counts, inp, in_counts, timeout=timeout)
-    g_off = _offsets(out_counts)  # offsets in group-rank order
-    pieces = [out[g_off[order[c]]: g_off[order[c]] + out_counts[order[c]]].reshape(shapes[c])
-              for c in range(n)]
-    return np.ascontiguousarray(np.concatenate(pieces, axis=src_axis))
+    if staged:
+        _unpack(out, res, src_axis, src_sizes, order)
+    return res
 
 
 def _identity(op: ReduceOp, dtype: np.dtype) -> Any:
@@ -269,7 +321,11 @@ def _identity(op: ReduceOp, dtype: np.dtype) -> Any:
     raise TypeError(f"no identity element of {op.name} for dtype {dtype}")
 
 
-def _check_placements(placements: Any, mesh: DeviceMesh, ndim: int) -> Tuple[Placement, ...]:
+def _check_placements(placements: Any, mesh: DeviceMesh, ndim: int, *,
+                      strict: bool = True) -> Tuple[Placement, ...]:
+    """The placements, checked, with Shard dims made non-negative.  ``strict=False``
+    leaves a Shard dim outside ``ndim`` as given instead of raising (the caller
+    finds it with the other ranks)."""
     if isinstance(placements, Placement):
         placements = (placements,)
     try:
@@ -286,9 +342,10 @@ def _check_placements(placements: Any, mesh: DeviceMesh, ndim: int) -> Tuple[Pla
             raise TypeError(f"each placement must be Shard(dim), Replicate() or Partial(op), "
                             f"got {p!r}")
         if isinstance(p, Shard):
-            if not -ndim <= p.dim < ndim:
+            if -ndim <= p.dim < ndim:
+                p = Shard(p.dim % ndim)
+            elif strict:
                 raise ValueError(f"{p!r} is out of range for a {ndim}-D array")
-            p = Shard(p.dim % ndim)
         out.append(p)
     return tuple(out)
 
@@ -363,9 +420,13 @@ class DTensor:
         Raises:
             TypeError / ValueError: bad arguments; without ``shape``, pieces
                 whose sizes do not follow ``numpy.array_split`` or that differ
-                in dtype or in the sizes of the other tensor dimensions (every
-                rank of the mesh raises ``ValueError``; the ranks whose line
-                failed name the sizes, the others the first such world rank).
+                in ndim, dtype or the sizes of the other tensor dimensions
+                (every rank of the mesh raises ``ValueError``; the ranks whose
+                line failed name each piece's world rank and sizes, which takes
+                one more all-gather of those shapes on that line, the others
+                name the first such world rank).  Along Replicate and Partial
+                dimensions nothing is compared.
+            RingletError: the mesh was closed.
 
         Example::
 
@@ -377,8 +438,12 @@ class DTensor:
             raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
         if not isinstance(local, np.ndarray):
             raise TypeError(f"local must be a numpy.ndarray, got {type(local).__name__}")
-        ps = _check_placements(placements, mesh, local.ndim)
+        # With the shape inferred, a Shard dim outside this rank's piece (ranks passing
+        # pieces of different ndim) is found with the others: raising here would leave
+        # them waiting in the inference's all-gather.
+        ps = _check_placements(placements, mesh, local.ndim, strict=shape is not None)
         mesh._require_member("from_local")
+        mesh._check_open("from_local")
         if shape is None:
             shape = _infer_shape(local, mesh, ps, timeout)
         else:
@@ -437,6 +502,7 @@ class DTensor:
             The new ``DTensor``.
         Raises:
             TypeError / ValueError: bad placements; this rank is not in the mesh.
+            RingletError: the mesh was closed.
 
         Example::
 
@@ -444,6 +510,7 @@ class DTensor:
         """
         dst = _check_placements(placements, self.mesh, self.ndim)
         self.mesh._require_member("redistribute")
+        self.mesh._check_open("redistribute")
         src = self.placements
         cur = list(src)
         local = self._local
@@ -581,12 +648,19 @@ def _infer_shape(local: np.ndarray, mesh: DeviceMesh, ps: Tuple[Placement, ...],
     Per sharded mesh dimension, innermost first (each all-gather recovers the
     piece one nesting level out), the line gathers [size along the sharded
     tensor dim, digest of (dtype, other sizes), found a problem already].  A
-    problem is only noted, never raised mid-way: a rank on a good line would
-    otherwise go on to the next all-gather and wait for ranks that left.  At
-    the end every rank agrees on the first world rank with a problem.
+    piece without the sharded dimension (of another ndim than its peers')
+    sends size -1 and a digest no good piece has.  A problem is only noted,
+    never raised mid-way: a rank on a good line would otherwise go on to the
+    next all-gather and wait for ranks that left.  At the end every rank
+    agrees on the first world rank with a problem.
     """
     shape = list(local.shape)
     problem: Optional[str] = None
+    for i, p in enumerate(ps):
+        # No line to tell on a dimension of one rank: the final agreement does.
+        if isinstance(p, Shard) and not 0 <= p.dim < local.ndim and mesh.shape[i] == 1:
+            problem = (f"from_local: {p!r} is out of range for this rank's {local.ndim}-D piece "
+                       f"of shape {tuple(local.shape)}")
     sharded = False
     for i in reversed(range(mesh.ndim)):
         p = ps[i]
@@ -596,26 +670,33 @@ def _infer_shape(local: np.ndarray, mesh: DeviceMesh, ps: Tuple[Placement, ...],
         n = mesh.shape[i]
         group = mesh.get_group(i)
         order = mesh.line_order(i)
-        others = [s for d, s in enumerate(shape) if d != p.dim]
-        mine = np.array([shape[p.dim], _digest(local.dtype, others), problem is not None],
+        has_dim = 0 <= p.dim < len(shape)
+        if has_dim:
+            digest = _digest(local.dtype, [s for d, s in enumerate(shape) if d != p.dim])
+        else:
+            digest = _digest(local.dtype, [-1, local.ndim])
+        mine = np.array([shape[p.dim] if has_dim else -1, digest, problem is not None],
                         np.int64)
         got = np.zeros((n, 3), np.int64)
         group.all_gather(got, mine, timeout=timeout)
         got = got[order]  # coordinate order
         sizes = [int(s) for s in got[:, 0]]
-        shape[p.dim] = sum(sizes)
+        if has_dim:
+            shape[p.dim] = sum(sizes)
         if problem is not None or got[:, 2].any():
             continue  # an inner line already failed: these sizes mean nothing
+        # Every rank of the line sees the same `got`, so all take the same branch.
         where = f"along mesh dimension {mesh.dim_names[i]!r}"
-        if (got[:, 1] != got[0, 1]).any():
-            problem = (f"from_local: the pieces {where} differ in dtype or in the sizes of the "
-                       f"tensor dimensions other than {p.dim} (this rank: dtype {local.dtype}, "
-                       f"piece shape {tuple(local.shape)}); they must agree")
+        if (got[:, 1] != got[0, 1]).any() or min(sizes) < 0:
+            problem = _misfit(local, mesh, i, p, group, order, timeout)
         elif sizes != shard_sizes(sum(sizes), n):
-            problem = (f"from_local: pieces {where} have sizes {sizes} (this rank's piece: "
-                       f"{tuple(local.shape)}); uneven shards must follow numpy.array_split "
+            problem = (f"from_local: pieces {where} (world ranks {mesh.ranks_along(i)}) have "
+                       f"sizes {sizes} (this rank's piece: {tuple(local.shape)}); uneven "
+                       f"shards must follow numpy.array_split "
                        f"({shard_sizes(sum(sizes), n)}); pass shape= otherwise")
     if not sharded:
+        if problem is not None:  # nothing was communicated: this rank alone raises
+            raise ValueError(problem)
         return tuple(shape)
     if mesh.ndim > 1:  # on a 1-D mesh the one line saw everything alike
         first = _first_failed_rank(mesh, problem is not None, timeout)
@@ -625,6 +706,18 @@ def _infer_shape(local: np.ndarray, mesh: DeviceMesh, ps: Tuple[Placement, ...],
     if problem is not None:
         raise ValueError(problem)
     return tuple(shape)
+
+
+def _misfit(local: np.ndarray, mesh: DeviceMesh, i: int, p: Shard, group: Any,
+            order: Sequence[int], timeout: Optional[float]) -> str:
+    """The error for a line whose pieces differ in ndim, dtype or other sizes, naming each
+    rank's piece: one more all-gather, on this failure path only."""
+    got = group.all_gather_object([local.dtype.name, list(local.shape)], timeout=timeout)
+    pieces = ", ".join(f"world rank {r}: {got[order[c]][0]} {tuple(got[order[c]][1])}"
+                       for c, r in enumerate(mesh.ranks_along(i)))
+    return (f"from_local: the pieces along mesh dimension {mesh.dim_names[i]!r} do not fit "
+            f"together ({pieces}); sharded by {p!r} they need the same ndim and dtype, and "
+            f"the same sizes in every other tensor dimension")
 
 
 def _first_failed_rank(mesh: DeviceMesh, failed: bool, timeout: Optional[float]) -> int:
@@ -646,10 +739,14 @@ def distribute(array: Optional[np.ndarray], mesh: DeviceMesh, placements: Sequen
     * ``src=None`` (default): every rank of the mesh passes the same whole
       array and keeps its piece; no communication (not verified).
     * ``src=r`` (a world rank in the mesh): only rank r needs the array
-      (others may pass None).  Its shape, dtype and values are broadcast
-      over the mesh one dimension at a time (along dimension 0 through r,
-      then along dimension 1 from every rank that has it, ...), then every
-      rank keeps its piece.
+      (others may pass None).  Its shape and dtype are broadcast over the
+      mesh one dimension at a time (along dimension 0 through r, then along
+      dimension 1 from every rank that has them, ...).  Then the values
+      travel the same way, Shard mesh dimensions first: along a Shard
+      dimension the rank holding the data scatters the pieces
+      (``scatter_v``), along the others it broadcasts its piece.  So a rank
+      receives its own piece, or the piece of the outer Shard dimensions it
+      passes on, never the whole array unless its placements replicate it.
 
     Partial placements treat the array as the logical value: for SUM the
     rank at coordinate 0 of that mesh dimension holds it and the others
@@ -660,14 +757,16 @@ def distribute(array: Optional[np.ndarray], mesh: DeviceMesh, placements: Sequen
         mesh: the mesh; collective over its ranks.
         placements: one per mesh dimension.
         src: world rank holding the array, or None.
-        timeout: seconds for each broadcast.
+        timeout: seconds for each collective.
     Returns:
-        The ``DTensor``.
+        The ``DTensor``; its local array never shares memory with ``array``.
     Raises:
         TypeError / ValueError: bad arguments or placements.  With ``src``, a
             source that passes no array or an unsupported dtype raises
             ``TypeError`` on every rank of the mesh (the error is broadcast in
-            place of the metadata).
+            place of the metadata); placements that do not fit the array's
+            ndim raise ``ValueError`` on every rank, before any data moves.
+        RingletError: the mesh was closed.
 
     Example::
 
@@ -678,30 +777,39 @@ def distribute(array: Optional[np.ndarray], mesh: DeviceMesh, placements: Sequen
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
     mesh._require_member("distribute")
+    mesh._check_open("distribute")
     if src is None:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"distribute: array must be a numpy.ndarray (pass src= to send it "
                             f"from one rank), got {type(array).__name__}")
-        full = array
+        ps = _check_placements(placements, mesh, array.ndim)
+        shape = tuple(array.shape)
+        # From all-Replicate, outermost mesh dim first: local slices only.
+        cur: List[Placement] = [Replicate()] * mesh.ndim
+        tmp = DTensor(np.ascontiguousarray(array), mesh, cur, shape, _checked=True)
+        local = tmp._local
+        for i in range(mesh.ndim):
+            if ps[i] != cur[i]:
+                local = tmp._step(local, i, cur, ps[i], timeout)
+                cur[i] = ps[i]
     else:
-        full = _broadcast_over_mesh(array, mesh, src, timeout)
-    ps = _check_placements(placements, mesh, full.ndim)
-    shape = tuple(full.shape)
-    # From all-Replicate, outermost mesh dim first: local slices only.
-    cur: List[Placement] = [Replicate()] * mesh.ndim
-    tmp = DTensor(np.ascontiguousarray(full), mesh, cur, shape, _checked=True)
-    local = tmp._local
-    for i in range(mesh.ndim):
-        if ps[i] != cur[i]:
-            local = tmp._step(local, i, cur, ps[i], timeout)
-            cur[i] = ps[i]
-    if np.shares_memory(local, full):  # never alias the caller's array
-        local = np.array(local, copy=True, order="C")
+        scoord, full, shape, dtype = _meta_over_mesh(array, mesh, src, timeout)
+        # The same shape on every rank of the mesh: all raise here, or none.
+        ps = _check_placements(placements, mesh, len(shape))
+        local = _send_pieces(full, shape, dtype, mesh, ps, scoord, timeout)
+    if isinstance(array, np.ndarray) and np.shares_memory(local, array):
+        local = np.array(local, copy=True, order="C")  # never alias the caller's array
     return DTensor(local, mesh, ps, shape, _checked=True)
 
 
-def _broadcast_over_mesh(array: Optional[np.ndarray], mesh: DeviceMesh, src: int,
-                         timeout: Optional[float]) -> np.ndarray:
+def _meta_over_mesh(array: Optional[np.ndarray], mesh: DeviceMesh, src: int,
+                    timeout: Optional[float]) -> Tuple[Tuple[int, ...], Optional[np.ndarray],
+                                                       Tuple[int, ...], np.dtype]:
+    """Broadcast the source's shape and dtype (or its error) over the mesh.
+
+    Returns (source coordinate, the source's contiguous array or None, shape,
+    dtype); raises the source's TypeError on every rank of the mesh.
+    """
     if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
         raise TypeError(f"distribute: src must be a world rank (int) or None, got "
                         f"{type(src).__name__}")
@@ -728,21 +836,70 @@ def _broadcast_over_mesh(array: Optional[np.ndarray], mesh: DeviceMesh, src: int
             else:
                 full = np.ascontiguousarray(array)
                 meta = [list(full.shape), code, None]
-    have = is_src
     for k in range(mesh.ndim):
         # Ranks agreeing with the source on every dim after k take part at step k.
         if coord[k + 1:] != scoord[k + 1:] or mesh.shape[k] == 1:
             continue
         group = mesh.get_group(k)
         root = mesh.line_order(k)[scoord[k]]
-        meta = group.broadcast_object(meta if have else None, root, timeout=timeout)
-        have = True
-        if meta[2] is not None:
-            continue  # no data; the error travels on to the next dimension's ranks
-        if full is None:
-            full = np.empty(tuple(meta[0]), dtype_from_code(meta[1]))
-        group.broadcast(full, root, timeout=timeout)
+        meta = group.broadcast_object(meta if coord[k] == scoord[k] else None, root,
+                                      timeout=timeout)
     if meta[2] is not None:  # every rank of the mesh got the source's error
         raise TypeError(meta[2] if is_src else f"{meta[2]} (raised on the source, world rank "
                                                f"{int(src)}; every rank of the mesh raises)")
-    return full
+    return scoord, full, tuple(int(s) for s in meta[0]), dtype_from_code(meta[1])
+
+
+def _send_pieces(full: Optional[np.ndarray], shape: Tuple[int, ...], dtype: np.dtype,
+                 mesh: DeviceMesh, ps: Tuple[Placement, ...], scoord: Tuple[int, ...],
+                 timeout: Optional[float]) -> np.ndarray:
+    """This rank's piece of the source's array ``full`` (None off the source).
+
+    The data spreads over the mesh one dimension at a time, as the metadata
+    did, with the Shard dimensions first (in mesh order, so nested shards cut
+    in the documented order): ranks that agree with the source on every
+    dimension still to come take part in a step, and on each line the rank
+    at the source's coordinate holds the piece cut by the Shard steps before.
+    It scatters that piece (Shard) or broadcasts it (Replicate, Partial), so
+    no rank receives more than the Shard steps leave.  Partial values are set
+    last: they only fill or copy, which commutes with the cuts.
+    """
+    coord = mesh.coordinate
+    steps = [k for k in range(mesh.ndim) if isinstance(ps[k], Shard)]
+    steps += [k for k in range(mesh.ndim) if not isinstance(ps[k], Shard)]
+    cut: List[Placement] = [Replicate()] * mesh.ndim  # the cuts made so far
+    piece = full
+    for t, k in enumerate(steps):
+        later = steps[t + 1:]
+        n = mesh.shape[k]
+        if n == 1 or any(coord[j] != scoord[j] for j in later):
+            cut[k] = ps[k]
+            continue
+        group = mesh.get_group(k)
+        order = mesh.line_order(k)
+        root = order[scoord[k]]
+        holder = coord[k] == scoord[k]
+        # Every rank of the line shares the coordinates of the cuts so far.
+        held = _local_shape(shape, mesh, cut, coord)
+        p = ps[k]
+        if isinstance(p, Shard):
+            sizes = shard_sizes(held[p.dim], n)
+            mine = list(held)
+            mine[p.dim] = sizes[coord[k]]
+            out = np.empty(tuple(mine), dtype)
+            if int(np.prod(held, dtype=np.int64)):  # alike on the line: it moves something
+                inp = counts = None
+                if holder:
+                    inp = _pack(piece, p.dim, sizes, order)
+                    counts = _block_counts(held, p.dim, sizes, order)
+                group.scatter_v(out.reshape(-1), inp, counts, root, timeout=timeout)
+            piece = out
+        else:
+            if not holder:
+                piece = np.empty(held, dtype)
+            group.broadcast(piece, root, timeout=timeout)
+        cut[k] = ps[k]
+    for k, p in enumerate(ps):
+        if isinstance(p, Partial) and mesh.shape[k] > 1:
+            piece = _replicate_to_partial(piece, p.op, coord[k])
+    return piece

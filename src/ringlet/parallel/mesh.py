@@ -16,7 +16,8 @@ rank of the parent group, in the same order, so the constructor creates
 every line of every dimension, dimension by dimension, lines in row-major
 order of the other coordinates, on every rank (a rank keeps the handles of
 the lines it is on).  Sub-meshes and ``mesh[dim]`` reuse these groups and
-create nothing.
+create nothing.  ``close()`` (or leaving a ``with mesh:`` block) releases
+every group the mesh created.
 
 Coordinates and group ranks.  ``new_group`` orders a group's members by
 world rank, so when the ranks along a line are not increasing (a custom
@@ -32,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .._world import _require, get_rank, get_world_size, new_group
+from ..errors import RingletError
 from ..group import ProcessGroup
 
 __all__ = ["DeviceMesh"]
@@ -53,7 +55,14 @@ class _Shared:
         self.timeout = timeout
         # (full-mesh dim, coordinates along it) -> this rank's group, or None
         self.subgroups: Dict[Tuple[int, Tuple[int, ...]], Any] = {}
+        # Every handle the mesh made, non-member ones included: what close() releases.
+        self.created: List[ProcessGroup] = []
+        self.closed = False
 
+    def release(self) -> None:
+        groups, self.created, self.subgroups = self.created, [], {}
+        for g in groups:
+            g.close()  # nothing to do where ringlet.shutdown() closed it already
 
 
 def _group_or_world(group: Optional[ProcessGroup]) -> ProcessGroup:
@@ -84,6 +93,9 @@ class DeviceMesh:
     Raises:
         TypeError / ValueError: bad shape, names or ranks.
 
+    The mesh owns its groups: ``close()`` releases them, and ``with mesh:``
+    closes it on leaving the block.
+
     Example::
 
         ringlet.init()                                   # 8 ranks
@@ -91,6 +103,7 @@ class DeviceMesh:
         tp_group = mesh["tp"]                            # = mesh.get_group("tp")
         dp_tp = mesh["dp", "tp"]                         # 2-D sub-mesh through this rank
         print(mesh.coordinate, mesh.size("tp"))
+        mesh.close()                                     # once no rank uses its groups
     """
 
     def __init__(self, shape: Union[int, Sequence[int]], dim_names: Optional[Sequence[str]] = None,
@@ -117,14 +130,20 @@ class DeviceMesh:
             me = parent.ranks[parent.rank]
         else:
             raise ValueError("DeviceMesh: this rank is not a member of the parent group")
-        self._init_view(grid, names, _Shared(parent, timeout), me)
+        shared = _Shared(parent, timeout)
+        self._init_view(grid, names, shared, me)
         self._groups: List[Any] = [None] * self.ndim
-        # Every rank creates every line, in one fixed order (collective rule of new_group).
-        for d in range(self.ndim):
-            for line in self._lines(d):
-                g = new_group([int(r) for r in line], timeout=timeout, group=parent)
-                if me in line:
-                    self._groups[d] = g
+        try:
+            # Every rank creates every line, in one fixed order (collective rule of new_group).
+            for d in range(self.ndim):
+                for line in self._lines(d):
+                    g = new_group([int(r) for r in line], timeout=timeout, group=parent)
+                    shared.created.append(g)
+                    if me in line:
+                        self._groups[d] = g
+        except BaseException:
+            shared.release()  # a half-built mesh must not hold the lines made so far
+            raise
 
     # ---- construction helpers ------------------------------------------------
     @staticmethod
@@ -206,6 +225,12 @@ class DeviceMesh:
             raise ValueError(f"mesh dimension {d} is out of range for a {self.ndim}-D mesh")
         return d % self.ndim
 
+    def _check_open(self, what: str) -> None:
+        if self._shared.closed:
+            raise RingletError(f"DeviceMesh.{what}: world rank {self._me}: the mesh "
+                               f"{self.mesh.reshape(-1).tolist()} was closed and its groups "
+                               f"released; create a new DeviceMesh")
+
     def _require_member(self, what: str) -> Tuple[int, ...]:
         if self.coordinate is None:
             raise ValueError(f"DeviceMesh.{what}: this rank (world rank {self._me}) is not in "
@@ -221,6 +246,7 @@ class DeviceMesh:
             A ``ringlet.ProcessGroup`` of the ranks on this rank's line along ``dim``.
         Raises:
             ValueError: unknown dimension, or this rank is not in the mesh.
+            RingletError: the mesh was closed.
 
         Example::
 
@@ -232,6 +258,7 @@ class DeviceMesh:
             dim = 0
         d = self._dim(dim)
         self._require_member("get_group")
+        self._check_open("get_group")
         return self._groups[d]
 
     def __getitem__(self, key: Any) -> Any:
@@ -289,6 +316,7 @@ class DeviceMesh:
             A ``DeviceMesh`` of ``len(dims)`` dimensions.
         Raises:
             ValueError: unknown or repeated dimensions, or this rank is not in the mesh.
+            RingletError: the mesh was closed.
 
         Example::
 
@@ -302,6 +330,7 @@ class DeviceMesh:
         if len(set(ds)) != len(ds):
             raise ValueError(f"submesh: repeated dimensions in {tuple(dims)}")
         coord = self._require_member("submesh")
+        self._check_open("submesh")
         idx: List[Any] = list(coord)
         for d in ds:
             idx[d] = slice(None)
@@ -342,11 +371,13 @@ class DeviceMesh:
             (or it is not in the mesh).
         Raises:
             ValueError: bad dimension or coordinates.
+            RingletError: the mesh was closed.
 
         Example::
 
             emb_group = mesh.get_subgroup("pp", (0, mesh.size("pp") - 1))
         """
+        self._check_open("get_subgroup")
         d = self._dim(dim)
         asked = list(coordinates)
         coords = tuple(sorted({_int(c, "coordinate") for c in asked}))
@@ -367,11 +398,56 @@ class DeviceMesh:
             for line in root._lines(fd):
                 members = [int(line[c]) for c in coords]
                 g = new_group(members, timeout=self._shared.timeout,
-                                      group=self._shared.parent)
+                              group=self._shared.parent)
+                self._shared.created.append(g)
                 if self._me in members:
                     mine = g
             cache[key] = mine
         return cache[key]
+
+    # ---- lifetime ----------------------------------------------------------------
+    def close(self) -> None:
+        """Release every process group the mesh created: its lines and ``get_subgroup``'s.
+
+        Local, not collective: each rank closes its own handles (sockets,
+        shared-memory segments, threads).  Call it on every rank once no rank
+        will use the mesh's groups again (a barrier over the parent group
+        first, when some rank may still be in an operation on them).  Calling it
+        again does nothing; ``ringlet.shutdown()`` closes the groups too.
+        Afterwards ``get_group``, ``get_subgroup``, ``submesh`` and DTensor
+        operations on the mesh raise ``RingletError``, and group handles taken
+        from it earlier fail on use.
+
+        Raises:
+            ValueError: on a sub-mesh, which owns no groups (close the mesh it
+                was taken from).
+
+        Example::
+
+            with DeviceMesh((2, 4), ("dp", "tp")) as mesh:
+                train(mesh)
+                ringlet.barrier()
+            # the mesh's groups are released here
+        """
+        if self._root_mesh() is not self:
+            raise ValueError(f"DeviceMesh.close: {self!r} is a sub-mesh and shares its groups "
+                             f"with the mesh it was taken from; close that mesh instead")
+        if self._shared.closed:
+            return
+        self._shared.closed = True
+        self._groups = [None] * self.ndim
+        self._shared.release()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has released the mesh's groups."""
+        return self._shared.closed
+
+    def __enter__(self) -> "DeviceMesh":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ---- printing ----------------------------------------------------------------
     def __repr__(self) -> str:

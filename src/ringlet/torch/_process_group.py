@@ -150,7 +150,7 @@ class RingletProcessGroup(dist.ProcessGroup):
         (its sockets, segment and threads); the world group stays until
         ``ringlet.shutdown()``."""
         if self._g is not _world_group_or_none():
-            self._g._close()
+            self._g.close()
 
     abort = shutdown
 
