@@ -173,6 +173,31 @@ def test_batchnorm_running_stats_like_torch():
         bn2(f64(1, 2))
 
 
+@pytest.mark.parametrize("momentum", [0.25, None])
+def test_batchnorm_forward_that_raises_leaves_running_stats_alone(momentum):
+    """The running statistics change only once the forward can no longer fail
+    (here the affine step overflows under np.errstate, as running out of memory would)."""
+    bn = nn.BatchNorm1d(2, momentum=momentum, dtype=np.float64)
+    ref = nn.BatchNorm1d(2, momentum=momentum, dtype=np.float64)
+    x0 = f64(6, 2) * 3 + 1
+    x1 = np.zeros((6, 2))
+    x1[5] = 10.0  # normalised to 2.24: times 1e308 overflows
+    for m in (bn, ref):
+        with nn.no_grad():
+            m(x0)
+    before = {k: v.copy() for k, v in bn.state_dict().items()}
+    bn.weight.data[...] = 1e308
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        bn(x1)
+    bn.weight.data[...] = 1.0
+    for k, v in bn.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    with nn.no_grad():
+        np.testing.assert_array_equal(bn(x1), ref(x1))
+    for k, v in bn.state_dict().items():
+        np.testing.assert_array_equal(v, ref.state_dict()[k], err_msg=k)
+
+
 def test_dropout():
     d = nn.Dropout(0.3, rng=0)
     x = RNG.uniform(1, 2, (200, 50)).astype(np.float32)
@@ -598,6 +623,103 @@ def test_a_forward_that_raises_leaves_no_context_behind():
     assert m.saved_bytes() == 0 and len(fired) == 8
     for p, w in zip(m.parameters(), want.parameters()):
         np.testing.assert_allclose(p.grad, w.grad, rtol=1e-12)
+
+
+class _SaveThenRaise(nn.Module):
+    """Scales by a parameter; when armed, raises after it has saved its context."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(np.full(4, 2.0))
+        self.armed = False
+
+    def forward(self, x):
+        self._save(x, (self.w,))
+        if self.armed:
+            raise MemoryError("simulated: no room for the output")
+        return x * self.w.data
+
+    def backward(self, g):
+        x = self._pop()
+        self.w.accumulate_grad((g * x).sum(axis=0))
+        return g * self.w.data
+
+
+def test_a_call_that_raises_inside_a_forward_that_recovers_leaves_no_use_behind():
+    """The enclosing forward catches the failure and carries on, so the pass
+    succeeds: the failed call's contexts and parameter uses must still go, or
+    the next backward pops the wrong context and the hooks wait for a use that
+    never comes."""
+
+    class Fallback(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4, dtype=np.float64, rng=0)
+            self.flaky = _SaveThenRaise()
+            self.fast = nn.Sequential(self.lin, self.flaky)
+
+        def forward(self, x):
+            try:
+                self.route = "fast"
+                return self.fast(x)
+            except MemoryError:
+                self.route = "slow"
+                return self.lin(x)
+
+        def backward(self, g):
+            return (self.fast if self.route == "fast" else self.lin).backward(g)
+
+    m = Fallback()
+    fired = []
+    m.register_grad_ready_hook(lambda p: fired.append(p))
+    x, g = f64(3, 4), f64(3, 4)
+    m.flaky.armed = True
+    m(x)
+    assert m.lin.num_saved_contexts() == 1 and m.flaky.num_saved_contexts() == 0
+    m.backward(g)
+    assert {id(p) for p in fired} == {id(m.lin.weight), id(m.lin.bias)}
+    np.testing.assert_allclose(m.lin.weight.grad, g.T @ x, rtol=1e-12)
+    m.flaky.armed = False  # a normal pass afterwards: every hook fires once
+    fired.clear()
+    m(x)
+    m.backward(g)
+    assert sorted(id(p) for p in fired) == sorted(id(p) for p in m.parameters())
+    assert m.saved_bytes() == 0
+
+
+def test_a_backward_that_raises_after_taking_its_context_leaves_no_use_behind():
+    """A backward that popped its context and then raised (a bad gradient, a
+    refusing pre-accumulate hook) never accumulates that use: the next pass's
+    hooks must still fire, and its gradients be exact."""
+    lin = nn.Linear(3, 2, dtype=np.float64, rng=0)
+    fired = []
+    lin.register_grad_ready_hook(lambda p: fired.append(p))
+    x, g = f64(4, 3), f64(4, 2)
+    lin(x)
+    with pytest.raises(ValueError, match="grad_output"):
+        lin.backward(np.ones((4, 5)))  # raises after _pop(), before any gradient
+    assert lin.num_saved_contexts() == 0 and fired == []
+
+    armed = [True]
+
+    def refuse_once(p):
+        if armed:
+            armed.pop()
+            raise RuntimeError("refused")
+    h = lin.bias.register_grad_pre_accumulate_hook(refuse_once)
+    lin(x)
+    with pytest.raises(RuntimeError, match="refused"):
+        lin.backward(g)  # the weight's gradient went in (and fired), the bias's did not
+    assert [id(p) for p in fired] == [id(lin.weight)]
+    h.remove()
+    lin.zero_grad()
+    fired.clear()
+    for _ in range(2):  # hooks fire once per backward again
+        lin(x)
+        lin.backward(g)
+    assert [id(p) for p in fired] == [id(lin.weight), id(lin.bias)] * 2
+    np.testing.assert_allclose(lin.weight.grad, 2 * g.T @ x, rtol=1e-12)
+    np.testing.assert_allclose(lin.bias.grad, 2 * g.sum(axis=0), rtol=1e-12)
 
 
 # ---- state dicts ----------------------------------------------------------------------------

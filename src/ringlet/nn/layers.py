@@ -364,6 +364,24 @@ class Embedding(Module):
         return None
 
 
+def _update_running_stats(bn: Module, mean: np.ndarray, unbiased_var: np.ndarray) -> None:
+    """``running = (1 - m) * running + m * batch`` for a batch norm, in place.
+
+    The new values are computed before any buffer changes, so an error
+    (out of memory) leaves all three buffers as they were.
+    """
+    count = int(bn.num_batches_tracked) + 1
+    m = 1.0 / float(count) if bn.momentum is None else bn.momentum
+    rm = bn.running_mean * (1.0 - m)
+    rm += (m * mean).astype(rm.dtype, copy=False)
+    rv = bn.running_var * (1.0 - m)
+    rv += (m * unbiased_var).astype(rv.dtype, copy=False)
+    # In place, so state_dict views and data-parallel copies stay bound.
+    bn.running_mean[...] = rm
+    bn.running_var[...] = rv
+    bn.num_batches_tracked[...] = count
+
+
 class BatchNorm1d(Module):
     """Batch normalisation over (N, C) or (N, C, L) inputs, per channel C.
 
@@ -441,16 +459,6 @@ class BatchNorm1d(Module):
             mean = x.mean(axis=axes)
             xc = x - mean.reshape(bshape)
             var = np.mean(xc * xc, axis=axes)
-            if self.training and self.track_running_stats:
-                self.num_batches_tracked += 1
-                m = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                     else self.momentum)
-                unbiased = var * (n / (n - 1))
-                # In place, so state_dict views and data-parallel copies stay bound.
-                self.running_mean *= (1.0 - m)
-                self.running_mean += m * mean
-                self.running_var *= (1.0 - m)
-                self.running_var += m * unbiased
         else:
             mean, var = self.running_mean, self.running_var
             xc = x - mean.reshape(bshape)
@@ -459,6 +467,9 @@ class BatchNorm1d(Module):
         y = xhat
         if self.weight is not None:
             y = xhat * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+        if use_batch and self.training and self.track_running_stats:
+            # Last, once nothing else can raise: a failed forward leaves the statistics alone.
+            _update_running_stats(self, mean, var * (n / (n - 1)))
         self._save((xhat, rstd, axes, bshape, use_batch), (self.weight, self.bias))
         return y
 

@@ -22,6 +22,13 @@ gradient is final for this backward and its hooks fire (``DistributedDataParalle
 starts reducing its bucket at that moment).  A parameter used twice (tied
 weights) or in several in-flight forwards fires once, after the last use.
 
+A call that raises leaves no trace: a forward that raises drops the contexts
+saved during that call (even when an enclosing forward catches the exception),
+and a backward that raises releases the uses it took with ``_pop()`` but did
+not accumulate (every subclass's ``backward`` is wrapped for that when the
+class is defined).  Otherwise the parameter's next backward would wait for
+one use too many and its hooks would not fire.
+
 Gradients are accumulated in place into an existing ``param.grad`` array, never
 rebinding it, because data-parallel wrappers replace ``param.grad`` with a view
 into one flat buffer.
@@ -31,10 +38,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import threading
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence,
-                    Tuple)
+import types
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,7 +58,8 @@ class _GradMode(threading.local):
     enabled = True
     depth = 0       # nesting of Module.__call__ on this thread
     pass_id = 0     # forward pass the current outermost call belongs to
-    savers: Optional[list] = None  # modules that saved a context in the current pass
+    journal: Optional[list] = None  # (module, entry) saved in the current pass, in order
+    taken: Optional[list] = None  # per running backward call: params it popped, not accumulated
 
 
 _mode = _GradMode()
@@ -230,6 +239,7 @@ class Parameter:
             self._pending -= 1
 
     def _use_done(self) -> None:
+        _settle_taken(self)
         if self._pending > 0:
             self._pending -= 1
         if self._pending == 0:
@@ -304,21 +314,60 @@ class _Saved(NamedTuple):
     params: Tuple[Parameter, ...]
 
 
-def _drop_pass(modules: Iterable["Module"], pass_id: int) -> None:
+def _roll_back(journal: list, mark: int) -> None:
+    """Drop the contexts saved since ``journal[mark]`` and release their parameter uses."""
+    undo = journal[mark:]
+    del journal[mark:]
+    drop = {id(e) for _, e in undo}  # by identity: contexts may hold arrays (no ==)
     seen: set = set()
-    for m in modules:
+    for m, _ in undo:
         if id(m) in seen:
             continue
         seen.add(id(m))
         keep = []
         for e in m._contexts:
-            if e.pass_id == pass_id:
+            if id(e) in drop:  # a backward run inside the forward may have popped it
                 for p in e.params:
                     p._release_use()
             else:
                 keep.append(e)
         m._contexts.clear()
         m._contexts.extend(keep)
+
+
+def _settle_taken(p: Parameter) -> None:
+    # The innermost running backward that popped a use of ``p`` has now
+    # accumulated it: it no longer owes that use if it raises later.
+    for taken in reversed(_mode.taken or ()):
+        for i, q in enumerate(taken):
+            if q is p:
+                del taken[i]
+                return
+
+
+def _guard_backward(fn: Callable) -> Callable:
+    """Wrap a subclass's ``backward``: a raise releases the uses it popped but never accumulated."""
+
+    @functools.wraps(fn)
+    def backward(self: "Module", *args: Any, **kwargs: Any) -> Any:
+        stack = _mode.taken
+        if stack is None:
+            stack = _mode.taken = []
+        taken: list = []
+        stack.append(taken)
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException:
+            # The context is gone and its gradient never arrived: without this the
+            # next backward of these parameters waits for one use too many.
+            for p in taken:
+                p._release_use()
+            raise
+        finally:
+            stack.pop()
+
+    backward._ringlet_guarded = True  # type: ignore[attr-defined]
+    return backward
 
 
 def _float_dtype(dtype: Any, what: str) -> np.dtype:
@@ -354,6 +403,12 @@ class Module:
     """
 
     training: bool
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        fn = cls.__dict__.get("backward")
+        if isinstance(fn, types.FunctionType) and not getattr(fn, "_ringlet_guarded", False):
+            cls.backward = _guard_backward(fn)  # type: ignore[method-assign]
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", collections.OrderedDict())
@@ -545,7 +600,9 @@ class Module:
         outermost = _mode.depth == 0
         if outermost:
             _mode.pass_id = next(_pass_ids)
-            _mode.savers = []
+            _mode.journal = []
+        journal = _mode.journal
+        mark = len(journal)
         _mode.depth += 1
         ok = False
         try:
@@ -554,12 +611,12 @@ class Module:
             return out
         finally:
             _mode.depth -= 1
+            if not ok:
+                # A call that raised returns nothing to back-propagate, also when an
+                # enclosing forward catches the exception: drop what it saved.
+                _roll_back(journal, mark)
             if outermost:
-                savers, _mode.savers = _mode.savers, None
-                if not ok:
-                    # A pass that raised returns nothing to back-propagate: its
-                    # contexts would otherwise be popped by the next backward.
-                    _drop_pass(savers or (), _mode.pass_id)
+                _mode.journal = None
 
     def _save(self, ctx: Any, params: Sequence[Optional[Parameter]] = ()) -> None:
         """Keep ``ctx`` for backward and count a use of each trainable parameter in ``params``.
@@ -572,9 +629,10 @@ class Module:
         for p in used:
             p._note_use()
         pass_id = _mode.pass_id if _mode.depth > 0 else next(_pass_ids)
-        self._contexts.append(_Saved(pass_id, ctx, used))
-        if _mode.depth > 0 and _mode.savers is not None:
-            _mode.savers.append(self)
+        entry = _Saved(pass_id, ctx, used)
+        self._contexts.append(entry)
+        if _mode.depth > 0 and _mode.journal is not None:
+            _mode.journal.append((self, entry))
 
     def _pop(self) -> Any:
         """Take the context for this backward: the oldest pass, latest call within it."""
@@ -591,6 +649,8 @@ class Module:
             i += 1
         entry = q[i]
         del q[i]
+        if _mode.taken:  # owed by the running backward until it accumulates them
+            _mode.taken[-1].extend(entry.params)
         return entry.ctx
 
     def num_saved_contexts(self) -> int:

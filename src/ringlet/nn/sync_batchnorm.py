@@ -6,19 +6,27 @@ With data parallelism each rank sees only its slice of the batch, and
 the statistics of the concatenated batch, whatever each rank's batch size.
 
 Forward (training) packs, per channel, the local sum and sum of squares,
-plus the local count, into one float64 array of ``2C + 1`` values and
-all-reduces it once: ``mean = S1 / N``, ``var = S2 / N - mean**2`` (biased,
-for normalising; the running variance gets the unbiased ``var * N/(N-1)``).
+plus the local count and a refusal flag, into one float64 array of
+``2C + 2`` values and all-reduces it once: ``mean = S1 / N``,
+``var = S2 / N - mean**2`` (biased, for normalising; the running variance
+gets the unbiased ``var * N/(N-1)``).
 Sums are taken in float64 whatever the layer's dtype, so the
 ``E[x^2] - E[x]^2`` form keeps its precision for activations of ordinary
 scale.  A rank may hold zero samples; the global count must exceed one.
 
 Backward needs two per-channel sums over the whole batch, ``sum(dy)`` and
-``sum(dy * xhat)``; they are packed into one array of ``2C`` values and
-all-reduced once.  Then, with ``g = dy * weight``,
+``sum(dy * xhat)``; they are packed with a refusal flag into one array of
+``2C + 1`` values and all-reduced once, before the parameter gradients are
+accumulated (a pre-accumulate hook that refuses one raises after it).
+Then, with ``g = dy * weight``,
 ``dx = rstd * (g - weight*sum(dy)/N - xhat * weight*sum(dy*xhat)/N)``.
 The parameter gradients stay local sums over this rank's samples (a
 data-parallel wrapper averages or sums them as for any parameter).
+
+A rank that refuses its input (shape, dtype) or ``grad_output`` still joins
+that all-reduce, flagged, and raises its ``ValueError``/``TypeError``; the
+others raise ``ValueError`` at once instead of waiting for it until their
+timeout, and the group stays usable.
 
 Evaluation mode communicates nothing: it uses the running statistics, or
 with ``track_running_stats=False`` this rank's own batch statistics (as
@@ -34,7 +42,7 @@ import numpy as np
 import ringlet
 
 from .._timeout import seconds
-from .layers import BatchNorm1d, _float_input, _grad_like
+from .layers import BatchNorm1d, _float_input, _grad_like, _update_running_stats
 from .module import Module
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -87,27 +95,48 @@ class SyncBatchNorm(BatchNorm1d):
     def _all_reduce(self, arr: np.ndarray) -> None:
         ringlet.all_reduce(arr, group=self.group, timeout=self.timeout)
 
+    @staticmethod
+    def _check_peers(flags: float, what: str, when: str) -> None:
+        # Ranks that refused their own argument took part in the all-reduce
+        # flagged (and raise why themselves): fail here too, with nothing changed.
+        if flags > 0:
+            raise ValueError(f"SyncBatchNorm.{when}: {int(round(flags))} other rank(s) of the "
+                             f"group refused their {what} (each raised why); this rank "
+                             f"computed and updated nothing")
+
     def forward(self, x: Any) -> np.ndarray:
         dt = self.weight.data.dtype if self.weight is not None else self._dtype
-        x = _float_input(x, "SyncBatchNorm", dt)
         C = self.num_features
-        if x.ndim not in (2, 3) or x.shape[1] != C:
-            raise ValueError(f"SyncBatchNorm: expected input (N, {C}) or (N, {C}, L), got "
-                             f"shape {x.shape}")
+        sync = self.training  # evaluation never communicates
+        try:
+            x = _float_input(x, "SyncBatchNorm", dt)
+            if x.ndim not in (2, 3) or x.shape[1] != C:
+                raise ValueError(f"SyncBatchNorm: expected input (N, {C}) or (N, {C}, L), got "
+                                 f"shape {x.shape}")
+        except (TypeError, ValueError):
+            if sync:
+                # Still take part in the statistics' all-reduce, flagged, so the
+                # other ranks raise now instead of waiting for this rank until the timeout.
+                flagged = np.zeros(2 * C + 2, np.float64)
+                flagged[2 * C + 1] = 1
+                self._all_reduce(flagged)
+            raise
         axes = (0,) if x.ndim == 2 else (0, 2)
         bshape = (1, C) + ((1,) if x.ndim == 3 else ())
         use_batch = self.training or not self.track_running_stats
-        sync = self.training  # evaluation never communicates
         n_global = 0
         if use_batch:
-            # One fused all-reduce: [sum x (C), sum x^2 (C), count (1)], in float64.
+            # One fused all-reduce: [sum x (C), sum x^2 (C), count, ranks refusing their
+            # input], in float64.
             x64 = x.astype(np.float64, copy=False)
-            stats = np.empty(2 * C + 1, np.float64)
+            stats = np.empty(2 * C + 2, np.float64)
             stats[:C] = x64.sum(axis=axes)
             stats[C:2 * C] = np.square(x64).sum(axis=axes)
             stats[2 * C] = x.size // C
+            stats[2 * C + 1] = 0
             if sync:
                 self._all_reduce(stats)
+                self._check_peers(stats[2 * C + 1], "input", "forward")
             n_global = int(round(stats[2 * C]))
             if n_global <= 1:
                 where = "over the group" if sync else "in evaluation on this rank"
@@ -116,15 +145,6 @@ class SyncBatchNorm(BatchNorm1d):
                                  f"shape {x.shape})")
             mean64 = stats[:C] / n_global
             var64 = np.maximum(stats[C:2 * C] / n_global - mean64 * mean64, 0.0)
-            if self.training and self.track_running_stats:
-                self.num_batches_tracked += 1
-                m = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                     else self.momentum)
-                unbiased = var64 * (n_global / (n_global - 1))
-                self.running_mean *= (1.0 - m)
-                self.running_mean += (m * mean64).astype(self.running_mean.dtype)
-                self.running_var *= (1.0 - m)
-                self.running_var += (m * unbiased).astype(self.running_var.dtype)
             mean = mean64.astype(dt)
             var = var64.astype(dt)
         else:
@@ -135,16 +155,38 @@ class SyncBatchNorm(BatchNorm1d):
         y = xhat
         if self.weight is not None:
             y = xhat * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+        if use_batch and self.training and self.track_running_stats:
+            # Last, once nothing else can raise: a failed forward leaves the statistics alone.
+            _update_running_stats(self, mean64, var64 * (n_global / (n_global - 1)))
         self._save((xhat, rstd, axes, bshape, use_batch, sync, n_global),
                    (self.weight, self.bias))
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
         xhat, rstd, axes, bshape, use_batch, sync, n_global = self._pop()
-        g = _grad_like(grad_output, xhat.shape, xhat.dtype, "SyncBatchNorm")
         C = self.num_features
+        communicates = use_batch and sync
+        try:
+            g = _grad_like(grad_output, xhat.shape, xhat.dtype, "SyncBatchNorm")
+        except (TypeError, ValueError):
+            if communicates:  # flagged, as in forward
+                flagged = np.zeros(2 * C + 1, np.float64)
+                flagged[2 * C] = 1
+                self._all_reduce(flagged)
+            raise
         sum_g = g.sum(axis=axes)
         sum_gx = (g * xhat).sum(axis=axes)
+        sums = None
+        if communicates:
+            # One fused all-reduce of the two per-channel sums backward needs (and
+            # the count of ranks refusing their gradient), before anything here can
+            # raise on this rank alone (a pre-accumulate hook refusing a gradient).
+            sums = np.empty(2 * C + 1, np.float64)
+            sums[:C] = sum_g
+            sums[C:2 * C] = sum_gx
+            sums[2 * C] = 0
+            self._all_reduce(sums)
+            self._check_peers(sums[2 * C], "grad_output", "backward")
         if self.weight is not None:
             if self.weight.requires_grad:
                 self.weight.accumulate_grad(sum_gx)
@@ -156,14 +198,10 @@ class SyncBatchNorm(BatchNorm1d):
         gxhat = g if w is None else g * w
         if not use_batch:  # running statistics are constants
             return gxhat * rstd
-        # One fused all-reduce of the two per-channel sums backward needs.
-        sums = np.empty(2 * C, np.float64)
-        sums[:C] = sum_g
-        sums[C:] = sum_gx
-        if sync:
-            self._all_reduce(sums)
+        if sums is None:  # batch statistics of this rank alone (evaluation)
+            sums = np.concatenate([sum_g, sum_gx]).astype(np.float64, copy=False)
         m1 = (sums[:C] / n_global).astype(xhat.dtype).reshape(bshape)
-        m2 = (sums[C:] / n_global).astype(xhat.dtype).reshape(bshape)
+        m2 = (sums[C:2 * C] / n_global).astype(xhat.dtype).reshape(bshape)
         if w is not None:
             m1 = m1 * w
             m2 = m2 * w
