@@ -11,6 +11,7 @@ per sample and only sums microbatch gradients in a different order.
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 import numpy as np
@@ -695,6 +696,143 @@ def test_crashed_stage_process_fails_peers_fast():
         name, took = e.value.results[rank]
         assert name is not None and took < 30, (rank, name, took)
     assert time.monotonic() - t0 < 60
+
+
+# ---- a stage out of memory ---------------------------------------------------------------------
+# The runtime's failure protocol sends every frame the failing rank still owes as a POISON frame
+# of the declared size (a posted receive takes exactly that size).  It allocates those frames
+# (and the buffers to drain what it still expects) anew, and only a ringlet error is caught
+# around the protocol: a stage that runs out of memory then fails again building the first
+# poison frame, its peers are never told and wait out their timeout, and the MemoryError they
+# would see names the runtime instead of the stage.  The fix belongs in
+# ringlet/parallel/pipeline/runtime.py (reuse the channel's last sent frame as its poison when
+# no new one can be allocated), which this change does not own.
+_OOM_WIDTH = 8 << 20  # float64 values per sample: one microbatch's frame is 64 MiB
+_OOM_HEADROOM = 16 << 20  # bytes of address space left once memory "runs out"
+_OOM_TIMEOUT = 10.0
+
+
+def _run_out_of_address_space():
+    """Cap this process's address space just above its use: only small allocations succeed."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (used + _OOM_HEADROOM, hard))
+
+
+class _Widen(nn.Module):
+    """(b, 1) -> (b, _OOM_WIDTH) copies; forward number ``fail_at`` runs out of memory."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, x):
+        k = self.calls
+        self.calls += 1
+        if k == self.fail_at:
+            _run_out_of_address_space()
+            raise MemoryError(f"stage 0 ran out of memory in forward {k}")
+        self._save(None)
+        return np.repeat(x, _OOM_WIDTH, axis=1)
+
+    def backward(self, g):
+        self._pop()
+        return g.sum(axis=1, keepdims=True)
+
+
+class _Narrow(nn.Module):
+    """(b, w) -> its first column."""
+
+    def forward(self, y):
+        self._save(y.shape)
+        return y[:, :1].copy()
+
+    def backward(self, g):
+        out = np.zeros(self._pop())
+        out[:, :1] = g
+        return out
+
+
+def _oom_rank(rank, p):
+    import resource
+
+    stage = PipelineStage(_Widen(fail_at=1) if rank == 0 else _Narrow(), rank, p)
+    sched = ScheduleGPipe(stage, 2, loss_fn=nn.mse_loss, timeout=_OOM_TIMEOUT)
+    x, y = np.array([[1.0], [2.0]]), np.array([[0.5], [1.0]])
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    t0 = time.monotonic()
+    err = None
+    try:
+        sched.step(x if rank == 0 else None, y if rank == 1 else None)
+    except Exception as e:  # noqa: BLE001 - inspected by the test
+        err = (type(e).__name__, str(e), getattr(e, "failures", None))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)  # memory is back
+    took = time.monotonic() - t0
+    loss = sched.step(x if rank == 0 else None, y if rank == 1 else None)
+    return err, took, loss
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS, /proc/self/status")
+def test_stage_out_of_memory_fails_every_rank_fast_then_recovers():
+    """Stage 0 sent microbatch 0's 64 MiB frame, then runs out of memory in the next forward:
+    stage 1, waiting for microbatch 1's frame, must get a PipelineError naming the stage and
+    the MemoryError well before the timeout, and the next step must run normally."""
+    results = run_world(_oom_rank, 2, mode="process", timeout=120)
+    (err0, took0, loss0), (err1, took1, loss1) = results
+    assert err0[:2] == ("MemoryError", "stage 0 ran out of memory in forward 1"), err0
+    assert err1[0] == PipelineError.__name__, err1
+    assert ("pipeline rank 0: stage(s) [0] raised MemoryError: stage 0 ran out of memory in "
+            "forward 1") in err1[1], err1
+    assert list(err1[2]) == [0]
+    assert max(took0, took1) < _OOM_TIMEOUT / 2, (took0, took1)
+    assert loss0 is None and loss1 == pytest.approx(0.625)  # mean of 0.5^2 and 1^2
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("this exception cannot be printed")
+
+
+class _RaiseUnprintable(nn.Module):
+    def forward(self, x):
+        raise _Unprintable()
+
+    def backward(self, g):
+        return g
+
+
+def test_stage_raising_an_unprintable_exception_fails_every_rank_fast():
+    """The failing rank's message for its peers is built after the failure flags were
+    all-reduced: if str() of its exception raises, it must still join the all_gather_object
+    its peers are waiting in."""
+    def body(rank, p):
+        chunks = split_model(_model(p), p)
+        if rank == 1:
+            chunks[1] = nn.Sequential(_RaiseUnprintable(), *chunks[1])
+        stage = PipelineStage(chunks[rank], rank, p)
+        sched = Schedule1F1B(stage, 2, loss_fn=nn.mse_loss, timeout=_OOM_TIMEOUT)
+        x, y = _data(4)
+        t0 = time.monotonic()
+        try:
+            sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+        except _Unprintable:
+            return "_Unprintable", None, time.monotonic() - t0
+        except Exception as e:  # noqa: BLE001 - inspected by the test
+            return type(e).__name__, str(e), time.monotonic() - t0
+        return None, None, time.monotonic() - t0
+
+    results = run_world(body, 3, timeout=60)
+    for rank, (name, msg, took) in enumerate(results):
+        assert took < _OOM_TIMEOUT / 2, (rank, took)
+        if rank == 1:
+            assert name == "_Unprintable"
+        else:
+            assert name == PipelineError.__name__ and "pipeline rank 1: stage(s) [1] raised " \
+                "_Unprintable" in msg, (name, msg)
 
 
 # ---- the example ------------------------------------------------------------------------------

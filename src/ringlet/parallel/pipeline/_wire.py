@@ -99,6 +99,15 @@ def _frame(step: int, stage: int, mb: int, arr: Optional[np.ndarray], nbytes: in
     return buf
 
 
+def _poison_in_place(buf: np.ndarray, step: int, stage: int, origin: int) -> np.ndarray:
+    """Rewrite a sent data frame's header as a POISON frame's (same size, nothing allocated)."""
+    h = buf[:_HDR_BYTES].view(np.int64)
+    h[:] = 0
+    h[:5] = (_MAGIC, _KIND_POISON, step, stage, -1)
+    h[15] = origin
+    return buf
+
+
 @dataclass
 class _Decl:
     kind: int  # _KIND_DATA, _KIND_POISON, or 0 when malformed

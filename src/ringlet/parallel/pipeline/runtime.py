@@ -28,9 +28,12 @@ waiting:
 1. it *poisons* every message it still owed this step: a channel not yet
    declared gets a POISON declaration (which stands for the whole channel),
    a declared channel gets a POISON frame of the declared size for each
-   remaining microbatch, so every receive a peer posted or will post completes;
+   remaining microbatch, so every receive a peer posted or will post completes
+   (out of memory, the channel's last data frame is reused for it once sent:
+   a channel is declared only with its first frame);
 2. it drains every message it still expected this step, so no sender is left
-   blocked and no stale frame stays behind for the next step;
+   blocked and no stale frame stays behind for the next step (out of memory,
+   into the buffers of frames already received);
 3. it waits for its own sends.
 
 A peer that reads a poison stops computing and follows the same three steps.
@@ -60,7 +63,7 @@ from ringlet.errors import RingletError
 from ..._timeout import seconds
 from ._wire import (_HDR_BYTES, _HDR_LEN, _KIND_DATA, _KIND_POISON, _T_ACT, _T_ACT_DECL,
                     _T_GRAD, _T_GRAD_DECL, _Decl, _declaration, _frame, _parse_declaration,
-                    _parse_frame, _poison_declaration, _tag)
+                    _parse_frame, _poison_declaration, _poison_in_place, _tag)
 from .schedules import (MAX_MICROBATCHES, Action, ActionKind, Plan, _check_limits, multiple_hint,
                         plan_1f1b, plan_gpipe, plan_interleaved_1f1b, simulate)
 from .stage import PipelineStage
@@ -130,6 +133,10 @@ class _OutChannel:
         self.shape: Optional[Tuple[int, ...]] = None
         self.dtype: Optional[np.dtype] = None
         self.poisoned = False  # a POISON declaration went out
+        # The last data frame sent and its Work: the poison frame of last resort
+        # when a new frame cannot be allocated (out of memory).
+        self.frame: Optional[np.ndarray] = None
+        self.frame_work: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +190,14 @@ class StepStats:
     @property
     def idle_fraction(self) -> float:
         return 1.0 - self.compute_time / self.step_time if self.step_time > 0 else 0.0
+
+
+def _describe(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in when that raises: the peers wait for this message."""
+    try:
+        return str(exc)
+    except Exception as e:  # noqa: BLE001 - any user __str__ may fail
+        return f"<str() of the exception raised {type(e).__name__}>"
 
 
 def _saved_bytes_fn(module: Any) -> Optional[Callable[[], int]]:
@@ -361,6 +376,7 @@ class _StepRun:
         self.cur_bytes = 0
         self.mb_inputs: Optional[List[np.ndarray]] = None
         self.mb_targets: Optional[List[np.ndarray]] = None
+        self.draining = False  # the failure protocol runs: received frames are discarded
 
     # ---- communication ---------------------------------------------------------
     def _comm(self, fn: Callable, *args, **kw):
@@ -369,9 +385,10 @@ class _StepRun:
         except RingletError as exc:
             raise _CommFailure(exc) from exc
 
-    def _isend(self, arr: np.ndarray, peer: int, tag: int) -> None:
+    def _isend(self, arr: np.ndarray, peer: int, tag: int) -> Any:
         w = self._comm(ringlet.isend, arr, peer, tag, group=self.group, timeout=self.s.timeout)
         self.sends.append(w)
+        return w
 
     def _irecv(self, arr: np.ndarray, peer: int, tag: int):
         return self._comm(ringlet.irecv, arr, peer, tag, group=self.group,
@@ -423,7 +440,7 @@ class _StepRun:
                 if ch.decl.kind == _KIND_DATA:
                     if self.outstanding[peer] >= self.s.prefetch:
                         break
-                    item.buf = np.empty(_HDR_BYTES + ch.decl.nbytes, np.uint8)
+                    item.buf = self._frame_buffer(ch)
                     item.work = self._irecv(item.buf, peer, item.tag)
                     self.outstanding[peer] += 1
                 elif ch.decl.kind == 0:
@@ -434,6 +451,22 @@ class _StepRun:
                     return
                 # A POISON declaration stands for every frame of the channel.
             q.popleft()
+
+    def _frame_buffer(self, ch: _InChannel) -> np.ndarray:
+        """A buffer for one of ``ch``'s frames."""
+        try:
+            return np.empty(_HDR_BYTES + ch.decl.nbytes, np.uint8)
+        except MemoryError:
+            if not self.draining:
+                raise
+        # Draining after a failure (out of memory, perhaps): the frame is only
+        # read for its header, so reuse the buffer of one already received.
+        for r in self.recvs.values():
+            if r.ch is ch and r.consumed and r.buf is not None:
+                buf, r.buf = r.buf, None
+                return buf
+        raise MemoryError(f"pipeline rank {self.s.rank}: no memory to receive and discard a "
+                          f"{ch.decl.nbytes}-byte {ch.what} after this step failed")
 
     def _pump_all(self) -> None:
         for peer in list(self.queues):
@@ -504,16 +537,19 @@ class _StepRun:
             # Frames carry native byte order (the receiver views the bytes as
             # its dtype); a byte-swapped array is converted, a copy only then.
             arr = arr.astype(arr.dtype.newbyteorder("="))
-        if ch.shape is None:
-            decl = _declaration(self.step, a.stage, arr.shape, arr.dtype)
-            ch.shape, ch.dtype = arr.shape, arr.dtype
-            self._isend(decl, ch.peer, ch.decl_tag)
-        elif (arr.shape, arr.dtype) != (ch.shape, ch.dtype):
+        if ch.shape is not None and (arr.shape, arr.dtype) != (ch.shape, ch.dtype):
             what = "output" if a.kind is SA else "input gradient"
             raise ValueError(f"stage {a.stage}: {what} of microbatch {a.microbatch} has shape "
                              f"{arr.shape} {arr.dtype}, but this step's first was {ch.shape} "
                              f"{ch.dtype}; every microbatch of a step must have the same shape")
-        self._isend(_frame(self.step, a.stage, a.microbatch, arr, arr.nbytes), ch.peer, tag)
+        # The frame before the declaration: a channel is declared only with a
+        # frame on its way, whose buffer can then carry the channel's poison.
+        buf = _frame(self.step, a.stage, a.microbatch, arr, arr.nbytes)
+        if ch.shape is None:
+            decl = _declaration(self.step, a.stage, arr.shape, arr.dtype)
+            ch.shape, ch.dtype = arr.shape, arr.dtype
+            self._isend(decl, ch.peer, ch.decl_tag)
+        ch.frame, ch.frame_work = buf, self._isend(buf, ch.peer, tag)
         self.sent.add(a)
 
     # ---- computation ------------------------------------------------------------
@@ -628,6 +664,11 @@ class _StepRun:
     # ---- failure protocol ----------------------------------------------------------
     def _poison_and_drain(self, origin: int) -> None:
         """Poison every message still owed this step; consume every one still expected."""
+        self.draining = True
+        # The step is void: free its arrays before the protocol needs memory.
+        for pending in (self.acts, self.outs, self.gouts, self.gins):
+            pending.clear()
+        self.mb_inputs = self.mb_targets = None
         poison_frames: Dict[int, np.ndarray] = {}
         for a in self.s.actions:
             if a.kind not in (SA, SG) or a in self.sent:
@@ -641,13 +682,23 @@ class _StepRun:
             else:  # the peer expects frames of the declared size
                 buf = poison_frames.get(id(ch))
                 if buf is None:
-                    buf = poison_frames[id(ch)] = _frame(self.step, a.stage, -1, None,
-                                                         ch.nbytes, origin)
+                    buf = poison_frames[id(ch)] = self._poison_frame(ch, a.stage, origin)
                 self._isend(buf, ch.peer, tag)
             self.sent.add(a)
         for r in self.recvs.values():  # insertion order = schedule order
             if not r.consumed and r.ch.peer not in self.broken_peers:
                 self._take(r)
+
+    def _poison_frame(self, ch: _OutChannel, stage: int, origin: int) -> np.ndarray:
+        """A POISON frame of ``ch``'s declared size."""
+        try:
+            return _frame(self.step, stage, -1, None, ch.nbytes, origin)
+        except MemoryError:
+            pass
+        # Out of memory (perhaps the very failure being reported): reuse the
+        # channel's last data frame once it has left; a declared channel has one.
+        self._wait(ch.frame_work)
+        return _poison_in_place(ch.frame, self.step, stage, origin)
 
     # ---- driver -----------------------------------------------------------------------
     def execute(self) -> Optional[float]:
@@ -679,11 +730,17 @@ class _StepRun:
                 mine = None
                 if failure is not None and origin == s.rank:
                     mine = (f"stage(s) {sorted(s.stages)} raised "
-                            f"{type(failure).__name__}: {failure}")[:2000]
+                            f"{type(failure).__name__}: {_describe(failure)}")[:2000]
                 messages = self._comm(ringlet.all_gather_object, mine, group=self.group,
                                       timeout=s.timeout)
         except _CommFailure as exc:
             raise exc.exc from failure
+        except Exception as exc:
+            if failure is None:
+                raise
+            # The protocol itself failed (no memory even for it): peers may wait
+            # until their timeout; keep the original error as the cause.
+            raise exc from failure
         self.stats.step_time = time.perf_counter() - t_start
         s.last_stats = self.stats
         if any_failed[0]:
