@@ -24,10 +24,11 @@ weights) or in several in-flight forwards fires once, after the last use.
 
 A call that raises leaves no trace: a forward that raises drops the contexts
 saved during that call (even when an enclosing forward catches the exception),
-and a backward that raises releases the uses it took with ``_pop()`` but did
-not accumulate (every subclass's ``backward`` is wrapped for that when the
-class is defined).  Otherwise the parameter's next backward would wait for
-one use too many and its hooks would not fire.
+and when the outermost backward ends (returning or raising) it releases every
+use taken with ``_pop()`` whose gradient was never accumulated (every
+subclass's ``backward`` is wrapped for that when the class is defined).
+Otherwise the parameter's next backward would wait for one use too many and
+its hooks would not fire.
 
 Gradients are accumulated in place into an existing ``param.grad`` array, never
 rebinding it, because data-parallel wrappers replace ``param.grad`` with a view
@@ -59,7 +60,7 @@ class _GradMode(threading.local):
     depth = 0       # nesting of Module.__call__ on this thread
     pass_id = 0     # forward pass the current outermost call belongs to
     journal: Optional[list] = None  # (module, entry) saved in the current pass, in order
-    taken: Optional[list] = None  # per running backward call: params it popped, not accumulated
+    owed: Optional[list] = None  # params popped by the running backward, in order (see _pop)
 
 
 _mode = _GradMode()
@@ -154,6 +155,7 @@ class Parameter:
         self._pre_hooks: Dict[int, Callable[["Parameter"], None]] = {}
         self._hook_ids = itertools.count()
         self._pending = 0  # forward uses whose gradient has not been accumulated yet
+        self._owed = 0  # of those, uses popped by the running backward (_guard_backward)
 
     def __getstate__(self) -> dict:
         # Hooks belong to the wrappers of this process (and may be lambdas):
@@ -239,7 +241,8 @@ class Parameter:
             self._pending -= 1
 
     def _use_done(self) -> None:
-        _settle_taken(self)
+        if self._owed:
+            self._owed -= 1
         if self._pending > 0:
             self._pending -= 1
         if self._pending == 0:
@@ -335,36 +338,26 @@ def _roll_back(journal: list, mark: int) -> None:
         m._contexts.extend(keep)
 
 
-def _settle_taken(p: Parameter) -> None:
-    # The innermost running backward that popped a use of ``p`` has now
-    # accumulated it: it no longer owes that use if it raises later.
-    for taken in reversed(_mode.taken or ()):
-        for i, q in enumerate(taken):
-            if q is p:
-                del taken[i]
-                return
-
-
 def _guard_backward(fn: Callable) -> Callable:
-    """Wrap a subclass's ``backward``: a raise releases the uses it popped but never accumulated."""
+    """Wrap a subclass's ``backward``: uses popped and never accumulated are released."""
 
     @functools.wraps(fn)
     def backward(self: "Module", *args: Any, **kwargs: Any) -> Any:
-        stack = _mode.taken
-        if stack is None:
-            stack = _mode.taken = []
-        taken: list = []
-        stack.append(taken)
+        mode = _mode
+        if mode.owed is not None:  # inside another backward: the outermost settles
+            return fn(self, *args, **kwargs)
+        owed = mode.owed = []
         try:
             return fn(self, *args, **kwargs)
-        except BaseException:
-            # The context is gone and its gradient never arrived: without this the
-            # next backward of these parameters waits for one use too many.
-            for p in taken:
-                p._release_use()
-            raise
         finally:
-            stack.pop()
+            mode.owed = None
+            # A context popped whose gradient never arrived (a backward raised, or
+            # skipped it): else the next backward of that parameter waits for one
+            # use too many.
+            for p in owed:
+                if p._owed:
+                    p._owed -= 1
+                    p._release_use()
 
     backward._ringlet_guarded = True  # type: ignore[attr-defined]
     return backward
@@ -649,8 +642,11 @@ class Module:
             i += 1
         entry = q[i]
         del q[i]
-        if _mode.taken:  # owed by the running backward until it accumulates them
-            _mode.taken[-1].extend(entry.params)
+        owed = _mode.owed
+        if owed is not None:  # owed by the running backward until it accumulates them
+            owed.extend(entry.params)
+            for p in entry.params:
+                p._owed += 1
         return entry.ctx
 
     def num_saved_contexts(self) -> int:
