@@ -192,26 +192,29 @@ def _pack(x: np.ndarray, axis: int, sizes: Sequence[int], order: Sequence[int]) 
     if flat is not None:
         return flat
     out = np.empty(x.size, x.dtype)
-    off = _offsets(sizes)
-    counts = _block_counts(x.shape, axis, sizes, order)
-    g_off = _offsets(counts)
-    for c in range(len(sizes)):
-        piece = _take(x, axis, off[c], off[c] + sizes[c])
-        g = order[c]
-        out[g_off[g]: g_off[g] + counts[g]].reshape(piece.shape)[...] = piece
+    for piece, block in _pieces(x, out, axis, sizes, order):
+        block[...] = piece
     return out
 
 
 def _unpack(flat: np.ndarray, res: np.ndarray, axis: int, sizes: Sequence[int],
             order: Sequence[int]) -> None:
     """The inverse of ``_pack``: copy blocks in group-rank order into ``res``'s pieces."""
+    for piece, block in _pieces(res, flat, axis, sizes, order):
+        piece[...] = block
+
+
+def _pieces(arr: np.ndarray, flat: np.ndarray, axis: int, sizes: Sequence[int],
+            order: Sequence[int]):
+    """Each piece of ``arr`` along ``axis`` with its block of ``flat`` (group-rank order),
+    shaped as the piece."""
     off = _offsets(sizes)
-    counts = _block_counts(res.shape, axis, sizes, order)
+    counts = _block_counts(arr.shape, axis, sizes, order)
     g_off = _offsets(counts)
     for c in range(len(sizes)):
-        piece = _take(res, axis, off[c], off[c] + sizes[c])
+        piece = _take(arr, axis, off[c], off[c] + sizes[c])
         g = order[c]
-        piece[...] = flat[g_off[g]: g_off[g] + counts[g]].reshape(piece.shape)
+        yield piece, flat[g_off[g]: g_off[g] + counts[g]].reshape(piece.shape)
 
 
 def gather_axis(group: Any, order: Sequence[int], x: np.ndarray, axis: int,
