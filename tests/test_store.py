@@ -326,6 +326,84 @@ def test_unreachable_store_names_address_and_wait():
     assert ei.value.waited >= 0.3
 
 
+def _fake_resolver(monkeypatch, answers):
+    """Route ``socket.getaddrinfo`` for the names in ``answers`` (host -> callable returning
+    getaddrinfo's list) through those; record (host, resolved on the main thread?)."""
+    real = socket.getaddrinfo
+    calls = []
+
+    def fake(host, *args, **kwargs):
+        calls.append((host, threading.current_thread() is threading.main_thread()))
+        if host in answers:
+            return answers[host](host, *args, **kwargs)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    return calls
+
+
+def test_a_hung_resolver_fails_within_the_timeout_and_an_ip_still_connects(server, monkeypatch):
+    # getaddrinfo has no timeout: a resolver that never answers once blocked
+    # the client past its deadline (here 10 s, until the fake gives up).
+    release = threading.Event()
+
+    def hang(host, *args, **kwargs):
+        release.wait(10)  # bounded, so the old client's test ends too
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    calls = _fake_resolver(monkeypatch, {"hung-resolver.invalid": hang})
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=rf"'hung-resolver\.invalid' \(port "
+                                                  rf"{server.port}\) within the 0\.5s timeout"
+                           ) as ei:
+            Store("hung-resolver.invalid", server.port, secret=SECRET, timeout=0.5)
+        took = time.monotonic() - t0
+        assert 0.5 <= took < 2.5, took
+        assert ei.value.waited >= 0.5
+        # The resolver is still hung: an IP literal needs none and connects at once.
+        del calls[:]
+        t0 = time.monotonic()
+        with Store("127.0.0.1", server.port, secret=SECRET, timeout=5) as st:
+            st.set("k", b"v")
+            assert st.get("k") == b"v"
+        assert time.monotonic() - t0 < 2.5
+        assert all(main for _, main in calls), f"an IP literal was resolved off-thread: {calls}"
+    finally:
+        release.set()
+
+
+def test_a_name_is_resolved_off_the_calling_thread_and_each_address_tried(server,
+                                                                          monkeypatch):
+    # The name's first address refuses (nothing listens on 127.0.0.2); the
+    # client goes on to the second, as create_connection did.
+    def two(host, port, *args, **kwargs):
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (ip, port))
+                for ip in ("127.0.0.2", "127.0.0.1")]
+
+    calls = _fake_resolver(monkeypatch, {"two-addresses.invalid": two})
+    with Store("two-addresses.invalid", server.port, secret=SECRET, timeout=10) as st:
+        st.set("k", b"v")
+        assert st.get("k") == b"v"
+    named = [main for host, main in calls if host == "two-addresses.invalid"]
+    assert named == [False], f"the name was not resolved once in a helper thread: {calls}"
+
+
+def test_a_name_that_does_not_resolve_is_retried_until_the_timeout(monkeypatch):
+    # A resolver that answers "no such name" is asked again (a name may appear
+    # while a job starts); at the deadline the error says what failed.
+    def nxdomain(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    calls = _fake_resolver(monkeypatch, {"no-such-host.invalid": nxdomain})
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"cannot resolve 'no-such-host\.invalid': "
+                                              r"Name or service not known"):
+        Store("no-such-host.invalid", 29999, secret=SECRET, timeout=0.3)
+    assert time.monotonic() - t0 < 2.5
+    assert sum(host == "no-such-host.invalid" for host, _ in calls) >= 2
+
+
 def test_wrong_secret_is_refused_and_server_keeps_serving(server, client):
     client.set("k", b"v")
     before = server.rejected
@@ -458,6 +536,68 @@ def test_a_client_gone_in_the_middle_of_a_large_value_is_forgotten(server, clien
              what="the value to be received into its own buffer")
     poll(lambda: len(server._conns) == 1, what="the connection to be closed")
     assert not client.check("k")
+
+
+def test_a_client_that_never_reads_replies_is_paused_at_its_output_limit(server, client):
+    # A raw authenticated client floods GETs of a 1 KiB value and reads nothing.
+    # The server once queued every reply (40 MiB here); now it stops reading
+    # that client at its limit, serves others meanwhile, and loses nothing.
+    from ringlet.store import server as server_mod
+
+    value = os.urandom(1024)
+    client.set("v", value)
+    n = 40_000
+    reply = struct.pack("!BQ", 0, len(value)) + value
+    max_bytes = server_mod._OUT_MAX_BYTES + len(reply)  # the limit, plus the reply crossing it
+    max_parts = server_mod._OUT_MAX_PARTS + 2
+
+    def backlog():
+        """(unsent bytes, pieces) of the connection with the most unsent bytes."""
+        return max(((sum(len(v) for v in list(c.out)), len(c.out)) for c in list(server._conns)),
+                   default=(0, 0))
+
+    with _authed_raw(server) as s:
+        sent = {}
+        # Set once, before the sender starts: both threads share the socket,
+        # and settimeout flips the descriptor's blocking mode under the other.
+        s.settimeout(30)
+
+        def flood():
+            try:
+                s.sendall((struct.pack("!BIQQ", 2, 1, 0, 0) + b"v") * n)
+                sent["all"] = True
+            except OSError as exc:
+                sent["err"] = exc
+
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        poll(lambda: any(getattr(c, "paused", False) for c in list(server._conns))
+             or backlog()[0] > max_bytes or backlog()[1] > max_parts,
+             timeout=60, what="the server to pause the flooding client or overrun its limit")
+        held = backlog()
+        assert held[0] <= max_bytes and held[1] <= max_parts, f"unsent replies held: {held}"
+        # Others are served while it is paused, and it stays bounded meanwhile.
+        t0 = time.monotonic()
+        with Store("127.0.0.1", server.port, secret=SECRET, timeout=10) as other:
+            other.set("other", b"ok")
+            assert other.get("other") == b"ok"
+        assert client.get("v") == value
+        assert time.monotonic() - t0 < 5
+        held = backlog()
+        assert held[0] <= max_bytes and held[1] <= max_parts, f"unsent replies held: {held}"
+        # Reading resumes it: every reply arrives, in order, and the queue drains.
+        want = reply * n
+        got = bytearray()
+        deadline = time.monotonic() + 60
+        while len(got) < len(want):
+            assert time.monotonic() < deadline, f"{len(got)} of {len(want)} reply bytes"
+            chunk = s.recv(1 << 20)
+            assert chunk, "the server closed the flooding client"
+            got += chunk
+        assert got == want
+        t.join(10)
+        assert sent == {"all": True}
+        poll(lambda: backlog() == (0, 0), what="the flooding client's queue to drain")
 
 
 @pytest.mark.parametrize("header", [

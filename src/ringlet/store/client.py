@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import threading
 import time
@@ -24,6 +25,55 @@ __all__ = ["Store"]
 # How long a client waits for a store's handshake answer before it counts the
 # listener as silent (the server's own default handshake_timeout).
 _SILENT_S = 5.0
+
+
+class _ResolverSilent(Exception):
+    """The name resolver gave no answer by the caller's deadline."""
+
+
+def _resolve(host: str, port: int, deadline: float) -> List[str]:
+    """The numeric addresses of ``host`` (getaddrinfo's order), found by ``deadline``.
+
+    getaddrinfo has no timeout of its own (a hung resolver blocks it for as
+    long as it likes), so a name is resolved in a daemon thread that the caller
+    waits on only until its deadline; an IP literal needs no resolver, no thread.
+
+    Raises:
+        socket.gaierror: the resolver answered with an error (retryable).
+        _ResolverSilent: no answer by ``deadline`` (the thread is left to finish alone).
+    """
+    try:
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    out: dict = {}
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            out["infos"] = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            out["err"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=lookup, name=f"ringlet-store-resolve:{host}", daemon=True).start()
+    # As for connecting: one last short try when the deadline is (nearly) spent.
+    if not done.wait(max(deadline - time.monotonic(), 0.01)):
+        raise _ResolverSilent()
+    if "err" in out:
+        raise out["err"]
+    addrs: List[str] = []
+    for family, _, _, _, sockaddr in out["infos"]:
+        addr = sockaddr[0]
+        if family == socket.AF_INET6 and len(sockaddr) > 3 and sockaddr[3] and "%" not in addr:
+            addr = f"{addr}%{sockaddr[3]}"  # a link-local address needs its scope to connect
+        if addr not in addrs:
+            addrs.append(addr)
+    if not addrs:
+        raise socket.gaierror(socket.EAI_NONAME, f"no address for {host!r}")
+    return addrs
 
 
 def _describe_oserror(exc: BaseException) -> str:
@@ -105,16 +155,24 @@ class Store:
         deadline = start + self._timeout
         delay, attempts, last = 0.005, 0, "no attempt"
         silent = 0  # handshakes in a row the listener accepted but never answered
+        addrs: Optional[List[str]] = None  # resolved once, then reused by every retry
         while True:
             attempts += 1
-            left = max(deadline - time.monotonic(), 0.01)  # one last short try at the deadline
             try:
+                if addrs is None:
+                    addrs = _resolve(self.host, self.port, deadline)
                 # Each silent try waits twice as long as the last: a store that
                 # accepts late (rank 0 starved, a full accept queue) answers later
                 # than its own 5 s handshake window.
-                return _auth.open_connection(
-                    self.host, self.port, self._secret, _PURPOSE, connect_timeout=min(left, 5.0),
-                    deadline=min(deadline, time.monotonic() + _SILENT_S * (1 << silent)))
+                return self._open(addrs, deadline, min(deadline, time.monotonic()
+                                                       + _SILENT_S * (1 << silent)))
+            except _ResolverSilent:
+                waited = time.monotonic() - start
+                raise RendezvousError(
+                    f"could not resolve the rendezvous store's host {self.host!r} (port "
+                    f"{self.port}) within the {self._timeout:g}s timeout: the name resolver "
+                    f"(DNS) did not answer; check MASTER_ADDR and the resolver "
+                    f"(/etc/resolv.conf), or give an IP address", waited=waited) from None
             except _auth.HandshakeAborted as exc:
                 last = f"handshake interrupted: {exc}"  # server restarting or overloaded
                 silent = 0
@@ -132,6 +190,9 @@ class Store:
                         f"handshake ({last}, {silent} time(s)): it is not a ringlet store "
                         f"(another program holds this port?); check MASTER_ADDR/MASTER_PORT",
                         waited=time.monotonic() - start) from None
+            except socket.gaierror as exc:  # the name does not resolve (yet): retried
+                last = f"cannot resolve {self.host!r}: {exc.strerror or exc}"
+                silent = 0
             except OSError as exc:
                 last = _describe_oserror(exc)
                 silent = 0
@@ -144,6 +205,22 @@ class Store:
                     f"running, and are the address and port right?", waited=waited)
             time.sleep(min(delay, left))  # backoff between connection attempts
             delay = min(delay * 2, 0.2)
+
+    def _open(self, addrs: List[str], deadline: float, hs_deadline: float) -> socket.socket:
+        """Connect to the first of ``addrs`` that accepts and authenticate there.
+
+        Raises: the last address's OSError when none accepts; a handshake's
+        error at once (that listener answered, so the others are not tried).
+        """
+        err: Optional[OSError] = None
+        for addr in addrs:
+            left = max(deadline - time.monotonic(), 0.01)  # one last short try at the deadline
+            try:
+                return _auth.open_connection(addr, self.port, self._secret, _PURPOSE,
+                                             connect_timeout=min(left, 5.0), deadline=hs_deadline)
+            except OSError as exc:
+                err = exc
+        raise err if err is not None else OSError(errno.EADDRNOTAVAIL, "no address to try")
 
     # ---- requests -----------------------------------------------------------------------
     def _request(self, op: int, key: bytes, value: bytes, timeout_ms: int,

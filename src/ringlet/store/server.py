@@ -18,7 +18,10 @@ are set, or with TIMEOUT at their deadline.
 The server checks each request header before reading (or allocating for) the
 body: an unknown op, an oversized length or a malformed body closes that
 client's connection and counts it in ``StoreServer.rejected``; every other
-client keeps being served.
+client keeps being served.  A client that sends requests without reading the
+replies is not read from while it has more than 4 MiB (or 4096 pieces) of
+replies unsent, so what it costs the server stays bounded and its own TCP
+window stalls it, never the loop.
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ _NO_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # A value at least this large, once its key is in, is received straight into
 # a buffer of its own, which the store then keeps: it is never copied.
 _BODY_MIN = 1 << 16
+# Unsent replies one connection may hold before the server stops reading its
+# requests (backpressure: its own TCP window then stalls it, nobody else); it
+# reads again once they drain below half.  A Store client, one request at a
+# time, never comes near; pieces are counted too, as a tiny reply costs ~200
+# bytes of Python objects.
+_OUT_MAX_BYTES = 4 << 20
+_OUT_MAX_PARTS = 4096
 
 # A stored value: bytes, or the bytearray a large one was received into
 # (never resized or written once stored).
@@ -83,8 +93,9 @@ def _default_max_handshakes() -> int:
 class _Conn:
     """One client connection as the selector loop sees it."""
 
-    __slots__ = ("sock", "addr", "state", "inbuf", "out", "deadline", "claim", "nonce_c",
-                 "nonce_s", "parked", "closing", "open", "events", "will", "body")
+    __slots__ = ("sock", "addr", "state", "inbuf", "out", "out_bytes", "paused", "deadline",
+                 "claim", "nonce_c", "nonce_s", "parked", "closing", "open", "events", "will",
+                 "body")
 
     def __init__(self, sock: socket.socket, addr, deadline: float) -> None:
         self.sock = sock
@@ -92,6 +103,8 @@ class _Conn:
         self.state = _HELLO
         self.inbuf = bytearray()
         self.out: Deque[memoryview] = collections.deque()
+        self.out_bytes = 0  # unsent bytes in `out`
+        self.paused = False  # too much unsent: requests are neither read nor run
         self.deadline = deadline
         self.claim = b""
         self.nonce_c = b""
@@ -457,7 +470,8 @@ class StoreServer:
 
     def _process(self, conn: _Conn) -> None:
         """Consume whatever complete frames ``conn.inbuf`` holds."""
-        while conn.open and not conn.closing and conn.parked is None and conn.body is None:
+        while (conn.open and not conn.closing and conn.parked is None and conn.body is None
+               and not conn.paused):
             buf = conn.inbuf
             if conn.state == _HELLO:
                 if len(buf) < _auth.HELLO_LEN:
@@ -642,7 +656,9 @@ class StoreServer:
             self._queue(conn, payload)
 
     def _queue(self, conn: _Conn, data: Value) -> None:
-        conn.out.append(memoryview(data))
+        view = memoryview(data)
+        conn.out.append(view)
+        conn.out_bytes += view.nbytes
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
@@ -655,6 +671,7 @@ class StoreServer:
             except OSError:
                 self._close_conn(conn)
                 return
+            conn.out_bytes -= n
             if n == len(head):
                 conn.out.popleft()
             else:
@@ -663,7 +680,20 @@ class StoreServer:
         if not conn.out and conn.closing:
             self._close_conn(conn)
             return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        if conn.paused:
+            if conn.out_bytes <= _OUT_MAX_BYTES // 2 and len(conn.out) <= _OUT_MAX_PARTS // 2:
+                conn.paused = False
+                if conn.inbuf:  # requests read before the pause: next turn, not recursively
+                    self._runnable.append(conn)
+        elif conn.out_bytes > _OUT_MAX_BYTES or len(conn.out) > _OUT_MAX_PARTS:
+            # The client sends but does not read: stop reading it (its requests
+            # wait in its own socket) rather than queue replies without bound.
+            conn.paused = True
+            _log.debug("store: %s has %d unsent bytes in %d pieces; not reading it until "
+                       "it reads its replies", conn.addr, conn.out_bytes, len(conn.out))
+        # Paused means `out` is not empty, so the connection is always watched for something.
+        want = ((0 if conn.paused else selectors.EVENT_READ)
+                | (selectors.EVENT_WRITE if conn.out else 0))
         if want != conn.events:
             conn.events = want
             self._sel.modify(conn.sock, want, conn)
@@ -690,4 +720,5 @@ class StoreServer:
         except OSError:
             pass
         conn.out.clear()
+        conn.out_bytes = 0
         conn.inbuf = bytearray()
