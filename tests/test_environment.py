@@ -17,7 +17,7 @@ from ringlet import environment as envmod
 from ringlet.environment import (LaunchEnv, detect, is_loopback, load_secret, parse_nodelist,
                                  select_bind_address)
 from ringlet.errors import RendezvousError
-from _launchers import clean_env, openmpi_mpirun
+from _launchers import clean_env, clear_launcher, openmpi_mpirun
 
 
 
@@ -60,9 +60,11 @@ def test_slurm_multi_node_variables_and_overrides():
     # A second step of the job, running beside the first, listens elsewhere.
     assert detect(dict(env, SLURM_STEP_ID="0")).master_port == 20000 + 123456 % 20000
     assert detect(dict(env, SLURM_STEP_ID="1")).master_port == 20000 + (123456 + 7919) % 20000
+    # torch's pair, left in the shell or exported for torch's store: not Slurm's.
     env.update(MASTER_ADDR="10.9.9.9", MASTER_PORT="5555")
     e = detect(env)
-    assert (e.master_addr, e.master_port) == ("10.9.9.9", 5555)
+    assert (e.master_addr, e.master_port) == ("127.0.0.1", 20000 + 123456 % 20000)
+    assert e.ignored == ("MASTER_ADDR=10.9.9.9", "MASTER_PORT=5555")
     env.update(RINGLET_MASTER_ADDR="10.8.8.8", RINGLET_MASTER_PORT="6666")
     e = detect(env)
     assert (e.master_addr, e.master_port) == ("10.8.8.8", 6666)
@@ -133,6 +135,40 @@ def test_a_stale_rank_and_world_size_never_outvote_the_mpi_launcher(mpi):
     # Half a pair still gives way to the launcher's complete one.
     e = detect(dict(mpi, WORLD_SIZE="7"))
     assert (e.rank, e.world_size) == (1, 2)
+
+
+@pytest.mark.parametrize("mpi", [
+    {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+    {"PMI_RANK": "1", "PMI_SIZE": "2"},
+])
+def test_master_addr_counts_only_beside_the_variables_it_belongs_with(mpi):
+    # MASTER_ADDR/MASTER_PORT left from a torchrun session, then `mpirun -n 2`: each
+    # rank skipped the MPI bootstrap and waited for a store at the stale address
+    # until init's timeout.  Under MPI only RINGLET_MASTER_* choose the address.
+    stale = {"MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"}
+    e = detect(dict(mpi, **stale))
+    assert (e.master_addr, e.master_port) == (None, None)  # init bootstraps over MPI
+    assert e.ignored == ("MASTER_ADDR=192.0.2.1", "MASTER_PORT=29500")
+    note = envmod.ignored_note(e)
+    assert "MASTER_ADDR=192.0.2.1, MASTER_PORT=29500 ignored" in note
+    assert "RINGLET_MASTER_ADDR and RINGLET_MASTER_PORT" in note
+    # One of the pair alone is passed over too (it made init demand the other).
+    assert detect(dict(mpi, MASTER_ADDR="192.0.2.1")).master_addr is None
+    assert detect(dict(mpi, MASTER_PORT="29500")).master_port is None
+    # Ignored means not read: a malformed one does not stop the job.
+    assert detect(dict(mpi, MASTER_PORT="http")).ignored == ("MASTER_PORT=http",)
+    # The explicit choice counts.
+    e = detect(dict(mpi, **stale, RINGLET_MASTER_ADDR="10.0.0.7", RINGLET_MASTER_PORT="4242"))
+    assert (e.master_addr, e.master_port) == ("10.0.0.7", 4242)
+    # Where RANK/WORLD_SIZE count, their MASTER_* do: torchrun nested in mpirun, a
+    # wrapper (or `import ringlet.torch`) that copies MPI's numbering, plain env://.
+    nested = dict(mpi, RANK="3", WORLD_SIZE="4", TORCHELASTIC_RUN_ID="j", **stale)
+    copied = dict(mpi, RANK="1", WORLD_SIZE="2", **stale)
+    for env in (nested, copied, dict(stale, RANK="1", WORLD_SIZE="2"),
+                dict(stale, RINGLET_RANK="1", RINGLET_WORLD_SIZE="2")):
+        e = detect(env)
+        assert (e.master_addr, e.master_port, e.ignored) == ("192.0.2.1", 29500, ()), env
+    assert envmod.ignored_note(e) == "" and envmod.ignored_note(None) == ""
 
 
 def test_a_hand_set_rank_wins_over_a_slurm_shell():
@@ -297,8 +333,17 @@ def test_load_secret_from_file(tmp_path):
 
 # ---- MPI bootstrap --------------------------------------------------------------------------------
 def test_mpi_bootstrap_without_mpi4py_says_what_to_do(monkeypatch):
+    clear_launcher(monkeypatch)
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `from mpi4py import MPI` fail
-    with pytest.raises(ImportError, match=r"pip install mpi4py.*RINGLET_MASTER_ADDR"):
+    with pytest.raises(ImportError, match=r"pip install mpi4py.*RINGLET_MASTER_ADDR") as info:
+        envmod.mpi_bootstrap(5.0)
+    assert "ignored" not in str(info.value)
+    # A MASTER_ADDR that used to stand in for the bootstrap: the error says it did not.
+    for k, v in (("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"),
+                 ("MASTER_ADDR", "192.0.2.1")):
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ImportError, match=r"pip install mpi4py.*\(MASTER_ADDR=192\.0\.2\.1 "
+                                          r"ignored: under openmpi"):
         envmod.mpi_bootstrap(5.0)
 
 

@@ -92,6 +92,59 @@ def test_mpirun_with_a_stale_rank_and_world_size_fails_fast_and_says_why(tmp_pat
     assert took < 30, f"took {took:.1f} s: waited for the init timeout (60 s)?"
 
 
+# MASTER_ADDR/MASTER_PORT left in the shell by an earlier torchrun session.  192.0.2.1 is
+# TEST-NET-1: nothing answers there.  Each rank also keeps what init logged about them.
+STALE = {"MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"}
+STALE_SCRIPT = textwrap.dedent("""
+    import json, logging, os, sys, numpy as np, ringlet
+    from ringlet.environment import detect
+
+    class Keep(logging.Handler):
+        lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    log = logging.getLogger("ringlet")
+    log.addHandler(Keep())
+    log.setLevel(logging.DEBUG)
+    e = detect()
+    # Short: with the stale address honoured, init waited for a store there this long.
+    ringlet.init(timeout=20)
+    x = np.arange(5, dtype=np.float64) * (ringlet.get_rank() + 1)
+    ringlet.all_reduce(x)
+    with open(os.path.join(sys.argv[1], f"{e.rank}.json"), "w") as f:
+        json.dump(dict(vars(e), sum=x.tolist(), job=os.environ.get("SLURM_JOB_ID"),
+                       log=[ln for ln in Keep.lines if "MASTER_" in ln]), f)
+    ringlet.shutdown()
+""")
+
+
+def _ignored_and_said_so(r, stale):
+    names = tuple(f"{k}={v}" for k, v in stale.items())
+    assert tuple(r["ignored"]) == names, r
+    assert len(r["log"]) == 1 and r["log"][0].startswith(
+        f"ringlet: rank {r['rank']}: {', '.join(names)} ignored: under {r['source']}"), r
+
+
+@pytest.mark.parametrize("stale", [
+    # With a secret set the old code rendezvoused at 192.0.2.1 until init's timeout.
+    dict(STALE, RINGLET_SECRET="stale-master-addr-secret-0123"),
+    # Only the address: the old code stopped at init, asking for MASTER_PORT.
+    {"MASTER_ADDR": "192.0.2.1"},
+], ids=["addr-port-secret", "addr-only"])
+def test_mpirun_ignores_a_stale_master_addr(tmp_path, stale):
+    script = tmp_path / "job.py"
+    script.write_text(STALE_SCRIPT)
+    out = subprocess.run([openmpi_mpirun(), "-n", "2", "--oversubscribe", sys.executable,
+                          str(script), str(tmp_path)], env=openmpi_env(**stale),
+                         capture_output=True, text=True, timeout=120)
+    for r in _reports(out, tmp_path, 2):
+        # The MPI bootstrap's own loopback store, not the stale address.
+        assert (r["source"], r["master_addr"], r["master_port"]) == ("openmpi", None, None)
+        _ignored_and_said_so(r, {k: v for k, v in stale.items() if k.startswith("MASTER_")})
+
+
 def test_mpich_mpiexec_runs_a_job(tmp_path):
     # MPICH's hydra sets PMI_RANK/PMI_SIZE and MPI_LOCALRANKID/MPI_LOCALNRANKS; with
     # mpi4py pointed at MPICH's libmpi, ringlet bootstraps through it.
@@ -174,6 +227,24 @@ def test_srun_runs_a_job(slurm, tmp_path):
         assert job >= slurm.first_job
         assert (r["source"], r["master_addr"], r["master_port"]) == \
             ("slurm", first[0][4][0], 20000 + job % 20000), r
+
+
+def test_srun_ignores_a_stale_master_addr(slurm, tmp_path):
+    # srun passes the submitting shell's environment on: a MASTER_ADDR exported for an
+    # earlier torchrun job outvoted the step's first node, and init waited for its timeout.
+    script = tmp_path / "job.py"
+    script.write_text(STALE_SCRIPT)
+    out = subprocess.run(["srun", "-n", "2", "--overcommit", sys.executable, str(script),
+                          str(tmp_path)],
+                         env=dict(slurm.env, RINGLET_SECRET="slurm-test-secret-0123456789",
+                                  **STALE),
+                         capture_output=True, text=True, timeout=180)
+    first = socket.getaddrinfo(slurm.host, None, 0, socket.SOCK_STREAM)
+    first.sort(key=lambda i: i[0] != socket.AF_INET)
+    for r in _reports(out, tmp_path, 2):
+        assert (r["source"], r["master_addr"], r["master_port"]) == \
+            ("slurm", first[0][4][0], 20000 + int(r["job"]) % 20000), r
+        _ignored_and_said_so(r, STALE)
 
 
 def _free_port() -> int:

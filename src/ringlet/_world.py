@@ -597,6 +597,8 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
             port_from_env = master_port is None
             master_port = master_port or env.master_port
             source = env.source
+            if env.ignored:  # a stale MASTER_ADDR under mpirun/srun (docs/launching.md)
+                _log.debug("ringlet: rank %d: %s", rank, envmod.ignored_note(env))
     if isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(world_size, int) \
             or world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank {rank!r} for world_size {world_size!r}")
@@ -626,10 +628,12 @@ def init(*, rank: Optional[int] = None, world_size: Optional[int] = None,
     if _torch_store is not None:  # the torch backend: rendezvous through torch's store
         master_addr = master_addr or "127.0.0.1"
     elif world_size > 1 and (not master_addr or not master_port):
+        own = source in envmod.OWN_RENDEZVOUS  # MASTER_ADDR/MASTER_PORT do not count there
         raise RendezvousError(
             f"rank {rank}: world size {world_size} needs a rendezvous address: set "
-            f"RINGLET_MASTER_ADDR and RINGLET_MASTER_PORT (or MASTER_ADDR/MASTER_PORT), pass "
-            f"master_addr=/master_port=, or launch with `ringlet run` or mpirun")
+            f"RINGLET_MASTER_ADDR and RINGLET_MASTER_PORT"
+            f"{'' if own else ' (or MASTER_ADDR/MASTER_PORT)'}, pass master_addr=/master_port="
+            f"{'' if own else ', or launch with `ringlet run` or mpirun'}", rank=rank)
     if master_addr and master_addr == "localhost":
         master_addr = "127.0.0.1"
 

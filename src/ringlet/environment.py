@@ -27,9 +27,14 @@ error rather than a guess (a stale export would give ranks the wrong places);
 then RANK/WORLD_SIZE; then Slurm's (an interactive ``srun --pty bash`` or a
 batch script sets them for a shell that may start a job by hand).
 
-For every source, RINGLET_MASTER_ADDR / RINGLET_MASTER_PORT, then MASTER_ADDR /
-MASTER_PORT, override the address when set.  Missing local rank / size fall
-back to the global ones (one host).
+RINGLET_MASTER_ADDR / RINGLET_MASTER_PORT override the address for every
+source.  MASTER_ADDR / MASTER_PORT (torch's env:// pair) count only beside
+the variables they belong with: for the ringlet and torchrun sources.  Open
+MPI, MPICH and Slurm never set them and bring their own rendezvous (the MPI
+bootstrap, Slurm's first node), so under them a MASTER_ADDR is left from an
+earlier torchrun or meant for torch's own store: it is passed over
+(``LaunchEnv.ignored`` names it; ``init`` logs it at debug level).  Missing
+local rank / size fall back to the global ones (one host).
 
 Slurm's port rule gives every job step its own port in [20000, 40000) without
 any coordination (step 0 takes 20000 + the job id mod 20000, later steps are
@@ -48,7 +53,7 @@ import stat
 import struct
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 
 from .errors import RendezvousError
@@ -56,9 +61,9 @@ from .errors import RendezvousError
 if TYPE_CHECKING:
     from .store import StoreServer
 
-__all__ = ["LaunchEnv", "detect", "torchrun_agent_store", "is_loopback", "select_bind_address", "list_interfaces",
-           "parse_nodelist", "load_secret", "mpi_bootstrap", "own_session_note",
-           "MIN_SECRET_BYTES"]
+__all__ = ["LaunchEnv", "detect", "ignored_note", "torchrun_agent_store", "is_loopback",
+           "select_bind_address", "list_interfaces", "parse_nodelist", "load_secret",
+           "mpi_bootstrap", "own_session_note", "OWN_RENDEZVOUS", "MIN_SECRET_BYTES"]
 
 MIN_SECRET_BYTES = 16
 SOURCES = ("ringlet", "torchrun", "openmpi", "mpich", "slurm")
@@ -76,6 +81,10 @@ class LaunchEnv:
             under MPI without an explicit address (``init`` then bootstraps
             through mpi4py).
         source: "ringlet", "torchrun", "openmpi", "mpich" or "slurm".
+        ignored: ``"NAME=value"`` of each MASTER_ADDR / MASTER_PORT that is
+            set but does not count for this source (Open MPI, MPICH, Slurm:
+            only RINGLET_MASTER_ADDR / RINGLET_MASTER_PORT override their
+            rendezvous).  Not part of equality.
     """
 
     rank: int
@@ -85,6 +94,7 @@ class LaunchEnv:
     master_addr: Optional[str]
     master_port: Optional[int]
     source: str
+    ignored: Tuple[str, ...] = field(default=(), compare=False)
 
 
 # ---- detection ----------------------------------------------------------------------------
@@ -118,8 +128,10 @@ def _first_int(env: Mapping[str, str], names: Tuple[str, ...], minimum: int = 0
     return None, None
 
 
-def _port(env: Mapping[str, str]) -> Tuple[Optional[int], Optional[str]]:
-    for name in ("RINGLET_MASTER_PORT", "MASTER_PORT"):
+def _port(env: Mapping[str, str],
+          names: Tuple[str, ...] = ("RINGLET_MASTER_PORT", "MASTER_PORT"),
+          ) -> Tuple[Optional[int], Optional[str]]:
+    for name in names:
         p = _int(env, name, minimum=1)
         if p is not None:
             if p > 65535:
@@ -128,8 +140,35 @@ def _port(env: Mapping[str, str]) -> Tuple[Optional[int], Optional[str]]:
     return None, None
 
 
-def _addr(env: Mapping[str, str]) -> Optional[str]:
-    return _get(env, "RINGLET_MASTER_ADDR") or _get(env, "MASTER_ADDR")
+# Launchers that bring their own rendezvous and never set MASTER_ADDR /
+# MASTER_PORT: a pair found under them is not theirs (a stale export from a
+# torchrun session, or meant for torch's own store, whose port would clash).
+OWN_RENDEZVOUS = ("openmpi", "mpich", "slurm")
+_TORCH_ADDR_VARS = ("MASTER_ADDR", "MASTER_PORT")
+
+
+def _rendezvous(env: Mapping[str, str], source: str
+                ) -> Tuple[Optional[str], Optional[int], Tuple[str, ...]]:
+    """``(address, port, ignored)`` as the variables give them for ``source``."""
+    if source in OWN_RENDEZVOUS:
+        ignored = tuple(f"{n}={_get(env, n)}" for n in _TORCH_ADDR_VARS
+                        if _get(env, n) is not None)
+        port, _ = _port(env, ("RINGLET_MASTER_PORT",))
+        return _get(env, "RINGLET_MASTER_ADDR"), port, ignored
+    port, _ = _port(env)
+    return _get(env, "RINGLET_MASTER_ADDR") or _get(env, "MASTER_ADDR"), port, ()
+
+
+def ignored_note(launched: Optional["LaunchEnv"]) -> str:
+    """What a launch passed over, as a sentence for a log line or an error ("" if nothing)."""
+    if launched is None or not launched.ignored:
+        return ""
+    how = {"slurm": "Slurm's first node (or the MPI bootstrap)"}.get(launched.source,
+                                                                    "the MPI bootstrap")
+    return (f"{', '.join(launched.ignored)} ignored: under {launched.source} the rendezvous "
+            f"address comes from {how}, and MASTER_ADDR/MASTER_PORT are torchrun's (often "
+            f"left from an earlier job); set RINGLET_MASTER_ADDR and RINGLET_MASTER_PORT to "
+            f"choose the address")
 
 
 _SPECS = (
@@ -261,8 +300,7 @@ def _read_source(env: Mapping[str, str], spec: tuple, half: List[str]) -> Option
         lsize, lsize_var = size, size_var
     if lrank >= lsize:
         raise ValueError(f"{lrank_var}={lrank} is not below {lsize_var}={lsize}")
-    addr = _addr(env)
-    port, _ = _port(env)
+    addr, port, ignored = _rendezvous(env, source)
     if source == "slurm":
         if addr is None:
             addr = _slurm_master(env)
@@ -272,7 +310,7 @@ def _read_source(env: Mapping[str, str], spec: tuple, half: List[str]) -> Option
                 # The step too: steps of one job run side by side (srun a & srun b).
                 step, _ = _first_int(env, ("SLURM_STEP_ID", "SLURM_STEPID"))
                 port = 20000 + (job + 7919 * (step or 0)) % 20000
-    return LaunchEnv(rank, size, lrank, lsize, addr, port, source)
+    return LaunchEnv(rank, size, lrank, lsize, addr, port, source, ignored)
 
 
 def torchrun_agent_store(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -684,7 +722,8 @@ def mpi_bootstrap(timeout: float) -> Tuple[int, int, str, int, bytes, Optional["
     try:
         from mpi4py import MPI
     except ImportError as exc:
-        raise ImportError(_MPI_MISSING) from exc
+        note = ignored_note(detect())
+        raise ImportError(_MPI_MISSING + (f" ({note})" if note else "")) from exc
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     launched = detect()
