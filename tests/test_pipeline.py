@@ -10,9 +10,13 @@ per sample and only sums microbatch gradients in a different order.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
+import threading
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -28,6 +32,7 @@ from ringlet.pipeline import (Action, ActionKind, PipelineError, PipelineStage, 
 from ringlet.parallel.pipeline import _wire as wire
 from ringlet.testing import WorldError, run_world
 
+from _blocked import wait_until_blocked
 from _launchers import clean_env
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -833,6 +838,182 @@ def test_stage_raising_an_unprintable_exception_fails_every_rank_fast():
         else:
             assert name == PipelineError.__name__ and "pipeline rank 1: stage(s) [1] raised " \
                 "_Unprintable" in msg, (name, msg)
+
+
+# ---- a stage interrupted: Ctrl-C, sys.exit() ----------------------------------------------------
+# KeyboardInterrupt, SystemExit and GeneratorExit are BaseExceptions, not Exceptions: the failure
+# protocol must run for them too, or the peers wait out the schedule's timeout.  That timeout is
+# long here; the run_world deadline, well under it, is the bound the peers must beat.
+_INTERRUPT_TIMEOUT = 60.0
+
+
+class _Interrupt(nn.Module):
+    """Identity whose forward number ``at`` raises ``exc`` (later calls count past it)."""
+
+    def __init__(self, exc: BaseException, at: int) -> None:
+        super().__init__()
+        self.exc, self.at, self.calls = exc, at, 0
+
+    def forward(self, x):
+        k = self.calls
+        self.calls += 1
+        if k == self.at:
+            raise self.exc
+        self._save(None)
+        return x
+
+    def backward(self, g):
+        self._pop()
+        return g
+
+
+def _interrupted_rank(rank, p, kind, bad_stage, at, exc_type):
+    m = 2 * p
+    n_stages = 2 * p if kind == "interleaved" else p
+    chunks = split_model(_model(n_stages), n_stages)
+    raised = exc_type(3) if exc_type is SystemExit else exc_type()
+    chunks[bad_stage].append(_Interrupt(raised, at))
+    if kind == "interleaved":
+        stages = [PipelineStage(chunks[s], s, n_stages) for s in range(rank, n_stages, p)]
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=nn.mse_loss,
+                                        timeout=_INTERRUPT_TIMEOUT)
+    else:
+        stages = [PipelineStage(chunks[rank], rank, n_stages)]
+        cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+        sched = cls(stages[0], m, loss_fn=nn.mse_loss, timeout=_INTERRUPT_TIMEOUT)
+    x, y = _data(2 * m)
+    t0 = time.monotonic()
+    err = None
+    try:
+        sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt & co. inspected by the test
+        err = e
+    took = time.monotonic() - t0
+    # The group is still usable, on the interrupted rank too.
+    for st in stages:
+        st.module.zero_grad()
+    loss = sched.step(x if rank == 0 else None, y if rank == p - 1 else None)
+    return (type(err).__name__, str(err), getattr(err, "failures", None), err is raised,
+            getattr(err, "code", None), took, loss, _grads(stages))
+
+
+@pytest.mark.parametrize("exc_type,kind,p,bad_stage,at", [
+    (KeyboardInterrupt, "1f1b", 3, 1, 2),      # a middle stage, mid-step
+    (SystemExit, "gpipe", 2, 1, 0),            # the last stage's very first forward
+    (GeneratorExit, "interleaved", 2, 0, 3),   # the first stage, its last microbatch
+])
+def test_stage_interrupted_mid_step_fails_every_rank_fast_then_recovers(exc_type, kind, p,
+                                                                        bad_stage, at):
+    """A KeyboardInterrupt (Ctrl-C) or SystemExit from a stage's forward: that rank raises the
+    very exception its module raised, the others a PipelineError saying the stage was
+    interrupted, all well before the 60 s schedule timeout (run_world's 20 s deadline fails the
+    test otherwise), and the next step is exact on every rank."""
+    results = run_world(_interrupted_rank, p, args=(kind, bad_stage, at, exc_type), timeout=20)
+    stages = list(range(bad_stage, 2 * p, p)) if kind == "interleaved" else [bad_stage]
+    how = "SystemExit: 3" if exc_type is SystemExit else exc_type.__name__
+    for rank, (name, msg, failures, same, code, took, _, _) in enumerate(results):
+        assert took < 10, f"rank {rank} took {took:.1f}s to fail (timeout is 60s)"
+        if rank == bad_stage:
+            assert name == exc_type.__name__ and same, (name, msg)  # unchanged, not wrapped
+            assert code == (3 if exc_type is SystemExit else None)
+        else:
+            assert name == PipelineError.__name__, (name, msg)
+            assert f"pipeline rank {bad_stage}: stage(s) {stages} was interrupted ({how})" \
+                in msg, msg
+            assert list(failures) == [bad_stage]
+    n_pairs = 2 * p if kind == "interleaved" else p
+    x, y = _data(4 * p)
+    _check_parity([([r[6]], r[7], None) for r in results], n_pairs, x, y, steps=1)
+
+
+class _CtrlC(nn.Module):
+    """Identity whose forward number ``at`` gets a real Ctrl-C: SIGINT to this process."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+        self.first: Optional[BaseException] = None  # the KeyboardInterrupt it raised
+        self.fired = threading.Event()
+
+    def forward(self, x):
+        k = self.calls
+        self.calls += 1
+        if k == self.at:
+            try:
+                signal.raise_signal(signal.SIGINT)  # Python's handler raises here
+            except KeyboardInterrupt as e:
+                self.first = e
+                self.fired.set()
+                raise
+            raise AssertionError("SIGINT did not raise KeyboardInterrupt")
+        self._save(None)
+        return x
+
+    def backward(self, g):
+        self._pop()
+        return g
+
+
+def _second_ctrl_c(tid: int, sent: list) -> None:
+    # The kernel says the main thread is blocked in a ringlet wait: no timer.
+    if wait_until_blocked(tid, timeout=_INTERRUPT_TIMEOUT):
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def _ctrl_c_twice_rank(rank, p):
+    """Step 1 is normal.  In step 2, rank 2 stays away; rank 0's forward gets a Ctrl-C, so its
+    failure protocol ends in the all-reduce of failure flags, where it blocks (rank 2 never
+    comes) until a second Ctrl-C, sent once the kernel shows it blocked, ends it."""
+    chunks = split_model(_model(p), p)
+    ctrl_c = None
+    if rank == 0:
+        # A job started in the background inherits SIGINT ignored: no KeyboardInterrupt then.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        ctrl_c = _CtrlC(at=4)  # step 2's first forward (4 microbatches a step)
+        chunks[0].append(ctrl_c)
+    stage = PipelineStage(chunks[rank], rank, p)
+    sched = Schedule1F1B(stage, 4, loss_fn=nn.mse_loss, timeout=_INTERRUPT_TIMEOUT)
+    x, y = _data(8)
+    args = (x if rank == 0 else None, y if rank == p - 1 else None)
+    sched.step(*args)
+    t0 = time.monotonic()
+    if rank == 2:  # alive but elsewhere, until the job's failure reaches it
+        try:
+            ringlet.recv(np.empty(1), 0, tag=99, timeout=_INTERRUPT_TIMEOUT)
+        except ringlet.RingletError as e:
+            return type(e).__name__, time.monotonic() - t0
+        return "received", time.monotonic() - t0
+    sent: list = []
+    if rank == 0:
+        def second():
+            if ctrl_c.fired.wait(_INTERRUPT_TIMEOUT):
+                _second_ctrl_c(threading.main_thread().native_id, sent)
+
+        threading.Thread(target=second, daemon=True).start()
+    try:
+        sched.step(*args)
+    except KeyboardInterrupt as e:
+        return "KeyboardInterrupt", time.monotonic() - t0, e is ctrl_c.first, len(sent)
+    except ringlet.RingletError as e:
+        return type(e).__name__, time.monotonic() - t0
+    return "completed", time.monotonic() - t0
+
+
+def test_second_ctrl_c_ends_the_failure_protocol_at_once():
+    """The protocol run for a Ctrl-C cannot swallow the next one: rank 0 gets a real SIGINT in
+    its forward, runs the protocol, blocks in its final all-reduce (rank 2 stays away), and a
+    second SIGINT ends that at once with a KeyboardInterrupt; ringlet then tells the peers.
+    Without the protocol for the first Ctrl-C rank 0 never blocks and no second one is sent."""
+    res = run_world(_ctrl_c_twice_rank, 3, mode="process", timeout=45)
+    assert res[0][0] == "KeyboardInterrupt", res
+    _, took, is_first, sent = res[0]
+    assert sent == 1, res  # rank 0 blocked inside the step, after its first Ctrl-C
+    assert not is_first, res  # the second Ctrl-C's, not swallowed by the protocol
+    assert took < 10, res  # not the schedule's 60 s
+    for rank in (1, 2):
+        name, took = res[rank]
+        assert name not in ("completed", "received") and took < 10, res
 
 
 # ---- the example ------------------------------------------------------------------------------

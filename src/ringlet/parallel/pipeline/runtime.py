@@ -22,8 +22,8 @@ a payload) costs the sender a copy into the frame but halves the messages and
 saves a round trip through this rank's Python thread on every hop.
 
 Failure protocol.  If anything raises on a rank mid-step (the module, the
-loss, a bad input, a shape mismatch), that rank does not leave its peers
-waiting:
+loss, a bad input, a shape mismatch, a Ctrl-C: ``KeyboardInterrupt`` and
+``SystemExit`` too), that rank does not leave its peers waiting:
 
 1. it *poisons* every message it still owed this step: a channel not yet
    declared gets a POISON declaration (which stands for the whole channel),
@@ -42,6 +42,11 @@ failure, an ``all_gather_object`` of the messages), so *every* rank of the
 pipeline group raises: the failing rank its original exception, the others
 ``PipelineError`` naming the rank, stage and error.  Saved forward contexts
 are cleared and the group stays usable; zero the gradients before retrying.
+An interrupted rank (any ``BaseException`` that is not an ``Exception``:
+``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) raises its own
+exception unchanged, even when the protocol fails (that error is logged); the
+peers' ``PipelineError`` says the stage "was interrupted".  A second interrupt
+during the protocol is not caught: it ends the protocol at once and propagates.
 Communication errors (``RingletError`` from ringlet itself: timeouts, dead
 peers) skip the protocol: ringlet has already aborted the job's groups, and
 they re-raise.
@@ -50,6 +55,7 @@ they re-raise.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -74,6 +80,8 @@ __all__ = ["PipelineError", "StepStats", "ScheduleGPipe", "Schedule1F1B",
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 SA, RA, SG, RG = (ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD,
                   ActionKind.RECV_GRAD)
+
+_log = logging.getLogger(__name__)
 
 
 class PipelineError(RingletError):
@@ -200,6 +208,15 @@ def _describe(exc: BaseException) -> str:
         return f"<str() of the exception raised {type(e).__name__}>"
 
 
+def _what_happened(exc: BaseException) -> str:
+    """How a stage failed, for the peers' ``PipelineError``."""
+    if isinstance(exc, Exception):
+        return f"raised {type(exc).__name__}: {_describe(exc)}"
+    # KeyboardInterrupt, SystemExit, GeneratorExit: often without a message.
+    text = _describe(exc)
+    return f"was interrupted ({type(exc).__name__}{': ' + text if text else ''})"
+
+
 def _saved_bytes_fn(module: Any) -> Optional[Callable[[], int]]:
     fn = getattr(module, "saved_bytes", None)
     return fn if callable(fn) else None
@@ -311,7 +328,9 @@ class PipelineSchedule:
                 group built different schedules.
             PipelineError: another rank's stage failed during this step.
             RingletError: communication failed (timeout, dead peer).
-            Whatever a stage's module or the loss raised, on that rank.
+            Whatever a stage's module or the loss raised, on that rank; a
+                ``KeyboardInterrupt`` or ``SystemExit`` too, unchanged, after
+                the other ranks were told (they raise ``PipelineError``).
 
         Example::
 
@@ -714,8 +733,17 @@ class _StepRun:
             raise exc.exc from None
         except _Poisoned as exc:
             failure, origin = exc, exc.origin
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+            # KeyboardInterrupt and SystemExit too: a Ctrl-C on one stage must not
+            # leave the others waiting until their timeout.
             failure, origin = exc, s.rank
+        # Interrupted here (Ctrl-C, sys.exit()): whatever the protocol meets, this
+        # rank raises that exception, unchanged.
+        interrupted = failure is not None and origin == s.rank and \
+            not isinstance(failure, Exception)
+        lost: Optional[BaseException] = None  # the protocol's own error, if interrupted
+        # A second interrupt during the protocol is not caught: it ends the protocol
+        # at once and propagates (every wait in it is bounded by the timeout anyway).
         try:
             if failure is not None:
                 self._poison_and_drain(origin)
@@ -729,18 +757,25 @@ class _StepRun:
             if any_failed[0]:
                 mine = None
                 if failure is not None and origin == s.rank:
-                    mine = (f"stage(s) {sorted(s.stages)} raised "
-                            f"{type(failure).__name__}: {_describe(failure)}")[:2000]
+                    mine = f"stage(s) {sorted(s.stages)} {_what_happened(failure)}"[:2000]
                 messages = self._comm(ringlet.all_gather_object, mine, group=self.group,
                                       timeout=s.timeout)
         except _CommFailure as exc:
-            raise exc.exc from failure
+            if not interrupted:
+                raise exc.exc from failure
+            lost = exc.exc
         except Exception as exc:
             if failure is None:
                 raise
-            # The protocol itself failed (no memory even for it): peers may wait
-            # until their timeout; keep the original error as the cause.
-            raise exc from failure
+            if not interrupted:
+                # The protocol itself failed (no memory even for it): peers may wait
+                # until their timeout; keep the original error as the cause.
+                raise exc from failure
+            lost = exc
+        if lost is not None:
+            _log.warning("pipeline rank %d: the failure protocol after %s failed: %s: %s",
+                         s.rank, type(failure).__name__, type(lost).__name__, _describe(lost))
+            raise failure  # outside the handler: its traceback and context stay its own
         self.stats.step_time = time.perf_counter() - t_start
         s.last_stats = self.stats
         if any_failed[0]:
