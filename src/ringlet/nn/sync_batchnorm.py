@@ -15,9 +15,10 @@ Sums are taken in float64 whatever the layer's dtype, so the
 scale.  A rank may hold zero samples; the global count must exceed one.
 
 Backward needs two per-channel sums over the whole batch, ``sum(dy)`` and
-``sum(dy * xhat)``; they are packed with a refusal flag into one array of
-``2C + 1`` values and all-reduced once, before the parameter gradients are
-accumulated (a pre-accumulate hook that refuses one raises after it).
+``sum(dy * xhat)``; they are packed with a flag (the number of ranks that
+cannot go on) into one array of ``2C + 1`` values and all-reduced once,
+before the parameter gradients are accumulated (a pre-accumulate hook that
+refuses one raises after it).
 Then, with ``g = dy * weight``,
 ``dx = rstd * (g - weight*sum(dy)/N - xhat * weight*sum(dy*xhat)/N)``.
 The parameter gradients stay local sums over this rank's samples (a
@@ -26,7 +27,13 @@ data-parallel wrapper averages or sums them as for any parameter).
 A rank that refuses its input (shape, dtype) or ``grad_output`` still joins
 that all-reduce, flagged, and raises its ``ValueError``/``TypeError``; the
 others raise ``ValueError`` at once instead of waiting for it until their
-timeout, and the group stays usable.
+timeout, and the group stays usable.  So does a rank in training mode whose
+backward finds no saved forward context (its forward failed or ran under
+``no_grad()``, the context was cleared, one backward too many), with zeros.
+When backward's flag is set, every rank takes part in one more all-reduce of
+one value a rank (what went wrong there, if anything) and all raise together:
+a ``RuntimeError`` naming the ranks without a context if there are any, else
+the ``ValueError`` of a refused ``grad_output``.
 
 Evaluation mode communicates nothing: it uses the running statistics, or
 with ``track_running_stats=False`` this rank's own batch statistics (as
@@ -46,6 +53,9 @@ from .layers import BatchNorm1d, _float_input, _grad_like, _update_running_stats
 from .module import Module
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+
+# What a rank reports in the backward's roll call (see SyncBatchNorm._backward_failed).
+_BACKWARD_OK, _REFUSED_GRAD, _NO_CONTEXT = 0, 1, 2
 
 
 def _check_group(group: Any, what: str) -> Any:
@@ -69,7 +79,10 @@ class SyncBatchNorm(BatchNorm1d):
         timeout: seconds for each all-reduce (default: the group's).
     Raises:
         TypeError / ValueError: as ``BatchNorm1d``; also when the whole group
-            holds at most one value per channel in training.
+            holds at most one value per channel in training, or on every rank
+            when some rank refused its input or ``grad_output``.
+        RuntimeError: backward in training on every rank of the group when some
+            rank had no saved forward context (the message names those ranks).
 
     Example::
 
@@ -162,31 +175,71 @@ class SyncBatchNorm(BatchNorm1d):
                    (self.weight, self.bias))
         return y
 
-    def backward(self, grad_output: Any) -> np.ndarray:
-        xhat, rstd, axes, bshape, use_batch, sync, n_global = self._pop()
+    def _backward_failed(self, mine: int, error: Optional[BaseException]) -> None:
+        """Some rank cannot finish this backward: every rank learns which and why, and raises.
+
+        Every rank of the group calls it, so its all-reduces pair up: a failing
+        rank (``mine`` not ``_BACKWARD_OK``) in place of backward's all-reduce,
+        which it joins here flagged, with zeros; the others once that all-reduce
+        came back flagged.  Returns only on a rank that refused its
+        ``grad_output`` when no rank lacked a context (it re-raises its own error).
+        """
         C = self.num_features
+        if mine != _BACKWARD_OK:
+            flagged = np.zeros(2 * C + 1, np.float64)
+            flagged[2 * C] = 1
+            self._all_reduce(flagged)
+        # The roll call: one value a rank, only on this failure path.
+        why = np.zeros(ringlet.get_world_size(self.group), np.float64)
+        why[ringlet.get_rank(self.group)] = mine
+        self._all_reduce(why)
+        missing = np.flatnonzero(why == _NO_CONTEXT).tolist()
+        if missing:
+            where = f"rank(s) {missing} of the group"
+            if self.group is not None:
+                where += f" (world rank(s) {[self.group.ranks[r] for r in missing]})"
+            this = ("this rank is one of them" if mine == _NO_CONTEXT
+                    else "this rank computed and updated nothing")
+            raise RuntimeError(
+                f"SyncBatchNorm.backward: {where} had no saved forward context (a forward "
+                f"that failed or ran under no_grad(), a cleared context, or one backward "
+                f"too many); every rank of the group raised this at once, {this}") from error
+        if mine == _BACKWARD_OK:
+            self._check_peers(float(np.count_nonzero(why == _REFUSED_GRAD)), "grad_output",
+                              "backward")
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        C = self.num_features
+        try:
+            ctx = self._pop()
+        except RuntimeError as e:
+            if self.training:
+                # A forward in training communicates, so the peers are entering this
+                # backward's all-reduce: join it, flagged, and every rank raises now.
+                self._backward_failed(_NO_CONTEXT, e)  # raises
+            raise
+        xhat, rstd, axes, bshape, use_batch, sync, n_global = ctx
         communicates = use_batch and sync
         try:
             g = _grad_like(grad_output, xhat.shape, xhat.dtype, "SyncBatchNorm")
-        except (TypeError, ValueError):
+        except (TypeError, ValueError) as e:
             if communicates:  # flagged, as in forward
-                flagged = np.zeros(2 * C + 1, np.float64)
-                flagged[2 * C] = 1
-                self._all_reduce(flagged)
+                self._backward_failed(_REFUSED_GRAD, e)
             raise
         sum_g = g.sum(axis=axes)
         sum_gx = (g * xhat).sum(axis=axes)
         sums = None
         if communicates:
             # One fused all-reduce of the two per-channel sums backward needs (and
-            # the count of ranks refusing their gradient), before anything here can
+            # the count of ranks that cannot go on), before anything here can
             # raise on this rank alone (a pre-accumulate hook refusing a gradient).
             sums = np.empty(2 * C + 1, np.float64)
             sums[:C] = sum_g
             sums[C:2 * C] = sum_gx
             sums[2 * C] = 0
             self._all_reduce(sums)
-            self._check_peers(sums[2 * C], "grad_output", "backward")
+            if sums[2 * C] > 0:
+                self._backward_failed(_BACKWARD_OK, None)  # raises
         if self.weight is not None:
             if self.weight.requires_grad:
                 self.weight.accumulate_grad(sum_gx)
