@@ -960,22 +960,33 @@ def test_then_chains_values_exceptions_and_remote_failures():
     assert where.startswith("rpc0-callback"), where
 
 
+def _shutdown_took(timeout):
+    """Seconds a graceful ``rpc.shutdown(timeout=timeout)`` took."""
+    t0 = time.monotonic()
+    rpc.shutdown(timeout=timeout)
+    return time.monotonic() - t0
+
+
+def _shutdown_from_callback(seen, timeout):
+    """``_shutdown_took`` into ``seen["took"]``, or its error into ``seen["error"]``
+    (what a callback raises is only logged)."""
+    try:
+        seen["took"] = _shutdown_took(timeout)
+    except BaseException as exc:  # noqa: BLE001 - the test reports it
+        seen["error"] = repr(exc)
+
+
 def _shutdown_in_callback(rank, n, how):
     rpc.init_rpc(f"w{rank}", rpc_timeout=30)
     if rank != 0:
-        t0 = time.monotonic()
-        rpc.shutdown(timeout=20)
-        return time.monotonic() - t0
+        return _shutdown_took(20)
     seen: dict = {}
     finished = threading.Event()
 
     def stop(f):
-        t0 = time.monotonic()
         try:
-            rpc.shutdown(timeout=20)
-            seen["ok"] = (f.wait(), time.monotonic() - t0)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            seen["error"] = repr(exc)
+            _shutdown_from_callback(seen, 20)
+            seen["value"] = f.wait()
         finally:
             finished.set()
         return "stopped"
@@ -995,8 +1006,7 @@ def test_shutdown_called_from_a_callback_finishes(how):
     res = run_world(_shutdown_in_callback, 2, args=(how,), timeout=90)
     seen, after, child = res[0]
     assert "error" not in seen, seen
-    value, took = seen["ok"]
-    assert value == [1, "last"] and took < 10, seen  # well inside the 20 s drain timeout
+    assert seen["value"] == [1, "last"] and seen["took"] < 10, seen  # well inside the 20 s drain timeout
     assert res[1] < 10, res
     assert after is False
     assert child == ("stopped" if how == "then" else None)
@@ -1011,20 +1021,13 @@ def _shutdown_twice(rank, n, first):
         assert _event("twice-main").wait(30)
         if first == "main":
             _event("twice-go").set()  # lets w0's callback run, once w0's main thread drains
-        t0 = time.monotonic()
-        rpc.shutdown(timeout=20)
-        return time.monotonic() - t0
+        return _shutdown_took(20)
     seen: dict = {}
     started = threading.Event()
 
     def stop(f):
         started.set()
-        t0 = time.monotonic()
-        try:
-            rpc.shutdown(timeout=20)
-            seen["ok"] = time.monotonic() - t0
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            seen["error"] = repr(exc)
+        _shutdown_from_callback(seen, 20)
 
     if first == "main":
         fut = rpc.rpc_async(1, wait_for, args=("twice-go", 20.0, 1))
@@ -1050,7 +1053,63 @@ def test_shutdown_from_a_callback_and_the_main_thread_at_once(first):
     res = run_world(_shutdown_twice, 2, args=(first,), timeout=90)
     seen, took, done = res[0]
     assert "error" not in seen, seen
-    assert seen["ok"] < 10 and took < 10 and res[1] < 10 and done, res
+    assert seen["took"] < 10 and took < 10 and res[1] < 10 and done, res
+
+
+def _shutdown_in_callback_on_one_thread(rank, n, count):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=30, num_worker_threads=1)
+    if rank != 0:
+        return _shutdown_took(10)
+    ran = []  # values seen by the other calls' callbacks (list.append is atomic)
+    seen: dict = {}
+    started, finished = threading.Event(), threading.Event()
+
+    def stop(f):
+        seen["where"] = threading.current_thread().name
+        started.set()
+        try:
+            _shutdown_from_callback(seen, 10)
+            seen["ran"] = sorted(ran)
+        finally:
+            finished.set()
+
+    def counted(f):
+        ran.append(f.value())
+        return f.value() * 10
+
+    # w1 serves these in order on its one worker thread: "stop" once every
+    # callback is added, the others once this rank's callback is draining.
+    first = rpc.rpc_async(1, wait_for, args=("one-thread-stop", 20.0, "stop"))
+    others = [rpc.rpc_async(1, wait_for, args=("one-thread-go", 20.0, i)) for i in range(count)]
+    first.add_done_callback(stop)
+    thens = []
+    for i, f in enumerate(others):
+        if i % 2:
+            thens.append(f.then(counted))
+        else:
+            f.add_done_callback(counted)
+    _event("one-thread-stop").set()
+    assert started.wait(30), "the stopping callback never ran"
+    _event("one-thread-go").set()  # their callbacks queue behind the one shutting down
+    assert finished.wait(60), "the callback's shutdown never returned"
+    rpc.shutdown(timeout=10)  # nothing left to do
+    return seen, [t.wait(timeout=0) for t in thens], rpc.is_initialized()
+
+
+def test_shutdown_from_a_callback_runs_the_others_on_a_one_thread_pool():
+    # With one callback thread, the callbacks of calls completing while a
+    # callback drained were queued behind it, and the drain waited for them
+    # until its timeout.
+    for name in ("one-thread-stop", "one-thread-go"):
+        _events.pop(name, None)
+    count = 4
+    res = run_world(_shutdown_in_callback_on_one_thread, 2, args=(count,), timeout=90)
+    seen, thens, after = res[0]
+    assert "error" not in seen, seen
+    assert seen["where"].startswith("rpc0-callback"), seen
+    assert seen["ran"] == list(range(count)), seen  # every other callback ran before shutdown returned
+    assert seen["took"] < 5 and res[1] < 5, res  # well inside the 10 s drain timeout
+    assert thens == [10 * i for i in range(1, count, 2)] and after is False, res
 
 
 @rpc.register

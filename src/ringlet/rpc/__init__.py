@@ -181,10 +181,12 @@ def shutdown(graceful: bool = True, timeout: Optional[float] = None) -> None:
     It may be called from a done-callback or a ``then`` callback: the drain
     then waits for every other callback, not for the one calling it (nor the
     callbacks after it on the same future, which run once the agent is
-    closed).  A graceful shutdown that another thread of this worker is
-    already running is not started twice: called from a callback, this
-    returns at once (that drain waits for the callback); from any other
-    thread, it waits for that shutdown to finish.
+    closed).  Meanwhile the callback pool has one thread more, so the
+    callbacks of calls completing during the drain run even with
+    ``num_worker_threads=1``.  A graceful shutdown that another thread of
+    this worker is already running is not started twice: called from a
+    callback, this returns at once (that drain waits for the callback); from
+    any other thread, it waits for that shutdown to finish.
 
     Args:
         graceful: drain every worker's outstanding calls first (every rank
@@ -236,10 +238,15 @@ def shutdown(graceful: bool = True, timeout: Optional[float] = None) -> None:
                     rank=agent.rank, op="rpc.shutdown")
             return
     try:
-        if graceful:
-            agent.drain(drain_timeout)
+        # From a callback: the callbacks the drain waits for (and those of the
+        # calls close() fails) run on a spare thread, not queued behind this one.
+        with agent.spare_callback_thread():
+            try:
+                if graceful:
+                    agent.drain(drain_timeout)
+            finally:
+                agent.close("shut down" if graceful else "shut down (not gracefully)")
     finally:
-        agent.close("shut down" if graceful else "shut down (not gracefully)")
         if agent.created_world:
             ringlet.shutdown()
 

@@ -31,6 +31,7 @@ thread uses).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -39,7 +40,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Set, Tuple
 
 from ringlet._auth import LogBudget
 from ringlet.errors import CollectiveTimeout, PeerClosedError, ProtocolError, RingletError
@@ -522,6 +523,17 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
     def in_callback(self) -> bool:
         """Whether the calling thread is running one of this agent's done-callbacks."""
         return getattr(self._in_callbacks, "n", 0) > 0
+
+    def spare_callback_thread(self) -> ContextManager[None]:
+        """A context in which the callback pool has one more thread, if the caller is one of them.
+
+        A callback that shuts down holds its thread until the agent is closed,
+        while the drain waits for the callbacks queued behind it.
+        """
+        pool = self._callback_pool
+        if pool is None or not pool.owns(threading.current_thread()):
+            return contextlib.nullcontext()
+        return pool.one_more_thread()
 
     def claim_shutdown(self) -> Optional[threading.Thread]:
         """Make the calling thread the one that shuts down; None if it now is,
