@@ -10,6 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
+import torch.distributed as dist  # noqa: E402
+
 import ringlet  # noqa: E402
 from ringlet import ReduceOp  # noqa: E402
 from ringlet._buffers import as_array  # noqa: E402
@@ -158,3 +160,251 @@ def _every_op(rank, P):
 def test_every_op_takes_tensors(P):
     res = run_world(_every_op, P, timeout=60)
     assert all(r["ok"] for r in res)
+
+
+# ---- the torch backend's list forms: on the caller's storage, no needless temporary ----
+# RingletProcessGroup is built over a recorder of the ringlet group, which notes each
+# collective's tensors (data pointer, bytes): a list form that ran on one temporary hands
+# ringlet a buffer other than the caller's.  Values are checked against a numpy oracle.
+
+_GATHER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8,
+                  torch.bool)
+_REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64,
+                  torch.int8)
+
+
+class _Seen:
+    """A ringlet group that records the tensors each of its methods is handed."""
+
+    def __init__(self, g):
+        self._g, self.calls = g, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._g, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kw):
+            self.calls.append((name, [(a.data_ptr(), a.nbytes) for a in args
+                                      if isinstance(a, torch.Tensor)]))
+            return attr(*args, **kw)
+        return call
+
+    def last(self, name):
+        return next(bufs for op, bufs in reversed(self.calls) if op == name)
+
+
+def _pg():
+    from ringlet.torch._process_group import RingletProcessGroup, _world_group
+
+    seen = _Seen(_world_group())
+    return RingletProcessGroup(seen, seen.timeout), seen
+
+
+def _block(q, n, dt):
+    """Block ``q`` of n values: the numpy oracle (float64) and the tensor of ``dt``."""
+    v = (np.arange(n) % 7 + 3 * q).astype(np.float64)
+    if dt is torch.bool:
+        v = v % 2
+    return v, torch.from_numpy(v).to(dt)
+
+
+def _f64(t):
+    return t.reshape(-1).to(torch.float64).numpy()
+
+
+def _storage(t):
+    return (t.data_ptr(), t.nbytes)
+
+
+def _all_gather_one_storage(rank, P):
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    pg, seen = _pg()
+    for dt in _GATHER_DTYPES:
+        for asynchronous in (True, False):
+            opts = AllgatherOptions()
+            opts.asyncOp = asynchronous
+            what = (dt, asynchronous)
+            # Even: list(out.chunk(P)) of a 2-D tensor.
+            want = np.concatenate([_block(q, 6, dt)[0] for q in range(P)])
+            out = torch.zeros(2 * P, 3, dtype=dt)
+            pg.allgather([list(out.chunk(P))], [_block(rank, 6, dt)[1].view(2, 3)], opts).wait()
+            assert seen.last("all_gather")[0] == _storage(out), what
+            np.testing.assert_array_equal(_f64(out), want, err_msg=str(what))
+            # Uneven: out.split(sizes), rank q gives 2(q + 1) values, none padded.
+            sizes = [2 * (q + 1) for q in range(P)]
+            want = np.concatenate([_block(q, sizes[q], dt)[0] for q in range(P)])
+            out = torch.zeros(sum(sizes), dtype=dt)
+            pg.allgather([list(out.split(sizes))], [_block(rank, sizes[rank], dt)[1]],
+                         opts).wait()
+            assert seen.last("all_gather_v")[0] == _storage(out), what
+            np.testing.assert_array_equal(_f64(out), want, err_msg=str(what))
+            # In place, even and uneven: the input is this rank's own view.
+            for sz in ([4] * P, sizes):
+                want = np.concatenate([_block(q, sz[q], dt)[0] for q in range(P)])
+                out = torch.zeros(sum(sz), dtype=dt)
+                outs = list(out.split(sz))
+                outs[rank].copy_(_block(rank, sz[rank], dt)[1])
+                pg.allgather([outs], [outs[rank]], opts).wait()
+                assert seen.last("all_gather_v" if sz is sizes else "all_gather")[0] == \
+                    _storage(out), what
+                np.testing.assert_array_equal(_f64(out), want, err_msg=str(what))
+            # Uneven with the input inside the output elsewhere than its block: the
+            # input is copied (all_gather_v refuses that overlap), the output is not.
+            want = np.concatenate([_block(q, sizes[q], dt)[0] for q in range(P)])
+            out = torch.zeros(sum(sizes), dtype=dt)
+            x = out[sum(sizes) - sizes[rank]:] if rank == 0 else out[:sizes[rank]]
+            x.copy_(_block(rank, sizes[rank], dt)[1])
+            pg.allgather([list(out.split(sizes))], [x], opts).wait()
+            assert seen.last("all_gather_v")[0] == _storage(out), what
+            np.testing.assert_array_equal(_f64(out), want, err_msg=str(what))
+    return True
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_list_all_gather_runs_on_one_storage(P):
+    # The list form gathered into a temporary of P x the largest block (uneven sizes
+    # padded to it) and copied every block out; views of one tensor, in order, now
+    # receive in place.
+    assert run_world(_all_gather_one_storage, P, timeout=120) == [True] * P
+
+
+def _all_gather_apart(rank, P):
+    pg, seen = _pg()
+    for dt in _GATHER_DTYPES:
+        item = torch.empty(0, dtype=dt).element_size()
+        sizes = [q + 2 for q in range(P)]
+        outs = [torch.zeros(s, dtype=dt) for s in sizes]
+        pg.allgather([outs], [_block(rank, sizes[rank], dt)[1]]).wait()
+        # One temporary of the blocks' total: no block padded to the largest.
+        assert seen.last("all_gather_v")[0][1] == sum(sizes) * item, dt
+        for q, o in enumerate(outs):
+            np.testing.assert_array_equal(_f64(o), _block(q, sizes[q], dt)[0], err_msg=str(dt))
+        # Even: tensors apart, views out of order (not one span), non-contiguous ones.
+        base = torch.zeros(6 * P, dtype=dt)
+        for outs in ([torch.zeros(6, dtype=dt) for _ in range(P)],
+                     list(base.chunk(P))[::-1],
+                     [torch.zeros(3, 2, dtype=dt).t() for _ in range(P)]):
+            pg.allgather([outs], [_block(rank, 6, dt)[1]]).wait()
+            assert seen.last("all_gather")[0][1] == 6 * P * item, dt
+            for q, o in enumerate(outs):
+                np.testing.assert_array_equal(_f64(o), _block(q, 6, dt)[0], err_msg=str(dt))
+    return True
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_list_all_gather_apart_uses_one_unpadded_temporary(P):
+    assert run_world(_all_gather_apart, P, timeout=120) == [True] * P
+
+
+def _gather_scatter_one_storage(rank, P):
+    pg, seen = _pg()
+    root = P - 1
+    for dt in _GATHER_DTYPES:
+        gopts = dist.GatherOptions()
+        gopts.rootRank = root
+        want = np.concatenate([_block(q, 4, dt)[0] for q in range(P)])
+        x = _block(rank, 4, dt)[1]
+        if rank == root:
+            out = torch.zeros(4 * P, dtype=dt)
+            pg.gather([list(out.chunk(P))], [x], gopts).wait()
+            assert seen.last("gather")[0] == _storage(out), dt
+            np.testing.assert_array_equal(_f64(out), want, err_msg=str(dt))
+            outs = [torch.zeros(4, dtype=dt) for _ in range(P)]  # apart: correct too
+            pg.gather([outs], [x], gopts).wait()
+            np.testing.assert_array_equal(np.concatenate([_f64(o) for o in outs]), want)
+        else:
+            pg.gather([], [x], gopts).wait()
+            pg.gather([], [x], gopts).wait()
+        sopts = dist.ScatterOptions()
+        sopts.rootRank = 0
+        out = torch.zeros(4, dtype=dt)
+        if rank == 0:
+            inp = torch.cat([_block(q, 4, dt)[1] for q in range(P)])
+            pg.scatter([out], [list(inp.chunk(P))], sopts).wait()
+            assert seen.last("scatter")[1] == _storage(inp), dt
+        else:
+            pg.scatter([out], [], sopts).wait()
+        np.testing.assert_array_equal(_f64(out), _block(rank, 4, dt)[0], err_msg=str(dt))
+        # The root's output is its own block of the input (in place).
+        if rank == 0:
+            inp = torch.cat([_block(q, 4, dt)[1] for q in range(P)])
+            ins = list(inp.chunk(P))
+            out = ins[0]
+            pg.scatter([out], [ins], sopts).wait()
+            assert seen.last("scatter")[1] == _storage(inp), dt
+        else:
+            out = torch.zeros(4, dtype=dt)
+            pg.scatter([out], [], sopts).wait()
+        np.testing.assert_array_equal(_f64(out), _block(rank, 4, dt)[0], err_msg=str(dt))
+    return True
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_list_gather_scatter_run_on_one_storage(P):
+    assert run_world(_gather_scatter_one_storage, P, timeout=120) == [True] * P
+
+
+def _reductions_one_storage(rank, P):
+    pg, seen = _pg()
+    for dt in _REDUCE_DTYPES:
+        # reduce_scatter: rank r's block q holds _block(r + q); rank q gets the sum over r.
+        want = sum(_block(r + rank, 4, dt)[0] for r in range(P))
+        inp = torch.cat([_block(rank + q, 4, dt)[1] for q in range(P)])
+        ins = list(inp.chunk(P))
+        o = torch.zeros(4, dtype=dt)
+        pg.reduce_scatter([o], [ins]).wait()
+        assert seen.last("reduce_scatter")[1] == _storage(inp), dt
+        np.testing.assert_array_equal(_f64(o), want, err_msg=str(dt))
+        o = torch.zeros(4, dtype=dt)
+        pg.reduce_scatter([o], [[t.clone() for t in ins]]).wait()  # apart
+        np.testing.assert_array_equal(_f64(o), want, err_msg=str(dt))
+        o = ins[rank]  # the output among the inputs: copied first, as reduce_scatter refuses
+        pg.reduce_scatter([o], [ins]).wait()
+        np.testing.assert_array_equal(_f64(o), want, err_msg=str(dt))
+        # all_to_all: rank r's block j is _block(r * P + j); rank j keeps it as block r.
+        inp = torch.cat([_block(rank * P + j, 3, dt)[1] for j in range(P)])
+        out = torch.zeros(3 * P, dtype=dt)
+        pg.alltoall(list(out.chunk(P)), list(inp.chunk(P))).wait()
+        assert seen.last("all_to_all_v")[:2] == [_storage(out), _storage(inp)], dt
+        want = np.concatenate([_block(s * P + rank, 3, dt)[0] for s in range(P)])
+        np.testing.assert_array_equal(_f64(out), want, err_msg=str(dt))
+        outs = [torch.zeros(3, dtype=dt) for _ in range(P)]  # apart
+        pg.alltoall(outs, [t.clone() for t in inp.chunk(P)]).wait()
+        np.testing.assert_array_equal(np.concatenate([_f64(x) for x in outs]), want)
+        # all_reduce_coalesced over out.split: reduced in place.
+        buf = torch.cat([_block(rank, 3, dt)[1], _block(rank + 1, 5, dt)[1]])
+        want = sum(_f64(torch.cat([_block(r, 3, dt)[1], _block(r + 1, 5, dt)[1]]))
+                   for r in range(P))
+        pg.allreduce_coalesced(list(buf.split([3, 5]))).wait()
+        assert seen.last("all_reduce")[0] == _storage(buf), dt
+        np.testing.assert_array_equal(_f64(buf), want, err_msg=str(dt))
+    return True
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_list_reduce_scatter_all_to_all_coalesced_run_on_one_storage(P):
+    # reduce_scatter's list form concatenated its inputs into a temporary (and
+    # all_to_all's both sides); views of one tensor, in order, are now used as they are.
+    assert run_world(_reductions_one_storage, P, timeout=120) == [True] * P
+
+
+def test_span_finds_back_to_back_views_only():
+    from ringlet.torch._process_group import _span
+
+    out = torch.arange(12, dtype=torch.float32)
+    s = _span(list(out.chunk(4)), torch.float32)
+    assert s is not None and _storage(s) == _storage(out)
+    part = out[2:10]  # a span that starts inside its storage
+    s = _span(list(part.split([3, 0, 5])), torch.float32)  # an empty piece holds no bytes
+    assert s is not None and _storage(s) == _storage(part) and s.tolist() == part.tolist()
+    m = torch.zeros(4, 3)
+    assert _storage(_span(list(m.chunk(2)), torch.float32)) == _storage(m)
+    assert _span(list(out.chunk(4))[::-1], torch.float32) is None         # out of order
+    assert _span(list(out.chunk(4))[::2], torch.float32) is None          # a gap
+    assert _span([out[:3], out[:3]], torch.float32) is None               # the same twice
+    assert _span([out[:3], torch.zeros(3)], torch.float32) is None        # two storages
+    assert _span(list(out.chunk(4)), torch.float64) is None               # another dtype
+    assert _span(list(m.chunk(3, dim=1)), torch.float32) is None          # non-contiguous
+    assert _span([torch.zeros(0)], torch.float32) is None                 # nothing to span

@@ -10,8 +10,10 @@ blocking call: no hand-off).  An asynchronous one returns a torch ``Work``
 built from a ``torch.futures.Future`` whose value is the list of output
 tensors, as DDP's comm hooks expect (``fut.value()[0]``); a blocking one, done
 when it returns, one shared completed ``Work``.  Operations that torch hands over as
-lists of tensors go through one flat buffer; the copies in or out happen on
-the progress thread, before the future completes.
+lists of tensors run on the callers' memory when the list's tensors lie back to
+back in one storage (``list(t.chunk(P))``); otherwise through one flat
+temporary, whose copies in or out happen on the progress thread, before the
+future completes (``_span``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,47 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
+def _span(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """One 1-D tensor over the memory of ``tensors`` when they are contiguous CPU
+    tensors of ``dtype`` lying back to back, in list order, in one storage (as
+    ``list(t.chunk(P))`` or ``t.split(sizes)`` give); None otherwise.
+
+    A list form then runs on that span: no temporary, no copy in or out.  Tensors
+    apart (``[torch.empty_like(x) for _ in range(P)]``) need one: ringlet's
+    collectives take one array per side, and the per-tensor alternative (P
+    broadcasts or P reduces) costs P operations' latency and the shared-memory
+    all_gather's single copy.  Empty tensors are skipped: they hold no bytes.
+    """
+    first: Optional[torch.Tensor] = None
+    base = size = n = 0
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        k = t.numel()
+        if not k:
+            continue
+        if first is None:
+            first, base, size = t, t.data_ptr(), t.element_size()
+        elif t.data_ptr() != base + n * size:
+            return None
+        n += k
+    if first is None:
+        return None
+    start = first.storage_offset()
+    if (start + n) * size > first.untyped_storage().nbytes():
+        return None  # the next blocks lie in memory past the first one's storage
+    return first.detach().as_strided((n,), (1,), start)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Whether two tensors' memory ranges share a byte (a non-contiguous one
+    # counts from its first element over nbytes: the binding refuses it anyway).
+    if not a.numel() or not b.numel():
+        return False
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
 def _check_list(op: str, what: str, tensors: Sequence[torch.Tensor], P: int, n: int,
                 other: str) -> None:
     # A list form's P tensors must each hold n elements (what the flat buffer assumes).
@@ -91,14 +134,11 @@ def _check_list(op: str, what: str, tensors: Sequence[torch.Tensor], P: int, n: 
                              f"{other} has {n}")
 
 
-def _unflat_into(flat: torch.Tensor, outs: Sequence[torch.Tensor], stride: int = -1,
-                 sizes: Optional[Sequence[int]] = None) -> None:
-    # Block i of flat starts at i * stride (stride -1: right after block i - 1).
+def _unflat_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    # Block i of flat starts right after block i - 1.
     off = 0
-    for i, t in enumerate(outs):
-        n = t.numel() if sizes is None else sizes[i]
-        if stride >= 0:
-            off = i * stride
+    for t in outs:
+        n = t.numel()
         t.copy_(flat[off:off + n].view_as(t))
         off += n
 
@@ -214,6 +254,9 @@ class RingletProcessGroup(dist.ProcessGroup):
         if len({x.dtype for x in tensors}) > 1:
             raise TypeError("allreduce_coalesced: tensors must share one dtype, got "
                             f"{sorted({str(x.dtype) for x in tensors})}")
+        span = _span(tensors, tensors[0].dtype) if tensors else None
+        if span is not None:  # back to back in one storage: reduced in place
+            return self._work([self._g.all_reduce(span, op, async_op=a, timeout=t)], tensors)
         flat = _flat(tensors)
         w = self._g.all_reduce(flat, op, async_op=a, timeout=t)
         return self._work([w], tensors, lambda: _unflat_into(flat, tensors))
@@ -247,18 +290,21 @@ class RingletProcessGroup(dist.ProcessGroup):
             if sizes[me] != x.numel():
                 raise ValueError(f"allgather: rank {me}'s output tensor (index {me}) has "
                                  f"{sizes[me]} elements but its input has {x.numel()}")
-            # Uneven outputs (as torch allows): every rank sends a block of the
-            # largest size, its own padded, and takes each rank's share of it.
-            m = max(sizes)
-            flat = torch.empty(m * P, dtype=x.dtype)
             x = x.contiguous()
-            if x.numel() < m:
-                x = torch.cat([x.reshape(-1), x.new_zeros(m - x.numel())])
-            works.append(self._g.all_gather(flat, x, async_op=a, timeout=t))
-            copies.append((flat, outs, m, sizes))
-        return self._work(works, [o for outs in output_lists for o in outs],
-                          lambda: [_unflat_into(f, outs, m, sizes)
-                                   for f, outs, m, sizes in copies])
+            even = sizes.count(sizes[0]) == P
+            flat = _span(outs, x.dtype)
+            if flat is None:  # tensors apart: gathered into a temporary, copied out after
+                flat = torch.empty(sum(sizes), dtype=x.dtype)
+                copies.append((flat, outs))
+            elif not even and _overlaps(x, flat) and x.data_ptr() != outs[me].data_ptr():
+                x = x.clone()  # all_gather_v's input may lie in its output only as its block
+            if even:
+                works.append(self._g.all_gather(flat, x, async_op=a, timeout=t))
+            else:
+                # Uneven outputs (as torch allows): every rank knows every size.
+                works.append(self._g.all_gather_v(flat, sizes, x, async_op=a, timeout=t))
+        after = (lambda: [_unflat_into(f, outs) for f, outs in copies]) if copies else None
+        return self._work(works, [o for outs in output_lists for o in outs], after)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> Any:
@@ -293,7 +339,10 @@ class RingletProcessGroup(dist.ProcessGroup):
         works = []
         for o, ins in zip(outputs, input_lists):
             _check_list("reduce_scatter", "input", ins, self.size(), o.numel(), "output")
-            works.append(self._g.reduce_scatter(o, _flat(ins), op, async_op=a, timeout=t))
+            flat = _span(ins, o.dtype)
+            if flat is None or _overlaps(flat, o):  # apart, or o among them: a temporary
+                flat = _flat(ins)
+            works.append(self._g.reduce_scatter(o, flat, op, async_op=a, timeout=t))
         return self._work(works, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -343,11 +392,19 @@ class RingletProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllToAllOptions()
         a = self._async(opts)
         t = self._t(opts)
-        flat_in = _flat(inputs)
-        flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
+        flat_in = _span(inputs, inputs[0].dtype) if inputs else None
+        if flat_in is None:
+            flat_in = _flat(inputs)
+        flat_out = _span(outputs, flat_in.dtype)
+        after = None
+        if flat_out is None:
+            flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
+            after = lambda: _unflat_into(flat_out, outputs)  # noqa: E731
+        elif _overlaps(flat_in, flat_out):  # all_to_all refuses overlap: copy the inputs
+            flat_in = _flat(inputs)
         w = self._g.all_to_all_v(flat_out, [o.numel() for o in outputs], flat_in,
                                  [i.numel() for i in inputs], async_op=a, timeout=t)
-        return self._work([w], outputs, lambda: _unflat_into(flat_out, outputs))
+        return self._work([w], outputs, after)
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                opts: Any = None) -> Any:
@@ -358,6 +415,9 @@ class RingletProcessGroup(dist.ProcessGroup):
         if self.rank() == root:
             outs = output_lists[0]
             _check_list("gather", "output", outs, self.size(), x.numel(), "input")
+            span = _span(outs, x.dtype)
+            if span is not None:  # gather accepts an input anywhere inside its output
+                return self._work([self._g.gather(span, x, root, async_op=a, timeout=t)], outs)
             flat = torch.empty(x.numel() * self.size(), dtype=x.dtype)
             w = self._g.gather(flat, x, root, async_op=a, timeout=t)
             return self._work([w], outs, lambda: _unflat_into(flat, outs))
@@ -371,9 +431,12 @@ class RingletProcessGroup(dist.ProcessGroup):
         t, root = self._t(opts), opts.rootRank
         flat = None
         if self.rank() == root:
-            _check_list("scatter", "input", input_lists[0], self.size(), outputs[0].numel(),
-                        "output")
-            flat = _flat(input_lists[0])
+            ins, o = input_lists[0], outputs[0]
+            _check_list("scatter", "input", ins, self.size(), o.numel(), "output")
+            flat = _span(ins, o.dtype)
+            # The root's output may be its own input block (in place), nothing else of it.
+            if flat is None or (_overlaps(flat, o) and o.data_ptr() != ins[root].data_ptr()):
+                flat = _flat(ins)
         w = self._g.scatter(outputs[0], flat, root, async_op=a, timeout=t)
         return self._work([w], outputs)
 
