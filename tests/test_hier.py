@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import threading
 import time
 
@@ -378,8 +379,8 @@ def test_the_phase_cost_counts_each_flat_collective_an_algorithm_runs():
     for op in ("reduce_scatter", "all_gather"):
         assert cm.hier_time(op, 8, [2, 2], ph) == 2.0
         assert cm.hier_time(op, n, [2, 2], ph) == k + 1.0
-    for op in ("broadcast", "reduce"):
-        assert cm.hier_time(op, 8, [2, 2], ph) == 2.0
+    for op in ("broadcast", "reduce"):  # two phases and the flat root check
+        assert cm.hier_time(op, 8, [2, 2], ph) == 3.0
     # One rank per host: the intra phases are empty and cost nothing.
     assert cm.hier_time("all_reduce", 8, [1, 1], ph) == 1.0
     # Fitted from one measured flat all_reduce: it adds what the messages leave over.
@@ -401,8 +402,10 @@ def test_the_phase_cost_counts_each_flat_collective_an_algorithm_runs():
 
 def test_other_ops_and_where_hier_does_not_apply():
     n = 4000.0
+    check = cm.flat_time("all_reduce", 16, [2, 2], M)  # the roots compared first
+    assert check > 0
     assert cm.hier_time("broadcast", n, [2, 2], M) == pytest.approx(
-        cm.broadcast_1(2, n, 10, 0.1) + cm.broadcast_1(2, n, 1, 0.01))
+        cm.broadcast_1(2, n, 10, 0.1) + cm.broadcast_1(2, n, 1, 0.01) + check)
     assert cm.hier_time("reduce_scatter", n, [2, 2], M) == pytest.approx(
         (1 + 2000 * 0.011) + (10 + 1000 * (0.2 + 0.001)))
     assert cm.hier_time("all_gather", n, [2, 2], M) == pytest.approx(
@@ -647,3 +650,145 @@ def test_the_root_does_not_decide_between_flat_and_hierarchical(layout, algo, mo
     ids = LAYOUTS[layout]
     for bad in run_world(_rooted_from_every_root, len(ids), timeout=90, host_ids=ids):
         assert not bad, "\n".join(bad)
+
+
+# ---- ranks that pass different roots to a hierarchical rooted op -------------------
+_ROOT_T = 10.0  # the op's deadline: a rank still waiting for a peer takes all of it
+
+ROOTS = {
+    # Per rank, the root it passes.  halves: host b's ranks take root 1, whose
+    # phases run on the other inter-host group (they waited there to the deadline);
+    # own: every rank a root, each only sends; one: a lone rank on host b disagrees.
+    ("2x2", "halves"): [0, 0, 1, 1],
+    ("2x2", "own"): [0, 1, 2, 3],
+    ("2x2", "one"): [2, 2, 2, 3],
+    ("3+1", "relayed"): [1, 1, 1, 3],  # local index 1 is missing on host b: relayed
+}
+
+
+def _two_roots(rank, P, op, roots):
+    x = np.full(257, rank, np.float32)
+    t0 = time.monotonic()
+    try:
+        if op == "broadcast":
+            ringlet.broadcast(x, roots[rank], timeout=_ROOT_T)
+        else:
+            ringlet.reduce(x, roots[rank], timeout=_ROOT_T)
+    except ringlet.RingletError as exc:
+        took = time.monotonic() - t0
+        try:
+            ringlet.all_reduce(np.ones(4, np.float32), timeout=_ROOT_T)
+            poisoned = False
+        except ringlet.GroupPoisonedError:
+            poisoned = True
+        return type(exc).__name__, str(exc), exc.peer, exc.op, took, poisoned
+    return "completed", "", None, None, time.monotonic() - t0, False
+
+
+_NAMED = r"different roots to (\w+) seq=\d+: root (\d+) on this rank, root (\d+) on the peer"
+
+
+@pytest.mark.parametrize("op", ["broadcast", "reduce"])
+@pytest.mark.parametrize("layout,pattern", sorted(ROOTS))
+def test_different_roots_to_a_hier_rooted_op_raise_desync_on_every_rank(
+        op, layout, pattern, monkeypatch):
+    # The flat path names both roots (docs/errors.md, "Ranks that pass different
+    # roots"); the hierarchical phases of different roots run on different
+    # sub-groups, where ranks waited for each other until the deadline.
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    roots = ROOTS[(layout, pattern)]
+    res = run_world(_two_roots, len(roots), timeout=60, args=(op, roots),
+                    host_ids=LAYOUTS[layout])
+    direct = 0
+    for rank, (kind, msg, peer, what, took, poisoned) in enumerate(res):
+        assert kind == "DesyncError", (rank, res)
+        assert took < _ROOT_T / 2, (rank, took, msg)  # promptly, not at the deadline
+        assert poisoned, f"rank {rank}: the group is still usable after the desync"
+        m = re.search(_NAMED, msg)
+        assert m and m.group(1) == op, msg
+        mine, theirs = int(m.group(2)), int(m.group(3))
+        assert mine != theirs and {mine, theirs} <= set(roots), msg
+        assert isinstance(peer, int) and 0 <= peer < len(roots), (rank, peer, msg)
+        if f"rank {peer} failed:" in msg:
+            # Relayed: a rank whose check another rank's published failure cut short
+            # quotes that rank's message (docs/errors.md, "How failures spread").
+            continue
+        direct += 1
+        assert what == op and (mine, theirs) == (roots[rank], roots[peer]), (rank, peer, msg)
+        assert f"the peer is group rank {peer}" in msg, msg
+    assert direct, "no rank found the different roots itself"
+
+
+# ---- close() releases the sub-groups -------------------------------------------------
+def _fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _mapped(job: str, comm_ids) -> int:
+    # The shared-memory segments of these communicators still mapped in this
+    # process (memfd "ringlet-<job>-comm<id>", _shm._create).
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f
+                   for m in re.finditer(rf"ringlet-{job}-comm(\d+)\b", line)
+                   if int(m.group(1)) in comm_ids)
+
+
+def _close_releases_the_subgroups(rank, P):
+    bad = []
+    w = ringlet._world._require(None)._world
+    x = np.ones(64, np.float32)
+    ringlet.all_reduce(x)  # the world's own sub-groups, made before the count
+    for _ in range(3):
+        ringlet.barrier()
+    # Thread mode: one process, so rank 0 counts while the others wait in a barrier.
+    before = _fds() if rank == 0 else None
+    ringlet.barrier()
+    g = ringlet.new_group(list(range(P)))
+    y = np.full(64, rank, np.float32)
+    g.all_reduce(y)  # hierarchical: makes g's intra- and inter-host groups
+    g.broadcast(y, 3)
+    subs = [g._hier.intra, g._hier.inter]
+    if any(s is None for s in subs) or subs[0].transport != "shm":
+        return [f"rank {rank}: no sub-groups, or an intra-host group not over shm: {subs}"]
+    ids = {i for s in subs for i in (s.comm_id, s.comm_id + 1)}  # collective and p2p comms
+    job = w.job_id.hex()[:8]
+    g.barrier()
+    ringlet.barrier()
+    during = _fds() if rank == 0 else None
+    mapped = _mapped(job, ids)
+    ringlet.barrier()
+    g.close()
+    g.close()  # idempotent
+    ringlet.barrier()
+    after = _fds() if rank == 0 else None
+    ringlet.barrier()
+    if _mapped(job, ids) or not mapped:
+        bad.append(f"rank {rank}: segments of the sub-groups mapped: {mapped} before close, "
+                   f"{_mapped(job, ids)} after")
+    for s in subs:
+        if not s._closed or s.transport is not None or s in w._groups:
+            bad.append(f"rank {rank}: sub-group {s.ranks} still open after close()")
+        try:
+            s.all_reduce(np.ones(4, np.float32), timeout=5)
+            bad.append(f"rank {rank}: an op on closed sub-group {s.ranks} ran")
+        except ringlet.RingletError as exc:
+            if "ProcessGroup.close() of group" not in str(exc):
+                bad.append(f"rank {rank}: {exc}")
+    if rank == 0 and not (before < during and after <= before):
+        bad.append(f"descriptors: {before} before the group, {during} with it, {after} after "
+                   f"close()")
+    # Another group's sub-groups (the world's) are untouched.
+    x = np.ones(64, np.float32)
+    ringlet.all_reduce(x)
+    if not np.all(x == P) or w.group._hier.intra._closed:
+        bad.append(f"rank {rank}: the world's hierarchical all_reduce after close: {x[:3]}")
+    return bad
+
+
+def test_close_releases_the_hierarchical_subgroups(monkeypatch):
+    monkeypatch.setenv("RINGLET_ALGO", "hier")
+    for bad in run_world(_close_releases_the_subgroups, 4, timeout=60,
+                         host_ids=LAYOUTS["2x2"]):
+        assert not bad, bad

@@ -366,10 +366,13 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
         outer = all_gather_1(h, m_ / lmax, ae, lmax * be) + fe
         inner = all_gather_1(lmax, m_, ai, bi) + fi
         return outer + (k - 1) * max(inner, outer) + inner
+    # Rooted ops first compare the roots: one 16-byte flat all_reduce of the group.
     if op == "broadcast":
-        return broadcast_1(h, n, ae, be) + broadcast_1(lmax, n, ai, bi) + fe + fi
+        return (broadcast_1(h, n, ae, be) + broadcast_1(lmax, n, ai, bi) + fe + fi
+                + flat_time("all_reduce", 16, sizes, m))
     if op == "reduce":
-        return reduce_1(lmax, n, ai, bi, g) + reduce_1(h, n, ae, be, g) + fi + fe
+        return (reduce_1(lmax, n, ai, bi, g) + reduce_1(h, n, ae, be, g) + fi + fe
+                + flat_time("all_reduce", 16, sizes, m))
     raise ValueError(f"unknown op {op!r}; the model knows {', '.join(OPS)}")
 
 

@@ -23,8 +23,9 @@ import numpy as np
 
 from . import _core
 from . import _costmodel as cm
+from ._dtypes import ReduceOp, dtype_code
 from ._topology import host_groups
-from .errors import GroupPoisonedError, RingletError
+from .errors import DesyncError, GroupPoisonedError, RingletError
 
 __all__ = ["Topology"]
 
@@ -36,6 +37,8 @@ SLICE_BYTES = cm.SLICE_BYTES
 SLICE_MIN_BYTES = cm.SLICE_MIN_BYTES
 _AVG = 4  # RL_AVG; AVG runs as SUM and is scaled once at the end, as the C core does
 _SUM = 0
+_MAX = int(ReduceOp.MAX)
+_I64 = dtype_code(np.dtype(np.int64))
 
 
 class Topology:
@@ -129,8 +132,9 @@ class _Hier:
         """Whether ``op`` of ``nbytes`` runs hierarchically (same answer on every rank).
 
         ``root`` does not enter the choice: ranks that pass different roots (a bug
-        in the program) still take the same form.  A root whose local index some
-        host lacks is relayed through local rank 0 (``broadcast``, ``reduce``)."""
+        in the program) still take the same form, whose root check (``_agree_root``)
+        then raises ``DesyncError``.  A root whose local index some host lacks is
+        relayed through local rank 0 (``broadcast``, ``reduce``)."""
         if count == 0:
             return False
         key = (op, nbytes, count)
@@ -174,6 +178,62 @@ class _Hier:
                             waited=exc.waited) from exc
         self.intra = made[t.host]
         self.inter = made[t.num_hosts + t.local_rank]
+
+    def _subgroups(self) -> List[Any]:
+        return [s for s in (self.intra, self.inter) if s is not None]
+
+    def cancel(self, status: int, reason: str) -> None:
+        """Wake a phase blocked in a sub-group (the parent is closing with work pending)."""
+        for sub in self._subgroups():
+            if not sub._closed:
+                sub._cancel(status, reason)
+
+    def close(self) -> None:
+        """Close the sub-groups with their parent (idempotent).  They belong to this
+        plan alone: ``_subs`` makes them for this parent group, under a store key of
+        its own, and hands them to no other group."""
+        g = self.group
+        for sub in self._subgroups():
+            if not sub._closed:
+                sub._closed_by = (f"{g._closed_by} of group {g.comm_id}, whose hierarchical "
+                                  f"sub-group it is")
+                sub._close()
+            g._world._groups.discard(sub)
+
+    def _agree_root(self, coll: Any, op: str, root: int, dl: float) -> None:
+        """Raise ``DesyncError`` on every rank when ranks passed different roots.
+
+        The phases of different roots run on different sub-groups, where ranks would
+        wait for each other until the deadline; a root-only sender never learns of a
+        peer that disagrees (docs/errors.md).  So a rooted op first runs one 16-byte
+        all_reduce (MAX) of the group: (root·P + rank, (P−1−root)·P + rank) gives the
+        largest and smallest root and a rank that passed each."""
+        g = self.group
+        P = g.size
+        v = np.array([root * P + g.rank, (P - 1 - root) * P + g.rank], dtype=np.int64)
+        t0 = time.monotonic()
+        try:
+            _C.all_reduce(coll, v, _I64, _MAX, _left(dl))
+        except RingletError as exc:
+            if isinstance(exc, GroupPoisonedError):
+                raise
+            raise type(exc)(f"{exc} [group rank {g.rank}: comparing the roots of a "
+                            f"hierarchical {op} of group {g.comm_id}]", rank=exc.rank,
+                            peer=exc.peer, op=exc.op, seq=exc.seq, waited=exc.waited) from exc
+        hi, hi_rank = divmod(int(v[0]), P)
+        lo, lo_rank = P - 1 - int(v[1]) // P, int(v[1]) % P
+        if hi == lo:
+            return
+        theirs, peer = (hi, hi_rank) if root != hi else (lo, lo_rank)
+        seq = coll.seq
+        waited = time.monotonic() - t0
+        raise DesyncError(
+            f"rank {g.rank}: {op} seq={seq} peer {peer} after {waited:.3f}s: desync: ranks "
+            f"passed different roots to {op} seq={seq}: root {root} on this rank, root "
+            f"{theirs} on the peer [group rank {g.rank}: compared before the phases of a "
+            f"hierarchical collective of group {g.comm_id}, over world ranks {g.ranks}; the "
+            f"peer is group rank {peer}]", rank=g.rank, peer=peer, op=op, seq=seq,
+            waited=waited)
 
     def _phase(self, sub: Any, op: str, fn: Any, *args: Any) -> Any:
         """Run one phase on a sub-group; its errors name the parent group's ranks."""
@@ -428,6 +488,7 @@ class _Hier:
 
     def broadcast(self, coll: Any, arr: np.ndarray, code: int, root: int, ms: int) -> None:
         dl = _deadline(ms)  # before the sub-groups: their set-up counts against it
+        self._agree_root(coll, "broadcast", root, dl)  # 0. the roots agree (16 bytes, flat)
         self._subs(_left(dl))
         h0, j0, j = self._carrier(root)
         flat = arr.reshape(-1)
@@ -446,6 +507,7 @@ class _Hier:
     def reduce(self, coll: Any, arr: np.ndarray, code: int, op: int, root: int,
                ms: int) -> None:
         dl = _deadline(ms)  # before the sub-groups: their set-up counts against it
+        self._agree_root(coll, "reduce", root, dl)  # 0. the roots agree (16 bytes, flat)
         self._subs(_left(dl))
         h0, j0, j = self._carrier(root)
         flat = arr.reshape(-1)

@@ -851,7 +851,8 @@ class ProcessGroup:
 
     def close(self) -> None:
         """Release this rank's handle on a group made by ``new_group``: its
-        connections, shared-memory segment and threads.
+        connections, shared-memory segment and threads, and those of the intra- and
+        inter-host sub-groups its hierarchical collectives made.
 
         Local, not collective: call it on every member once no rank will use
         the group again (after a barrier on it, when a peer may still be in an
@@ -880,10 +881,14 @@ class ProcessGroup:
 
     def _close(self) -> None:
         self._closed = True
+        h = self._hier  # its intra- and inter-host sub-groups close with this group
         if not self._drain(0.0):
             # Work still blocked in C (an irecv nobody answers, say): wake it
             # with a cancel, and give it a moment to finish.
-            self._cancel(3, f"rank {self.rank}: the group was shut down with work pending")
+            reason = f"rank {self.rank}: the group was shut down with work pending"
+            self._cancel(3, reason)
+            if h is not None:
+                h.cancel(3, reason)  # a hierarchical op blocked in a sub-group's phase
             self._drain(5.0)
         for ex in self._executors():
             ex.close()
@@ -895,3 +900,5 @@ class ProcessGroup:
             if comm is not None:
                 comm.close()
         self._coll = self._p2pc = None
+        if h is not None:
+            h.close()
