@@ -38,17 +38,22 @@ def _global_batch(n):
             g.standard_normal((n * N_PER_RANK, C)))
 
 
-def _refuse(p):
-    raise RuntimeError("refused by a pre-accumulate hook")
-
-
-def _refusing_rank(rank, n, where):
+def _rank_layer(rank, n):
+    """A layer whose grad-ready hook records into ``fired``, and this rank's rows."""
     bn = SyncBatchNorm(C, dtype=np.float64, timeout=TIMEOUT)
     fired = []
     bn.register_grad_ready_hook(lambda p: fired.append(p))
     xs, gs = _global_batch(n)
     rows = slice(rank * N_PER_RANK, (rank + 1) * N_PER_RANK)
-    x, g = xs[rows], gs[rows]
+    return bn, fired, xs[rows], gs[rows]
+
+
+def _refuse(p):
+    raise RuntimeError("refused by a pre-accumulate hook")
+
+
+def _refusing_rank(rank, n, where):
+    bn, fired, x, g = _rank_layer(rank, n)
     bad = rank == BAD
     t0 = time.monotonic()
     err = None
@@ -146,12 +151,7 @@ def _no_context_message(missing, mine, where=None):
 
 
 def _no_context_rank(rank, n, how):
-    bn = SyncBatchNorm(C, dtype=np.float64, timeout=TIMEOUT)
-    fired = []
-    bn.register_grad_ready_hook(lambda p: fired.append(p))
-    xs, gs = _global_batch(n)
-    rows = slice(rank * N_PER_RANK, (rank + 1) * N_PER_RANK)
-    x, g = xs[rows], gs[rows]
+    bn, fired, x, g = _rank_layer(rank, n)
     bad = rank == BAD
     if how == "forward_failed":  # bn's forward ran everywhere; BAD's call raised later
         model = nn.Sequential(bn, _FailsOn(bad))
