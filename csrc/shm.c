@@ -5,8 +5,8 @@
  * Segment (laid out by comm rank 0; docs/algorithms.md, "Shared memory"):
  *   header page   magic, layout, attach count, the abort record, the bell
  *   control       one 256-byte block per rank: its step flags (in, out, ack),
- *                 closed mark, pid, last rooted op, and the descriptors of
- *                 its two buffers
+ *                 closed mark, pid and process start time, last rooted op,
+ *                 and the descriptors of its two buffers
  *   data          two buffers per rank (steps alternate between them), each
  *                 an input area of `chunk` bytes and a result area of
  *                 chunk/P bytes
@@ -60,7 +60,7 @@
 #include "internal.h"
 
 #define SHM_MAGIC 0x4d48534cu /* "LSHM" */
-#define SHM_VERSION 7u
+#define SHM_VERSION 8u
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
@@ -144,7 +144,13 @@ typedef struct {
      * Off line 0, which the owner writes every step: readers of the record
      * then take no line that changes between ops that are not rooted. */
     uint64_t rooted;
-    char pad3[24];
+    /* Who `pid` is, written with it at attach: the process's start time
+     * (proc_start_time) and the inode numbers of its pid and time namespaces
+     * (0: unknown).  A pid can be reused once its process is gone; these
+     * cannot, so a rank that opens a pidfd on `pid` checks it got the peer. */
+    uint64_t start;
+    uint32_t pidns, timens;
+    char pad3[8];
 } shm_ctrl;
 
 /* One entry of a rank's op log: the ops it entered lately, at seq % SHM_LOG
@@ -582,6 +588,35 @@ static int wait_copy(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t t
                          ns < SHM_COPY_SPIN_MAX_NS ? (int64_t)ns : SHM_COPY_SPIN_MAX_NS);
 }
 
+/* ---- who a pid is ------------------------------------------------------ */
+/* The start time of process pid: field 22 of /proc/<pid>/stat, in clock
+ * ticks since boot as this process's time namespace counts them; 0 when it
+ * cannot be read.  Unlike the pid, no later process gets the same. */
+static uint64_t proc_start_time(pid_t pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    /* The command name (field 2) may hold spaces and parentheses: count the
+     * fields after its last ')'. */
+    char *p = strrchr(buf, ')');
+    for (int field = 2; p && field < 22; field++) p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+/* The inode number of this process's namespace of one kind ("pid", "time"),
+ * 0 when there is none to read (no /proc, or a kernel without the kind). */
+static uint32_t ns_inode(const char *kind) {
+    char path[64];
+    struct stat st;
+    snprintf(path, sizeof path, "/proc/self/ns/%s", kind);
+    return stat(path, &st) == 0 ? (uint32_t)st.st_ino : 0;
+}
+
 /* ---- attach ------------------------------------------------------------ */
 static int attach_fail(rl_error *err, int status, const char *fmt, const char *a, long x, long y) {
     err->status = status;
@@ -756,6 +791,9 @@ static int attach(rl_comm *c, int fd, size_t size, int create, uint32_t kind, rl
     if (kind == SHM_COLL) warm_own(s, c->rank);
     s->pidfds = pidfds;
     s->mapper = getpid();
+    s->ctrl[c->rank].start = proc_start_time(s->mapper);
+    s->ctrl[c->rank].pidns = ns_inode("pid");
+    s->ctrl[c->rank].timens = ns_inode("time");
     s->ctrl[c->rank].pid = (int32_t)s->mapper;
     s->probe = (uint64_t)SHM_MAGIC << 32 | c->id;
     s->ctrl[c->rank].xaddr[0] = (uint64_t)(uintptr_t)&s->probe;
@@ -884,6 +922,52 @@ static int cma_write(rl_comm *c, const rl_opdesc *op, int q, uint64_t dst, const
     return cma_outcome(c, op, q, e, "writing", all, "into the peer's output", "process_vm_writev");
 }
 
+/* Open a pidfd on peer q's process, so that a wait notices its death within
+ * a slice (check_peers).  No peer leaves set-up before every rank watches it,
+ * so a peer already gone failed set-up (or died): its pid names no process
+ * (ESRCH), a thread of another (EINVAL), an exited one, or one started since
+ * (pid reused; told by the start time the peer published).  That fails the
+ * set-up naming the peer, as does a system limit (EMFILE).  RL_OK without a
+ * pidfd where pidfd_open is missing (Linux < 5.3) or refused (a seccomp
+ * filter), or the peer's pid belongs to another pid namespace: a killed peer
+ * is then noticed at the deadline, as a stopped one is. */
+static int watch_peer(rl_comm *c, int q) {
+    rl_shm *s = c->shm;
+    const shm_ctrl *me = &s->ctrl[c->rank], *peer = &s->ctrl[q];
+    pid_t pid = (pid_t)__atomic_load_n(&peer->pid, __ATOMIC_ACQUIRE);
+    if (pid == getpid() || pid <= 0) return RL_OK; /* ranks as threads of one process */
+    if (peer->pidns && me->pidns && peer->pidns != me->pidns) return RL_OK;
+#ifdef SYS_pidfd_open
+    int fd = (int)syscall(SYS_pidfd_open, pid, 0);
+    int e = fd < 0 ? errno : 0;
+#else
+    int fd = -1, e = ENOSYS;
+#endif
+    if (e == ENOSYS || e == EPERM) return RL_OK;
+    if (fd < 0 && e != ESRCH && e != EINVAL)
+        return rl_fail(c, NULL, RL_ERR_SYSTEM, q, e,
+                       "shared-memory set-up: pidfd_open of the peer's process (pid %d), "
+                       "which tells its death, failed: %s", (int)pid, strerror(e));
+    int reused = 0, gone = fd < 0;
+    if (fd >= 0) {
+        s->pidfds[q] = fd;
+        s->npidfds++;
+        /* Read while the pidfd's process still runs (polled next), the start
+         * time is its own: its pid cannot have passed to another meanwhile. */
+        uint64_t start = proc_start_time(pid);
+        struct pollfd pf = {fd, POLLIN, 0};
+        gone = poll(&pf, 1, 0) > 0;
+        reused = !gone && peer->start && start && peer->timens == me->timens &&
+                 start != peer->start;
+    }
+    if (!gone && !reused) return RL_OK;
+    if (__atomic_load_n(&s->hdr->abort_set, __ATOMIC_ACQUIRE)) return peer_aborted(c, NULL);
+    return rl_fail(c, NULL, RL_ERR_PEER_CLOSED, q, 0,
+                   "shared-memory set-up: the peer's process (pid %d) exited or was killed "
+                   "before this rank could watch it%s", (int)pid,
+                   reused ? " (the pid now names another process)" : "");
+}
+
 int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
     rl_shm *s = c->shm;
     if (!s) return RL_ERR_INVALID;
@@ -898,18 +982,11 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
         return rl_fail(c, &op, RL_ERR_PROTOCOL, -1, 0,
                        "%u ranks attached the shared-memory segment of a %d-rank communicator",
                        s->hdr->attached, c->size);
-    pid_t me = getpid();
     for (int q = 0; q < c->size; q++) {
-        pid_t pid = (pid_t)__atomic_load_n(&s->ctrl[q].pid, __ATOMIC_ACQUIRE);
-        if (q == c->rank || pid == me || pid <= 0) continue;
-#ifdef SYS_pidfd_open
-        int fd = (int)syscall(SYS_pidfd_open, pid, 0);
-#else
-        int fd = -1;
-#endif
-        if (fd >= 0) {
-            s->pidfds[q] = fd;
-            s->npidfds++;
+        st = q == c->rank ? RL_OK : watch_peer(c, q);
+        if (st != RL_OK) {
+            rl_shm_abort(c); /* the ranks waiting below for this one fail at once */
+            return st;
         }
     }
     if (s->hdr->cma_bytes) cma_probe(c);

@@ -14,12 +14,14 @@ import json
 import mmap
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1527,6 +1529,32 @@ def test_killed_root_of_a_single_copy_reduce_is_detected_fast(monkeypatch):
         assert took < 3.0, f"a leaf needed {took:.2f}s to notice the root's SIGKILL"
         # the path under test, where the kernel allows it (else every rank stages)
         assert algo in ("shm_single_copy", "shm_chunked"), algo
+
+
+def test_set_up_fails_at_once_on_a_peer_already_gone(tmp_path):
+    """A peer whose process died after it wrote its pid into the segment (its pid now names
+    nothing, an exited process, or another process that got the pid) fails the set-up at once
+    naming it, and writes the abort record for the others; a pidfd_open the descriptor limit
+    refuses is a clear error; one that seccomp refuses, or a peer of another pid namespace,
+    leaves the peer unwatched as before.  Driven in C: tests/c/test_shm_watch.c compiles
+    csrc/shm.c in and forges rank 1's control block with the pid of a child process."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not installed")
+    root = Path(__file__).resolve().parents[1]
+    csrc = root / "csrc"
+    sources = [root / "tests" / "c" / "test_shm_watch.c",
+               *(p for p in sorted(csrc.glob("*.c")) if p.name != "shm.c")]
+    exe = tmp_path / "test_shm_watch"
+    cmd = [gcc, "-O2", "-std=gnu11", "-Wall", "-Werror", f"-I{csrc}", "-pthread",
+           "-fsanitize=address", "-fno-omit-frame-pointer", *map(str, sources), "-o", str(exe)]
+    built = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, f"compile failed: {' '.join(cmd)}\n{built.stderr}"
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    if res.stdout.startswith("SKIP:"):
+        pytest.skip(res.stdout.strip())
+    assert "checks passed" in res.stdout, res.stdout + res.stderr
 
 
 def _paged(nbytes, huge):
