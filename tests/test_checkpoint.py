@@ -1080,6 +1080,59 @@ def test_refuses_to_replace_other_data(tmp_path):
     verify(str(tmp_path / "empty"))
 
 
+def test_a_directory_with_another_tools_manifest_json_is_not_replaced(tmp_path):
+    # Any file named manifest.json used to pass for a checkpoint: the save moved
+    # the whole directory aside and deleted it.
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "manifest.json").write_text('{"name": "my-app", "version": 3}\n')
+    (d / "weights.bin").write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="manifest.json was not written by ringlet"):
+        save({"w": np.ones(2)}, str(d))
+    assert (d / "weights.bin").read_bytes() == b"precious" and leftovers(str(d)) == []
+    # Nor does the crash repair drop the latest checkpoint for such a directory.
+    path = str(tmp_path / "ck")
+    _crash_between_steps_2_and_3(path, 1)
+    os.mkdir(path)
+    (tmp_path / "ck" / "manifest.json").write_text('{"name": "my-app"}\n')
+    with pytest.raises(FileExistsError, match="holds the latest checkpoint"):
+        save({"w": np.full(3, 2.0)}, path)
+    assert (tmp_path / "ck" / "manifest.json").read_text() == '{"name": "my-app"}\n'
+    w = np.zeros(3)
+    load({"w": w}, commit_mod.old_path(path))
+    assert np.all(w == 1.0)
+    # A ringlet checkpoint whose manifest is damaged is still replaced.
+    shutil.rmtree(path)
+    save({"w": np.full(3, 2.0)}, path)
+    mpath = os.path.join(path, "manifest.json")
+    raw = open(mpath, "rb").read()
+    open(mpath, "wb").write(raw.replace(b'"tensors"', b'"tensorz"'))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        load({"w": w}, path)
+    save({"w": np.full(3, 3.0)}, path)
+    assert np.all(load({"w": w}, path).state_dict["w"] == 3.0) and leftovers(path) == []
+
+
+def test_parent_directories_a_save_creates_are_fsynced(tmp_path, monkeypatch):
+    # A new directory's entry is durable only once its parent is fsynced; without
+    # that, power loss after the save returned could take the whole checkpoint.
+    synced = []
+    real = commit_mod.fsync_dir
+
+    def recording(p):
+        synced.append(p)
+        real(p)
+
+    monkeypatch.setattr(commit_mod, "fsync_dir", recording)
+    path = tmp_path / "runs" / "a" / "ck"
+    save({"w": np.ones(2)}, str(path))
+    for d in (tmp_path, tmp_path / "runs", tmp_path / "runs" / "a"):
+        assert str(d) in synced, (d, synced)
+    synced.clear()
+    save({"w": np.ones(2)}, str(path))  # nothing new: only the commit's own fsyncs
+    assert str(tmp_path / "runs") not in synced
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="must be a dict"):
         save([np.ones(1)], "/tmp/never")
@@ -1214,6 +1267,41 @@ def test_async_errors_surface_on_wait(tmp_path):
 
     assert run_world(body, 2) == ["FileExistsError", "CheckpointError"]
     verify(str(tmp_path / "good"))
+
+
+def test_async_ranks_stay_paired_when_only_some_saw_the_last_error(tmp_path):
+    # `if ck.done(): ck.wait()` sees a failed save on one rank and not (yet) on
+    # another.  The next save_async then started a save on the first rank only: it
+    # paired with the other rank's following save (rank 0's step 1 committed as
+    # rank 1's step 2) and the one after waited for a partner until its timeout.
+    (tmp_path / "file").write_text("x")
+    path = str(tmp_path / "ck")
+
+    def body(r, P):
+        ck = AsyncCheckpointer(timeout=20)
+        ck.save_async({"w": np.ones(4)}, str(tmp_path / "file"))  # rank 0 cannot prepare it
+        if r == 0:
+            with pytest.raises(FileExistsError):
+                ck.wait()
+        out = []
+        for step in (1, 2):
+            try:
+                ck.save_async({"w": np.full(4, float(step))}, path)
+                ck.wait()
+                out.append(("ok", None))
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                out.append((type(exc).__name__, exc))
+        return out
+
+    res = run_world(body, 2, timeout=120)
+    for r in (0, 1):
+        assert [kind for kind, _ in res[r]] == ["CheckpointError", "ok"], (r, res[r])
+    assert set(res[0][0][1].failed_ranks) == {1}
+    assert "did not start the save" in str(res[0][0][1])
+    assert set(res[1][0][1].failed_ranks) == {0}  # rank 1's own pending error, raised once
+    w = np.zeros(4)
+    load({"w": w}, path)
+    assert np.all(w == 2.0)
 
 
 def test_async_bad_state_raises_at_once_and_fails_peers(tmp_path):

@@ -24,8 +24,9 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from .._timeout import seconds
-from ._comm import Comm
+from ._comm import Comm, describe
 from ._state import flatten
+from .errors import CheckpointError
 from .format import DEFAULT_CHUNK_BYTES, dtype_name
 from .save import DEFAULT_SPLIT_BYTES, SaveJob, _check_path, _check_sizes
 from .shard import ShardedTensor
@@ -118,11 +119,12 @@ class AsyncCheckpointer:
             TypeError/ValueError: bad state dict on this rank (raised here; the
                 other ranks see a ``CheckpointError`` from ``wait()``).
             Exception: the previous save's error, if it was not yet reported
-                by ``wait()`` (this save is then not started).
+                by ``wait()``.  This save then fails on every rank: the ranks
+                that had already seen that error get a ``CheckpointError`` from
+                ``wait()``, so every rank's saves stay paired.
         """
         with self._lock:
             self._join(None)
-            self._raise_pending()
             if self._comm.local:
                 import ringlet
 
@@ -132,14 +134,24 @@ class AsyncCheckpointer:
             job = SaveJob(self._comm, "", self._chunk_bytes, self._split_bytes)
             flat = None
             error: Optional[BaseException] = None
-            try:
-                job.path = _check_path(path)
-                job.what = f"checkpoint save to {job.path!r}"
-                flat = self._snapshot(state_dict)
-            except Exception as exc:  # noqa: BLE001 - still voted so peers fail fast
-                error = exc
+            vote: Optional[BaseException] = None
+            pending = self._error if self._error is not None and not self._reported else None
+            if pending is not None:
+                # Raised here instead of saving, but still voted: a rank that already
+                # saw this error through wait() (done() differs by timing) has started
+                # this save, and its collectives must pair with this rank's.
+                error = pending
+                vote = CheckpointError(f"this rank did not start the save: save_async raised "
+                                       f"its previous save's error instead: {describe(pending)}")
+            else:
+                try:
+                    job.path = _check_path(path)
+                    job.what = f"checkpoint save to {job.path!r}"
+                    flat = self._snapshot(state_dict)
+                except Exception as exc:  # noqa: BLE001 - still voted so peers fail fast
+                    error = vote = exc
             self._error, self._reported = None, error is not None
-            self._thread = threading.Thread(target=self._run, args=(job, flat, error),
+            self._thread = threading.Thread(target=self._run, args=(job, flat, vote),
                                             name="ringlet-checkpoint", daemon=True)
             self._thread.start()
             if error is not None:

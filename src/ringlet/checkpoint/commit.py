@@ -38,7 +38,7 @@ import secrets
 import shutil
 from typing import Optional
 
-from .format import fsync_dir, is_checkpoint_dir
+from .format import FORMAT, MANIFEST, fsync_dir, is_checkpoint_dir
 
 
 def _failpoint(name: str) -> None:
@@ -56,6 +56,33 @@ def _tmp_prefix(path: str) -> str:
 
 def _trash_prefix(path: str) -> str:
     return f".{os.path.basename(path)}.trash-"
+
+
+def _ours(path: str) -> bool:
+    """``path`` holds a checkpoint ringlet wrote, not only some file named manifest.json
+    (another tool's directory, which a save must never replace and delete).
+
+    The format tag is searched in the raw bytes, so a checkpoint whose manifest is
+    damaged elsewhere can still be replaced by a new save.
+    """
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            return f'"format": "{FORMAT}"'.encode() in f.read()
+    except OSError:
+        return False
+
+
+def _makedirs_durably(directory: str) -> None:
+    """``os.makedirs``, then fsync the parent of every directory it created: a
+    checkpoint committed into a new directory must not vanish with it on power loss."""
+    created = []
+    d = directory
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        created.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(directory, exist_ok=True)
+    for d in created:
+        fsync_dir(os.path.dirname(d))
 
 
 def _vacant(path: str) -> bool:
@@ -94,7 +121,7 @@ def recover(path: str) -> None:
     if not os.path.lexists(old):
         return
     parent = os.path.dirname(path)
-    if is_checkpoint_dir(path) or not is_checkpoint_dir(old):
+    if _ours(path) or not is_checkpoint_dir(old):
         _discard(path, old)  # crash after step 3 (or during step 4)
         return
     # A crash between steps 2 and 3: the old one is the latest checkpoint.
@@ -127,18 +154,21 @@ def prepare(path: str) -> str:
         The temporary directory's path.
     Raises:
         FileExistsError: ``path`` exists and is neither a checkpoint nor an
-            empty directory (ringlet never replaces other data).
+            empty directory (ringlet never replaces other data, also not a
+            directory whose manifest.json another tool wrote).
     """
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
+    _makedirs_durably(parent)
     recover(path)
     if os.path.lexists(path):
         if not os.path.isdir(path) or os.path.islink(path):
             raise FileExistsError(f"{path!r} exists and is not a directory; refusing to "
                                   f"replace it with a checkpoint")
-        if not is_checkpoint_dir(path) and os.listdir(path):
+        if os.listdir(path) and not _ours(path):
+            how = (" (its manifest.json was not written by ringlet)"
+                   if is_checkpoint_dir(path) else "")
             raise FileExistsError(f"{path!r} is a non-empty directory that is not a ringlet "
-                                  f"checkpoint; refusing to replace it")
+                                  f"checkpoint{how}; refusing to replace it")
     prefixes = (_tmp_prefix(path), _trash_prefix(path))
     for entry in os.listdir(parent):
         if entry.startswith(prefixes):  # left by a save that crashed, or by step 4
