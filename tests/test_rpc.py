@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
+import pickle
 import signal
 import socket
 import struct
@@ -15,7 +17,8 @@ import pytest
 
 import ringlet
 from ringlet import rpc
-from ringlet.errors import AuthenticationError, CollectiveTimeout, PeerClosedError, RingletError
+from ringlet.errors import (AuthenticationError, CollectiveTimeout, PeerClosedError, ProtocolError,
+                            RingletError)
 from ringlet.rpc import serialization as ser
 from ringlet.rpc.agent import (_MAX_HANDSHAKES, AUTH_PURPOSE, K_CALL, K_CLOSE, K_RESULT,
                                current_agent)
@@ -151,6 +154,22 @@ def kill_self():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@rpc.register
+def fail_long(n):
+    raise ValueError("x" * n)
+
+
+def _refuse_unpickling():
+    raise RuntimeError("refused on purpose")
+
+
+class UnpicklableHere:
+    """Pickles fine; unpickling raises, as a class the callee cannot import would."""
+
+    def __reduce__(self):
+        return (_refuse_unpickling, ())
+
+
 # ---- calls ------------------------------------------------------------------------------
 
 def _all_pairs(rank, n):
@@ -245,6 +264,47 @@ def test_remote_exceptions():
     assert name == "RemoteError" and rtype.endswith("UnprintableError"), out["unprintable"]
     assert "str() of the" in rmsg and "AttributeError" in rmsg and took < 15, out["unprintable"]
     assert out["after"] == [1, "ok"]
+
+
+def test_remote_error_survives_pickle_and_copy():
+    # Rebuilt from its message alone, which the keyword-only constructor
+    # refused: multiprocessing, concurrent.futures and copy.copy raised TypeError.
+    e = rpc.RemoteError("ValueError", "bad value 42", "Traceback ...\nValueError: bad value 42\n",
+                        worker="w1", function="tests.fail", rank=0, peer=1)
+    for back in (pickle.loads(pickle.dumps(e)), copy.copy(e)):
+        assert type(back) is rpc.RemoteError and str(back) == str(e)
+        assert (back.remote_type, back.remote_message, back.remote_traceback, back.worker, back.function,
+                back.rank, back.peer, back.op) == \
+            (e.remote_type, e.remote_message, e.remote_traceback, "w1", "tests.fail", 0, 1, "rpc:tests.fail")
+
+
+def _long_error_small_frames(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20, limits=rpc.Limits(max_frame_bytes=4096) if rank == 0 else None)
+    out = None
+    if rank == 0:
+        other = rpc.rpc_async(1, wait_for, args=("long-error", 15.0, "other"))  # on the same connection
+        out = ("no error", None, 0, "")
+        try:
+            rpc.rpc_sync(1, fail_long, args=(20_000,))
+        except RingletError as exc:
+            out = (type(exc).__name__, getattr(exc, "remote_type", None),
+                   len(getattr(exc, "remote_message", "")), str(exc)[:200])
+        rpc.rpc_sync(1, set_event, args=("long-error",))
+        exc = other.exception(timeout=20)
+        out += (other.result() if exc is None else repr(exc),)
+    rpc.shutdown()
+    return out
+
+
+def test_a_remote_error_is_cut_to_the_callers_frame_limit():
+    # The error reply ignored the caller's max_frame_bytes: the caller refused
+    # the frame and dropped the connection, so this call and every other on it
+    # failed with ProtocolError instead of the RemoteError.
+    _events.pop("long-error", None)
+    name, rtype, msg_len, text, other = run_world(_long_error_small_frames, 2, timeout=60)[0]
+    assert (name, rtype) == ("RemoteError", "ValueError"), text
+    assert 1000 < msg_len < 4096, msg_len
+    assert other == "other"
 
 
 def _timeouts(rank, n):
@@ -430,6 +490,24 @@ def test_graceful_shutdown_completes_after_calls_from_a_non_worker():
     assert took < 10 and res[1] < 10, res  # well inside the 15 s drain timeout
 
 
+def _refused_request_then_shutdown(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20, allow_pickle=True)
+    out = None
+    if rank == 0:
+        with pytest.raises(ProtocolError, match="could not unpickle"):
+            rpc.rpc_sync(1, whoami, args=(UnpicklableHere(),))  # w1 drops the connection
+        out = rpc.rpc_sync(1, whoami, args=("after",))  # on a new one
+    return out, _shutdown_took(15)
+
+
+def test_graceful_shutdown_after_a_request_the_callee_refused():
+    # The refused request stayed counted as sent but was never answered, so
+    # every worker's drain waited for it until the timeout.
+    res = run_world(_refused_request_then_shutdown, 2, timeout=60)
+    assert res[0][0] == [1, "after"]
+    assert res[0][1] < 10 and res[1][1] < 10, res  # well inside the 15 s drain timeout
+
+
 # ---- failures ---------------------------------------------------------------------------
 
 def _killed_callee(rank, n):
@@ -459,6 +537,31 @@ def test_callee_killed_mid_call_fails_promptly():
     assert name == "PeerClosedError" and "'w1'" in text and "kill_self" in text
     assert took < 5.0, took  # well under the 30 s timeout
     assert other == "PeerClosedError"
+
+
+def _deadline_before_sending(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        other = rpc.rpc_async(1, wait_for, args=("send-deadline", 15.0, "other"))
+        out = ("no error",)
+        try:
+            # Encoding the argument outlasts the deadline: not a byte goes out.
+            rpc.rpc_sync(1, whoami, args=(list(range(20_000)),), timeout=1e-6)
+        except RingletError as exc:
+            out = (type(exc).__name__,)
+        rpc.rpc_sync(1, set_event, args=("send-deadline",))
+        exc = other.exception(timeout=20)
+        out += (other.result() if exc is None else repr(exc),)
+    rpc.shutdown()
+    return out
+
+
+def test_a_call_whose_deadline_passes_before_sending_leaves_the_others_alone():
+    # The send found its deadline passed before writing anything and closed
+    # the connection anyway: every other call to that worker failed with it.
+    _events.pop("send-deadline", None)
+    assert run_world(_deadline_before_sending, 2, timeout=60)[0] == ("CollectiveTimeout", "other")
 
 
 def _raw_connect(info, key, claim=b"0"):
@@ -958,6 +1061,37 @@ def test_then_chains_values_exceptions_and_remote_failures():
     assert tags.index("double") < tags.index("plus_one") < tags.index("to_str"), tags
     where = dict(out["order"])["double"]
     assert where.startswith("rpc0-callback"), where
+
+
+def _then_after_system_exit(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        def leave(f):
+            raise SystemExit(3)
+
+        seen = []
+        fut = rpc.rpc_async(1, wait_for, args=("exit-go", 10.0, 4))
+        exits = fut.then(leave)
+        after = fut.then(lambda f: f.value() + 1)
+        fut.add_done_callback(lambda f: seen.append(f.value()))
+        rpc.rpc_sync(1, set_event, args=("exit-go",))
+        with pytest.raises(SystemExit):
+            exits.wait(timeout=20)
+        try:
+            out = after.wait(timeout=10)
+        except CollectiveTimeout as exc:
+            out = str(exc)
+        out = (out, poll_until(lambda: list(seen), 10, "the done-callback") if out == 5 else None)
+    rpc.shutdown()
+    return out
+
+
+def test_a_callback_raising_system_exit_does_not_skip_the_others():
+    # The callbacks after one raising SystemExit never ran, so the futures
+    # their then() returned never completed (a wait without timeout hung).
+    _events.pop("exit-go", None)
+    assert run_world(_then_after_system_exit, 2, timeout=60)[0] == (5, [4])
 
 
 def _shutdown_took(timeout):

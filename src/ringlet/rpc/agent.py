@@ -267,6 +267,7 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         with self._plock:
             self._pending[rid] = _Pending(fut, conn, desc, dst, timeout)
             conn.pending_ids.add(rid)
+            conn.unanswered.add(rid)
             self._n_sent += 1
             self._sent_to[dst] += 1
         with self._tcond:
@@ -278,7 +279,9 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         except (RingletError, Stopped, OSError) as e:
             with self._plock:
                 self._n_sent -= 1  # the callee never got the whole frame
-                self._sent_to[dst] -= 1
+                if rid in conn.unanswered:  # else the reader has uncounted it (_uncount_lost)
+                    conn.unanswered.discard(rid)
+                    self._sent_to[dst] -= 1
             self._release_transferred(transferred)
             if isinstance(e, RingletError):
                 err: BaseException = type(e)(f"{desc}: {e}", rank=self.rank, peer=dst, op="rpc")
@@ -413,6 +416,9 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
             while True:
                 header, value = conn.recv_frame(limits=self.limits, allow_pickle=self.allow_pickle,
                                                 ext_decode=self._ext_decode)
+                if header.kind in (K_RESULT, K_ERROR):
+                    with self._plock:
+                        conn.unanswered.discard(header.req_id)
                 if header.kind == K_RESULT:
                     self._complete(header.req_id, value=value)
                 elif header.kind == K_ERROR:
@@ -446,7 +452,22 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
             with self._clock:
                 if self._out.get(conn.peer_rank) is conn:
                     del self._out[conn.peer_rank]
+            self._uncount_lost(conn)
             self._fail_conn(conn, err)
+
+    def _uncount_lost(self, conn: Connection) -> None:
+        """Stop counting as sent the requests a closed connection never answered.
+
+        No reply can come for them now, and those the callee never read (say,
+        queued behind a frame it refused) would never be counted as answered:
+        graceful shutdown waited for them until its timeout.  Those the callee
+        did read are still counted as answered when they finish, which the
+        drain's "at least" allows.
+        """
+        with self._plock:
+            lost = len(conn.unanswered)
+            conn.unanswered.clear()
+            self._sent_to[conn.peer_rank] -= lost
 
     def _fail_conn(self, conn: Connection, err: Optional[BaseException]) -> None:
         with self._plock:

@@ -171,6 +171,24 @@ class _Dispatch:
 
         self._when_ready((value[0], value[1]), job)
 
+    def _encode_error(self, error: Tuple[str, str, str], fn: str, peer: int) -> ser.Encoded:
+        """The ERROR reply's value, cut to the caller's ``max_frame_bytes``.
+
+        A larger frame makes the caller drop the connection (failing every
+        call on it with ProtocolError) instead of raising RemoteError.  The
+        traceback's head goes first (its last lines show the raise), then
+        the message's tail; each character cut is at least one byte.
+        """
+        t, msg, tb = error
+        enc = ser.encode([t, msg, tb, fn])
+        over = enc.payload_len - self._peer_limits[peer].max_frame_bytes
+        if over > 0:
+            cut = min(over, len(tb))
+            tb, over = tb[cut:], over - cut
+            msg = msg[: max(0, len(msg) - over)]
+            enc = ser.encode([t, msg, tb, fn])
+        return enc
+
     def _reply(self, conn: Connection, rid: int, *, value: Any = None, error: Optional[Tuple[str, str, str]] = None,
                fn: str) -> None:
         """Send the one reply a request gets (RESULT or ERROR), and count it as handled."""
@@ -189,7 +207,7 @@ class _Dispatch:
                     error = (type(e).__name__, f"the result cannot be sent back: "
                              f"{_exc_info(e)[1]}", "")
             if error is not None:
-                enc = ser.encode([error[0], error[1], error[2], fn])
+                enc = self._encode_error(error, fn, peer)
                 kind = K_ERROR
             try:
                 conn.send_frame(kind, rid, enc, deadline=deadline)

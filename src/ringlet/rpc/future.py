@@ -42,6 +42,19 @@ class RemoteError(RingletError):
         self.worker = worker
         self.function = function
 
+    def __reduce__(self) -> Any:
+        # The default rebuilds from ``args`` (the message alone), which the
+        # keyword-only constructor refuses: multiprocessing, concurrent.futures
+        # and copy could not carry a RemoteError.
+        return (_rebuild_remote_error, (self.remote_type, self.remote_message, self.remote_traceback,
+                                        self.worker, self.function, self.rank, self.peer), self.__dict__)
+
+
+def _rebuild_remote_error(remote_type: str, remote_message: str, remote_traceback: str, worker: str,
+                          function: str, rank: Optional[int], peer: Optional[int]) -> RemoteError:
+    return RemoteError(remote_type, remote_message, remote_traceback, worker=worker, function=function,
+                       rank=rank, peer=peer)
+
 
 class Future:
     """The pending result of an asynchronous RPC.
@@ -263,5 +276,14 @@ class Future:
         return True
 
     def _run_callbacks(self, callbacks: List[Callable[["Future"], None]]) -> None:
+        # After a SystemExit or KeyboardInterrupt the others still run: else
+        # the futures their then() returned would never complete.
+        first: Optional[BaseException] = None
         for fn in callbacks:
-            self._run_callback(fn)
+            try:
+                self._run_callback(fn)
+            except BaseException as exc:
+                if first is None:
+                    first = exc
+        if first is not None:
+            raise first

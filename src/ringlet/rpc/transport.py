@@ -53,11 +53,17 @@ def send_buffers(
     stop: Optional[threading.Event] = None,
     peer: Any = None,
     what: str = "rpc send",
+    written: Optional[List[int]] = None,
 ) -> None:
     """Write every buffer completely, in order, with ``sendmsg`` (no concatenation).
 
     Large numpy arrays go to the kernel straight from their own memory.
     Partial writes are resumed from where the kernel stopped.
+
+    Args:
+        written: if given, ``written[0]`` is increased by every byte handed to
+            the kernel, so a caller can tell a failure that left the stream
+            untouched (nothing written) from one that cut a frame.
 
     Raises:
         PeerClosedError: the peer reset or closed the connection.
@@ -69,13 +75,15 @@ def send_buffers(
         if mv.nbytes:
             views.append(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
     i = 0
+    total = 0
     while i < len(views):
         if stop is not None and stop.is_set():
             raise Stopped()
         # Checked on every pass, not only when a poll times out: a peer that
         # reads a byte now and then must not stretch the frame past it.
         if time.monotonic() > deadline:
-            raise CollectiveTimeout(f"{what}: peer {peer} did not accept data before the deadline",
+            how = "did not accept data" if total else "accepted none of the frame"
+            raise CollectiveTimeout(f"{what}: peer {peer} {how} before the deadline",
                                     peer=peer if isinstance(peer, int) else None, op="rpc")
         try:
             sent = sock.sendmsg(views[i : i + _MAX_IOV], (), _NOSIGNAL)
@@ -85,6 +93,9 @@ def send_buffers(
             continue
         except OSError as e:
             raise _closed_error(what, peer, e) from None
+        total += sent
+        if written is not None:
+            written[0] += sent
         # Skip the buffers written completely; trim the one written partly.
         while sent and i < len(views):
             n = views[i].nbytes
@@ -158,7 +169,7 @@ class Connection:
     Frames from several threads never interleave: a whole frame (header, meta
     and out-of-band buffers) is written while holding ``send_lock``.  A send
     that fails part-way leaves the stream unusable, so the connection is
-    closed.
+    closed; one whose deadline passed before its first byte leaves it open.
     """
 
     def __init__(self, sock: socket.socket, *, peer_rank: int, peer_name: str, stop: threading.Event,
@@ -173,12 +184,16 @@ class Connection:
         self.close_reason: Optional[BaseException] = None
         # Request ids awaiting a reply on this connection (caller side; guarded by the agent).
         self.pending_ids: set = set()
+        # Request ids sent whose reply has not arrived, timed-out calls included
+        # (caller side; guarded by the agent): what graceful shutdown stops
+        # waiting for once the connection is gone.
+        self.unanswered: set = set()
 
     def __repr__(self) -> str:
         return f"<rpc Connection peer={self.peer_name!r} rank={self.peer_rank} closed={self.closed}>"
 
     def send_frame(self, kind: int, req_id: int, encoded: ser.Encoded, *, deadline: Optional[float] = None) -> None:
-        """Send one frame; closes the connection if it could not be sent whole.
+        """Send one frame; closes the connection if it was cut part-way (or the socket failed).
 
         Raises:
             PeerClosedError: the connection is (or became) closed.
@@ -198,9 +213,16 @@ class Connection:
                     f"rpc connection to worker {self.peer_name!r} (rank {self.peer_rank}) is closed"
                     + (f": {self.close_reason}" if self.close_reason else ""),
                     peer=self.peer_rank, op="rpc")
+            written = [0]
             try:
                 send_buffers(self.sock, bufs, deadline=deadline, stop=self.stop, peer=self.peer_rank,
-                             what=f"rpc send to worker {self.peer_name!r}")
+                             what=f"rpc send to worker {self.peer_name!r}", written=written)
+            except CollectiveTimeout as e:
+                # A frame that timed out before its first byte left the stream
+                # whole: the other calls on this connection carry on.
+                if written[0]:
+                    self._close_locked(e)
+                raise
             except BaseException as e:
                 self._close_locked(e)
                 raise
