@@ -75,6 +75,25 @@ def test_relu_grad():
     check_module(nn.ReLU(), x)
 
 
+def test_relu_keeps_nan_like_torch():
+    """A NaN that came out as 0 hid a diverged layer upstream: the loss stayed finite.
+    torch (and ringlet.nn.functional.relu) keep it; torch's backward passes the
+    gradient at a NaN (its mask is ``not x <= 0``)."""
+    x = np.array([[np.nan, -1.0, 2.0, -np.inf, np.inf, 0.0]])
+    relu = nn.ReLU()
+    y = relu(x)
+    np.testing.assert_array_equal(y, [[np.nan, 0.0, 2.0, 0.0, np.inf, 0.0]])
+    np.testing.assert_array_equal(y, nn.functional.relu(x))
+    np.testing.assert_array_equal(relu.backward(np.full(x.shape, 3.0)), [[3, 0, 3, 0, 3, 0]])
+    torch = pytest.importorskip("torch")
+    tx = torch.from_numpy(x.copy()).requires_grad_(True)
+    ty = torch.nn.ReLU()(tx)
+    ty.backward(torch.full(x.shape, 3.0, dtype=torch.float64))
+    np.testing.assert_array_equal(y, ty.detach().numpy())
+    np.testing.assert_array_equal(relu(x), y)
+    np.testing.assert_array_equal(relu.backward(np.full(x.shape, 3.0)), tx.grad.numpy())
+
+
 def test_gelu_and_tanh_grad():
     check_module(nn.GELU(), f64(4, 3, 5))
     check_module(nn.Tanh(), f64(4, 7))

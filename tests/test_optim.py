@@ -256,3 +256,73 @@ def test_matches_torch_when_installed():
             topt.step()
         for p, t in zip(ps, tps):
             np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_adamw_float16_parameters_follow_the_reference():
+    # In float16, eps (1e-8) and (1 - beta2) * g**2 for |g| < 5e-3 round to
+    # zero: the update divided 0 by 0 (NaN) or m by 0 (inf) on the first step.
+    rng = np.random.default_rng(3)
+    start = rng.uniform(-1, 1, 64).astype(np.float16)
+    gs = [(rng.standard_normal(64) * 1e-3).astype(np.float16) for _ in range(5)]
+    for g in gs:
+        g[:8] = 0  # exact zeros: dead units, embedding rows not looked up
+    p = nn.Parameter(start.copy())
+    opt = optim.AdamW([p], lr=1e-2)
+    for g in gs:
+        p.grad = g.copy()
+        opt.step()
+    want = ref_adamw([start.astype(np.float64)], [[g.astype(np.float64)] for g in gs], lr=1e-2)
+    assert p.dtype == np.float16 and np.all(np.isfinite(p.data))
+    # five steps of about lr each; float16 rounds each to half an ulp (<= 5e-4 here)
+    np.testing.assert_allclose(p.data, want[0], rtol=0, atol=3e-3)
+    assert np.any(np.abs(p.data.astype(np.float64) - start) > 0.03)  # it did move
+    st = opt.state[id(p)]
+    assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == np.float32
+    # a resumed float16 run keeps float32 moments and continues bit for bit
+    q = nn.Parameter(p.data.copy())
+    opt2 = optim.AdamW([q], lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state[id(q)]["exp_avg_sq"].dtype == np.float32
+    for o, prm in ((opt, p), (opt2, q)):
+        prm.grad = gs[0].copy()
+        o.step()
+    assert p.data.tobytes() == q.data.tobytes()
+
+
+@pytest.mark.parametrize("cls,kw", [(optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
+                                    (optim.AdamW, dict(lr=0.1))])
+def test_step_refuses_a_gradient_that_is_not_the_parameters_shape(cls, kw):
+    # .grad is a plain attribute (wrappers, a parameter server assign it): a
+    # (4,) gradient for a (3, 4) weight, or a 0-d one, used to broadcast into
+    # every row and update silently.
+    a, b = nn.Parameter(np.ones((3, 4))), nn.Parameter(np.ones(4))
+    opt = cls([a, b], **kw)
+    for ga, gb, err, msg in (
+            (np.ones((3, 4)), np.array(2.0), ValueError,
+             r"parameter 1 \(group 0\) has shape \(4,\), its \.grad has shape \(\)"),
+            (np.ones(4), np.ones(4), ValueError,
+             r"parameter 0 \(group 0\) has shape \(3, 4\), its \.grad has shape \(4,\)"),
+            (np.ones((3, 4)), 0.5, TypeError, r"parameter 1 \(group 0\).*float")):
+        a.grad, b.grad = ga, gb
+        with pytest.raises(err, match=msg):
+            opt.step()
+        # refused before anything changed
+        np.testing.assert_array_equal(a.data, 1.0)
+        np.testing.assert_array_equal(b.data, 1.0)
+        assert opt.state == {}
+
+
+def test_params_in_a_set_are_refused():
+    # state_dict() numbers the parameters in order; a set's order differs from
+    # one process to the next, so a resumed run would give each parameter
+    # another one's momentum (silently when the shapes agree).
+    ps = _params()
+    with pytest.raises(TypeError, match="ordered collection.*not a set"):
+        optim.SGD(set(ps), lr=0.1)
+    opt = optim.SGD(ps[:1], lr=0.1)
+    with pytest.raises(TypeError, match="group 1.*not a frozenset"):
+        opt.add_param_group({"params": frozenset(ps[1:])})
+    with pytest.raises(TypeError, match="group 0.*not a set"):
+        optim.AdamW([{"params": set(ps)}])
+    assert len(opt.param_groups) == 1
+    assert len(optim.SGD((p for p in ps), lr=0.1).param_groups[0]["params"]) == 3  # iterables do

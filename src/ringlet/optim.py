@@ -4,11 +4,12 @@ A parameter is any object with a numpy ``data`` array and a ``grad`` attribute
 (``ringlet.nn.Parameter``, or a shard object of a sharded wrapper).  Updates
 are written into ``param.data`` in place, never rebinding it, so parameters
 that are views into a flat buffer keep working.  Parameters whose ``grad`` is
-None are skipped.
+None are skipped; a ``grad`` of another shape than the parameter is refused.
 
 ``param_groups`` is a list of dicts, like torch: ``{"params": [...], "lr": ...}``;
 change a group's hyper-parameters between steps (learning-rate schedules).
-``state_dict()`` numbers the parameters 0, 1, ... across groups in order.
+``state_dict()`` numbers the parameters 0, 1, ... across groups in order, so
+parameters come in an ordered collection (a list, not a set).
 
 Example::
 
@@ -42,6 +43,16 @@ def _check_param(p: Any, where: str) -> Any:
     return p
 
 
+def _check_ordered(params: Any, where: str) -> None:
+    # A set's order changes from one process to the next, and state_dict()
+    # numbers the parameters in order: a resumed run would pair each state with
+    # another parameter (silently when the shapes agree).
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(f"{where}: params must be an ordered collection (a list), not a "
+                        f"{type(params).__name__}: the order numbers the parameters in "
+                        f"state_dict() and changes between runs")
+
+
 def _nonneg(v: Any, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {type(v).__name__}")
@@ -65,6 +76,7 @@ class Optimizer:
         if isinstance(params, np.ndarray) or hasattr(params, "data"):
             raise TypeError(f"{type(self).__name__}: params must be an iterable of Parameters or "
                             f"of dicts, got a single {type(params).__name__}")
+        _check_ordered(params, type(self).__name__)
         try:
             items = list(params)
         except TypeError:
@@ -91,8 +103,9 @@ class Optimizer:
         if "params" not in group:
             raise ValueError("a parameter group needs a 'params' entry")
         ps = group["params"]
-        ps = [ps] if hasattr(ps, "data") else list(ps)
         where = f"{type(self).__name__} group {len(self.param_groups)}"
+        _check_ordered(ps, where)
+        ps = [ps] if hasattr(ps, "data") else list(ps)
         for p in ps:
             _check_param(p, where)
         seen = {id(p) for g in self.param_groups for p in g["params"]}
@@ -122,6 +135,32 @@ class Optimizer:
 
     def step(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _check_grads(self) -> None:
+        """Check every gradient before ``step()`` changes anything.
+
+        ``.grad`` is a plain attribute (wrappers and parameter servers assign
+        it): a gradient of another shape would broadcast into the update.
+        """
+        kind = type(self).__name__
+        index = 0
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                grad = p.grad
+                if grad is not None:
+                    if not isinstance(grad, np.ndarray):
+                        raise TypeError(f"{kind}.step: parameter {index} (group {gi}) has a "
+                                        f".grad of type {type(grad).__name__}, expected a numpy "
+                                        f"array; nothing was updated")
+                    if grad.shape != p.data.shape:
+                        raise ValueError(f"{kind}.step: parameter {index} (group {gi}) has shape "
+                                         f"{p.data.shape}, its .grad has shape {grad.shape}; "
+                                         f"nothing was updated")
+                index += 1
+
+    def _state_dtype(self, dtype: np.dtype) -> np.dtype:
+        """The dtype of the per-parameter state arrays of a parameter of ``dtype``."""
+        return dtype
 
     # ---- state dicts --------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -191,7 +230,7 @@ class Optimizer:
                     if v.shape != p.data.shape:
                         raise ValueError(f"state_dict: state '{name}' of parameter {key} has "
                                          f"shape {v.shape}, the parameter has {p.data.shape}")
-                    v = np.array(v, dtype=p.data.dtype, copy=True)
+                    v = np.array(v, dtype=self._state_dtype(p.data.dtype), copy=True)
                 elif name in self._STATE_COUNTS:
                     c = v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v
                     if isinstance(c, bool) or not isinstance(c, (int, np.integer, float)) \
@@ -255,7 +294,13 @@ class SGD(Optimizer):
             raise ValueError("SGD: nesterov needs momentum > 0 and dampening == 0")
 
     def step(self) -> None:
-        """Update every parameter that has a gradient, in place."""
+        """Update every parameter that has a gradient, in place.
+
+        Raises:
+            TypeError/ValueError: a ``.grad`` is not an array of the parameter's
+                shape (checked before any parameter changes).
+        """
+        self._check_grads()
         for g in self.param_groups:
             lr, mom, damp, wd, nest = (g["lr"], g["momentum"], g["dampening"],
                                        g["weight_decay"], g["nesterov"])
@@ -287,6 +332,8 @@ class AdamW(Optimizer):
         p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
     ``amsgrad=True`` uses the running maximum of ``v`` in the denominator.
+    For a float16 parameter the moments are float32 arrays and the update is
+    computed in float32, then written into the float16 ``data``.
 
     Args:
         params: Parameters, or a list of group dicts.
@@ -322,8 +369,19 @@ class AdamW(Optimizer):
         g["betas"] = (b1, b2)
         g["amsgrad"] = bool(g["amsgrad"])
 
+    def _state_dtype(self, dtype: np.dtype) -> np.dtype:
+        # In float16, eps and the squared gradients of typical size (|g| < 5e-3)
+        # round to zero, and the update divides by zero.
+        return np.dtype(np.float32) if dtype == np.float16 else dtype
+
     def step(self) -> None:
-        """Update every parameter that has a gradient, in place."""
+        """Update every parameter that has a gradient, in place.
+
+        Raises:
+            TypeError/ValueError: a ``.grad`` is not an array of the parameter's
+                shape (checked before any parameter changes).
+        """
+        self._check_grads()
         for g in self.param_groups:
             lr, (b1, b2), eps, wd, ams = (g["lr"], g["betas"], g["eps"], g["weight_decay"],
                                           g["amsgrad"])
@@ -331,14 +389,15 @@ class AdamW(Optimizer):
                 if p.grad is None:
                     continue
                 data = p.data
-                grad = p.grad.astype(data.dtype, copy=False)
+                sdt = self._state_dtype(data.dtype)
+                grad = p.grad.astype(sdt, copy=False)
                 st = self.state.setdefault(id(p), {})
                 if not st:
                     st["step"] = 0
-                    st["exp_avg"] = np.zeros_like(data, order="C")
-                    st["exp_avg_sq"] = np.zeros_like(data, order="C")
+                    st["exp_avg"] = np.zeros(data.shape, sdt)
+                    st["exp_avg_sq"] = np.zeros(data.shape, sdt)
                     if ams:
-                        st["max_exp_avg_sq"] = np.zeros_like(data, order="C")
+                        st["max_exp_avg_sq"] = np.zeros(data.shape, sdt)
                 st["step"] += 1
                 t = st["step"]
                 m, v = st["exp_avg"], st["exp_avg_sq"]
@@ -350,7 +409,7 @@ class AdamW(Optimizer):
                 bc1 = 1.0 - b1 ** t
                 bc2_sqrt = math.sqrt(1.0 - b2 ** t)
                 if ams:
-                    vmax = st.setdefault("max_exp_avg_sq", np.zeros_like(data, order="C"))
+                    vmax = st.setdefault("max_exp_avg_sq", np.zeros(data.shape, sdt))
                     np.maximum(vmax, v, out=vmax)
                     v = vmax
                 denom = np.sqrt(v) / bc2_sqrt

@@ -138,13 +138,14 @@ class Linear(Module):
 
 
 class ReLU(Module):
-    """max(x, 0) element-wise."""
+    """max(x, 0) element-wise; NaN stays NaN (and passes its gradient), as in torch."""
 
     def forward(self, x: Any) -> np.ndarray:
         x = _float_input(x, "ReLU")
-        mask = x > 0
+        # A NaN that came out as 0 would hide a diverged layer upstream.
+        mask = ~(x <= 0)
         self._save(mask)
-        return np.where(mask, x, x.dtype.type(0))
+        return np.maximum(x, x.dtype.type(0))
 
     def backward(self, grad_output: Any) -> np.ndarray:
         mask = self._pop()
