@@ -218,6 +218,39 @@ def test_integer_and_float32_dtypes():
     assert all(run_world(_integer_dtypes, 3))
 
 
+def _half_floats(rank, n, dtype_name):
+    if dtype_name == "bfloat16":
+        import ml_dtypes
+
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(dtype_name)
+    # Shard -> Partial(MAX/MIN) fills with -inf/inf.  Before, bfloat16 (ml_dtypes,
+    # dtype kind "V") had no identity: TypeError on every rank.
+    mesh = DeviceMesh((n,), ("x",))
+    g = (GLOBAL * 3).astype(dt)   # small integers: exact in both
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN):
+        ps = [Shard(0), Shard(1), Replicate(), Partial(op)]
+        for src in ps:
+            x = distribute(g, mesh, [src])
+            for dst in ps:
+                y = x.redistribute([dst])
+                assert y.dtype == dt
+                # Checked in float64 (exact here): the object codec carries no bfloat16.
+                check_layout(DTensor(y.to_local().astype(np.float64), mesh, y.placements,
+                                     y.shape), g.astype(np.float64))
+                np.testing.assert_array_equal(y.full_tensor().astype(np.float64),
+                                              g.astype(np.float64))
+    return True
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_float16_and_bfloat16(dtype_name):
+    if dtype_name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    assert all(run_world(_half_floats, 3, args=(dtype_name,), timeout=60))
+
+
 def _real_partial(rank, n):
     # A row-parallel matmul: each rank's partial product; Partial -> Shard is a
     # reduce_scatter, Partial -> Replicate an all_reduce.
@@ -537,6 +570,29 @@ def test_shard_sizes_is_array_split():
 def _draws(rank):
     rng = np.random.default_rng(rank)
     return rng.standard_normal((4, 3)), rng.standard_normal((5, 3))
+
+
+def _scalars(rank, n):
+    # A 0-d array (a loss, a scalar parameter).  Before, numpy.ascontiguousarray
+    # made the local array 1-D: shape () with a (1,) piece, and distribute(src=)
+    # gave the global shape (1,).
+    mesh = DeviceMesh((2, n // 2), ("a", "b"))
+    g = np.array(-3.0)
+    for ps in ([Replicate(), Replicate()], [Partial(), Replicate()],
+               [Partial(ReduceOp.MAX), Partial(ReduceOp.MAX)],
+               [Replicate(), Partial(ReduceOp.MIN)]):
+        for x in (distribute(g, mesh, ps), distribute(g if rank == 3 else None, mesh, ps, src=3),
+                  DTensor.from_local(distribute(g, mesh, ps).to_local(), mesh, ps),
+                  DTensor(distribute(g, mesh, ps).to_local(), mesh, ps, ())):
+            assert x.shape == () and x.local_shape == (), (ps, x.shape, x.local_shape)
+            check_layout(x, g)
+            full = x.full_tensor()
+            assert full.shape == () and full == g, (ps, full)
+    return True
+
+
+def test_zero_dimensional_arrays():
+    assert all(run_world(_scalars, 4))
 
 
 def _partial_to_shard_without_staging(rank, n):

@@ -38,27 +38,27 @@ def seg(n, size, rank):
     return np.array_split(np.arange(n), size)[rank]
 
 
-def _mlp(rank, n, gather):
+def _mlp(rank, n, gather, d_ff=D_FF):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 2, D_IN))
     gy = rng.standard_normal((3, 2, D_OUT))
-    ref1 = nn.Linear(D_IN, D_FF, dtype=F64, rng=1)
-    ref2 = nn.Linear(D_FF, D_OUT, dtype=F64, rng=2)
+    ref1 = nn.Linear(D_IN, d_ff, dtype=F64, rng=1)
+    ref2 = nn.Linear(d_ff, D_OUT, dtype=F64, rng=2)
     act_r = nn.GELU()
     y_ref = ref2(act_r(ref1(x)))
     gx_ref = ref1.backward(act_r.backward(ref2.backward(gy)))
 
     # Initialisation from the same seeds equals slicing the unsplit layers.
-    fc1 = ColumnParallelLinear(D_IN, D_FF, dtype=F64, rng=1, gather_output=gather)
-    fc2 = RowParallelLinear(D_FF, D_OUT, dtype=F64, rng=2, input_is_parallel=not gather)
-    cols = seg(D_FF, n, rank)
+    fc1 = ColumnParallelLinear(D_IN, d_ff, dtype=F64, rng=1, gather_output=gather)
+    fc2 = RowParallelLinear(d_ff, D_OUT, dtype=F64, rng=2, input_is_parallel=not gather)
+    cols = seg(d_ff, n, rank)
     np.testing.assert_array_equal(fc1.weight.data, ref1.weight.data[cols])
     np.testing.assert_array_equal(fc1.bias.data, ref1.bias.data[cols])
     np.testing.assert_array_equal(fc2.weight.data, ref2.weight.data[:, cols])
     np.testing.assert_array_equal(fc2.bias.data, ref2.bias.data)
     act = nn.GELU()
     h = fc1(x)
-    assert h.shape == (3, 2, D_FF if gather else len(cols))
+    assert h.shape == (3, 2, d_ff if gather else len(cols))
     y = fc2(act(h))
     close(y, y_ref, "forward")
     gx = fc1.backward(act.backward(fc2.backward(gy)))
@@ -74,6 +74,14 @@ def _mlp(rank, n, gather):
 @pytest.mark.parametrize("gather", [False, True])
 def test_mlp_column_row_equals_unsplit(n, gather):
     assert all(run_world(_mlp, n, args=(gather,)))
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_mlp_with_fewer_hidden_features_than_ranks(gather):
+    # 2 hidden features over 3 ranks: rank 2's column and row slices are empty.
+    # Before, its backward raised ValueError in reshape(-1, 0), and the collective
+    # ranks 0 and 1 were in failed with it.
+    assert all(run_world(_mlp, 3, args=(gather, 2), timeout=30))
 
 
 def _sequence_parallel(rank, n, seq_dim):
@@ -156,8 +164,7 @@ def test_vocab_parallel_embedding_equals_unsplit(n, sp):
     assert all(run_world(_vocab, n, args=(sp,)))
 
 
-def _vocab_ce(rank, n, ignore):
-    V = 11
+def _vocab_ce(rank, n, ignore, V=11):
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((4, 3, V)) * 3
     t = rng.integers(0, V, (4, 3))
@@ -181,6 +188,12 @@ def _vocab_ce(rank, n, ignore):
 @pytest.mark.parametrize("ignore", [False, True])
 def test_vocab_parallel_cross_entropy_equals_cross_entropy(n, ignore):
     assert all(run_world(_vocab_ce, n, args=(ignore,)))
+
+
+def test_vocab_parallel_cross_entropy_with_fewer_classes_than_ranks():
+    # 2 classes over 3 ranks: rank 2 holds no logits.  Before, it raised ValueError
+    # in reshape(-1, 0), and the all-reduce ranks 0 and 1 were in failed with it.
+    assert all(run_world(_vocab_ce, 3, args=(False, 2), timeout=30))
 
 
 def _vocab_ce_low_precision(rank, n, dtype_name):

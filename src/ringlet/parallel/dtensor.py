@@ -314,7 +314,7 @@ def _identity(op: ReduceOp, dtype: np.dtype) -> Any:
         return 0
     if op == ReduceOp.PROD:
         return 1
-    if dtype.kind == "f":
+    if dtype.kind == "f" or dtype.name == "bfloat16":  # bfloat16: ml_dtypes, kind "V"
         return -np.inf if op == ReduceOp.MAX else np.inf
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
@@ -393,7 +393,7 @@ class DTensor:
             if tuple(local.shape) != want:
                 raise ValueError(f"local array has shape {local.shape}, but placements "
                                  f"{placements} of a global {shape} give this rank {want}")
-            local = np.ascontiguousarray(local)
+            local = np.asarray(local, order="C")  # ascontiguousarray would make 0-d 1-d
         self._local = local
         self.mesh = mesh
         self.placements: Tuple[Placement, ...] = tuple(placements)
@@ -749,7 +749,9 @@ def distribute(array: Optional[np.ndarray], mesh: DeviceMesh, placements: Sequen
       dimension the rank holding the data scatters the pieces
       (``scatter_v``), along the others it broadcasts its piece.  So a rank
       receives its own piece, or the piece of the outer Shard dimensions it
-      passes on, never the whole array unless its placements replicate it.
+      passes on, never the whole array unless its placements replicate it
+      or make it Partial (broadcast like Replicate, then filled as below,
+      as torch's ``distribute_tensor`` broadcasts and then partitions).
 
     Partial placements treat the array as the logical value: for SUM the
     rank at coordinate 0 of that mesh dimension holds it and the others
@@ -789,7 +791,7 @@ def distribute(array: Optional[np.ndarray], mesh: DeviceMesh, placements: Sequen
         shape = tuple(array.shape)
         # From all-Replicate, outermost mesh dim first: local slices only.
         cur: List[Placement] = [Replicate()] * mesh.ndim
-        tmp = DTensor(np.ascontiguousarray(array), mesh, cur, shape, _checked=True)
+        tmp = DTensor(np.asarray(array, order="C"), mesh, cur, shape, _checked=True)
         local = tmp._local
         for i in range(mesh.ndim):
             if ps[i] != cur[i]:
@@ -837,7 +839,7 @@ def _meta_over_mesh(array: Optional[np.ndarray], mesh: DeviceMesh, src: int,
             except TypeError as exc:
                 meta = [None, None, str(exc)]
             else:
-                full = np.ascontiguousarray(array)
+                full = np.asarray(array, order="C")
                 meta = [list(full.shape), code, None]
     for k in range(mesh.ndim):
         # Ranks agreeing with the source on every dim after k take part at step k.

@@ -95,6 +95,12 @@ def _order(size: int) -> List[int]:
     return list(range(size))
 
 
+def _rows(a: np.ndarray, width: int) -> np.ndarray:
+    """``a`` as a (rows, width) matrix.  The row count is explicit: a rank whose array_split
+    slice is empty has width 0, and numpy refuses ``reshape(-1, 0)``."""
+    return a.reshape(int(np.prod(a.shape[:-1], dtype=np.int64)), width)
+
+
 def _gather_seq(group: Any, x: np.ndarray, seq_dim: int, what: str) -> Tuple[np.ndarray, List[int]]:
     """All-gather sequence shards of any (array_split) sizes; returns (whole, sizes).
 
@@ -235,9 +241,9 @@ class ColumnParallelLinear(Module):
         if self.gather_output and self.tp_size > 1:
             # Every rank received the same full gradient; keep this rank's columns.
             g = np.ascontiguousarray(g[..., self.output_start:self.output_stop])
-        g2 = g.reshape(-1, w.shape[0])
+        g2 = _rows(g, w.shape[0])
         if self.weight.requires_grad:
-            self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features))
+            self.weight.accumulate_grad(g2.T @ _rows(x, self.in_features))
         if self.bias is not None and self.bias.requires_grad:
             self.bias.accumulate_grad(g2.sum(axis=0))
         gx = np.ascontiguousarray(g @ w)  # this rank's part of the input gradient
@@ -356,7 +362,7 @@ class RowParallelLinear(Module):
                                 self.sequence_dim, seq_sizes)
         g2 = g.reshape(-1, self.out_features)
         if self.weight.requires_grad:
-            self.weight.accumulate_grad(g2.T @ x.reshape(-1, w.shape[1]))
+            self.weight.accumulate_grad(g2.T @ _rows(x, w.shape[1]))
         gx = np.ascontiguousarray(g @ w)
         if not self.input_is_parallel and self.tp_size > 1:
             gx = _dt.gather_axis(self.group, _order(self.tp_size), gx, gx.ndim - 1,
@@ -526,7 +532,7 @@ def vocab_parallel_cross_entropy(logits: Any, targets: Any, vocab_size: int, *,
     # float16/bfloat16 logits: max, exponentials, their sum (and its all-reduce)
     # run in float32; a float16 sum of exponentials overflows past 65504 terms.
     ct = np.float32 if z.dtype.itemsize < 4 else z.dtype
-    z2 = z.reshape(-1, stop - start).astype(ct, copy=False)
+    z2 = _rows(z, stop - start).astype(ct, copy=False)
     keep = np.ones(t.shape, bool) if ignore_index is None else (t != ignore_index)
     tk = t[keep]
     if tk.size and (tk.min() < 0 or tk.max() >= vocab_size):
