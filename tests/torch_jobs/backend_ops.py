@@ -151,6 +151,29 @@ t = full(1.0)
 dist.all_reduce(t)
 assert torch.all(t == P)
 
+# all_gather_coalesced: output_tensor_lists[q][i] receives rank q's input i (torch's
+# layout, the transpose of all_gather's list); it was read as all_gather's, so three
+# inputs raised and P inputs landed transposed.  torch's documented example, then P inputs.
+ins = [torch.full((2, 2), float(r)), torch.full((1,), 10.0 * r), torch.full((2,), 100.0 * r + 1)]
+outs = [[torch.full_like(x, -1.0) for x in ins] for _ in range(P)]
+dist.all_gather_coalesced(outs, ins)
+for q in range(P):
+    assert [o.tolist() for o in outs[q]] == [[[q, q], [q, q]], [10 * q], [100 * q + 1] * 2], \
+        (q, outs[q])
+ins = [torch.full((3,), float(r * P + i), dtype=torch.float64) for i in range(P)]
+outs = [[torch.empty(3, dtype=torch.float64) for _ in range(P)] for _ in range(P)]
+dist.all_gather_coalesced(outs, ins, async_op=True).wait()
+assert [[o[0].item() for o in outs[q]] for q in range(P)] == \
+    [[float(q * P + i) for i in range(P)] for q in range(P)], outs
+refused(lambda: dist.all_gather_coalesced([[torch.empty(2)]] * (P + 1), [torch.empty(2)]),
+        f"{P + 1} output lists for a group of {P} ranks")
+refused(lambda: dist.all_gather_coalesced([[torch.empty(2)]] * (P - 1) + [[torch.empty(3)]],
+                                          [torch.empty(2)]),
+        f"output_lists[{P - 1}][0] has 3 elements but input 0 has 2")
+t = full(1.0)
+dist.all_reduce(t)
+assert torch.all(t == P)
+
 # async work and futures: wait(), get_future().then(), value is the list of tensors
 t = full(1.0, 1000)
 w = dist.all_reduce(t, async_op=True)

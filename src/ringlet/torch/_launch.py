@@ -2,32 +2,46 @@
 
 ``ringlet run`` sets RINGLET_* only.  torch's env:// rendezvous needs RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT and a TCPStore there.  Rank 0 serves
-that TCPStore on a port the OS picks and publishes the port in the launcher's
-(authenticated) ringlet store; every rank then sets the variables with
-TORCHELASTIC_USE_AGENT_STORE=True, so torch's rank 0 joins that store as a
-client instead of binding another, as under torchrun.
+that TCPStore on a port the OS picks, on the address ringlet binds on its host,
+and publishes ``host:port`` in the launcher's (authenticated) ringlet store;
+every rank then sets the variables with TORCHELASTIC_USE_AGENT_STORE=True, so
+torch's rank 0 joins that store as a client instead of binding another, as
+under torchrun.
+
+RANK set means torchrun (or the user) set torch's variables: they are left
+alone.  A MASTER_ADDR / MASTER_PORT without RANK is replaced: neither launcher
+sets them, so they are left from an earlier torchrun session, and kept they
+would send torch's rendezvous to a stale address (``ringlet.environment``
+passes them over under mpirun and srun for the same reason).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
-_KEY = "ringlet/torch/master_port"
+from ringlet.errors import RendezvousError
+
+_KEY = "ringlet/torch/master_addr"
 _served: Optional[Any] = None  # rank 0's TCPStore, alive for the process
+_log = logging.getLogger("ringlet")
 
 
 def export_env(timeout: float = 300.0) -> bool:
     """Set torch's env:// variables from ``ringlet run``'s; True when it did.
 
     Under mpirun (with mpi4py) the same, with MPI carrying the address.
-    Does nothing elsewhere or when RANK / MASTER_PORT are already set
-    (torchrun, or by hand).
+    Does nothing elsewhere, when RANK is already set (torchrun, or by hand),
+    or without a store served before ``init`` (RINGLET_EXTERNAL_STORE=1, as
+    ``ringlet run`` sets).  A MASTER_ADDR / MASTER_PORT is replaced (logged at
+    debug level).
     """
     global _served
     env = os.environ
-    if "RANK" in env or "MASTER_PORT" in env:
+    if "RANK" in env:
         return False
     if "RINGLET_RANK" not in env and "OMPI_COMM_WORLD_RANK" not in env \
             and "PMI_RANK" not in env:
@@ -38,7 +52,10 @@ def export_env(timeout: float = 300.0) -> bool:
     le = environment.detect()
     if le is not None and le.source in ("openmpi", "mpich"):
         return _export_from_mpi(le, timeout)
-    if le is None or le.source != "ringlet" or not le.master_addr or not le.master_port:
+    # Without ringlet run's store (RINGLET_* set by hand) nobody serves one until
+    # rank 0's init: publishing there would wait out the timeout at import.
+    if le is None or le.source != "ringlet" or not le.master_addr or not le.master_port \
+            or env.get("RINGLET_EXTERNAL_STORE") != "1":
         return False
     secret = environment.load_secret()
     if secret is None:
@@ -48,19 +65,29 @@ def export_env(timeout: float = 300.0) -> bool:
     store = Store(le.master_addr, int(le.master_port), secret=secret, timeout=timeout)
     try:
         if le.rank == 0:
-            _served = dist.TCPStore(le.master_addr, 0, is_master=True, wait_for_workers=False,
+            # Where ringlet binds on this host: rank 0 need not run on the launcher's
+            # host (`ringlet run --hosts`), whose address it cannot bind.
+            host = environment.select_bind_address(le.master_addr, env.get("RINGLET_IFNAME"))
+            _served = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout))
-            port = _served.port
-            store.set(_KEY, str(port).encode())
+            addr = f"{host}:{_served.port}"
+            store.set(_KEY, addr.encode())
         else:
-            port = int(store.get(_KEY, timeout=timeout).decode())
+            addr = store.get(_KEY, timeout=timeout).decode()
     finally:
         store.close()
-    _set(le, le.master_addr, port)
+    host, _, port = addr.rpartition(":")
+    _set(le, host, int(port))
     return True
 
 
 def _set(le: Any, addr: str, port: int) -> None:
+    stale = [f"{n}={os.environ[n]}" for n in ("MASTER_ADDR", "MASTER_PORT") if n in os.environ]
+    if stale:
+        _log.debug("ringlet: rank %d: %s replaced by %s:%d (torch's store, served by rank 0 "
+                   "under %s); MASTER_ADDR/MASTER_PORT are torchrun's, often left from an "
+                   "earlier job", le.rank, ", ".join(stale), addr, port,
+                   "ringlet run" if le.source == "ringlet" else le.source)
     os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size),
                       LOCAL_RANK=str(le.local_rank), LOCAL_WORLD_SIZE=str(le.local_world_size),
                       MASTER_ADDR=addr, MASTER_PORT=str(port),
@@ -69,28 +96,74 @@ def _set(le: Any, addr: str, port: int) -> None:
 
 def _export_from_mpi(le: Any, timeout: float) -> bool:
     """Under mpirun: rank 0 serves torch's TCPStore, MPI (the trusted channel) carries
-    its address.  Needs mpi4py, as ringlet's own MPI bootstrap does."""
+    its address.  Needs mpi4py, as ringlet's own MPI bootstrap does, and goes as it
+    does (``environment.mpi_bootstrap``): hosts told apart by the same-host identity
+    (host names are often alike on every node), non-blocking collectives polled
+    against the deadline, rank 0's failure told to every rank."""
     global _served
     try:
         from mpi4py import MPI
     except ImportError:
         return False  # then RANK / MASTER_* must be set by hand, as for gloo
-    import socket
-
     import torch.distributed as dist
 
     from ringlet import environment
+    from ringlet._topology import host_id
 
     comm = MPI.COMM_WORLD
-    hosts = set(comm.allgather(socket.gethostname()))
-    addr = None
-    if comm.Get_rank() == 0:
-        addr = le.master_addr or ("127.0.0.1" if len(hosts) == 1
-                                  else environment.select_bind_address(None, os.environ.get(
-                                      "RINGLET_IFNAME")))
-        _served = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                                timeout=timedelta(seconds=timeout))
-        addr = (addr, _served.port)
-    addr, port = comm.bcast(addr, root=0)
-    _set(le, addr, port)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    deadline = time.monotonic() + timeout
+    n = environment._ID_BYTES
+    mine = bytearray(host_id().encode()[:n].ljust(n, b"\0"))
+    ids = bytearray(n * size)
+    _mpi_wait(comm.Iallgather([mine, MPI.BYTE], [ids, MPI.BYTE]), deadline,
+              "the host identity exchange", rank)
+    hosts = len({bytes(ids[i:i + n]) for i in range(0, len(ids), n)})
+    buf = bytearray(environment._BCAST_BYTES)
+    failure: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            addr = le.master_addr or _mpi_store_host(environment, hosts)
+            _served = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout))
+            body = b"\0" + f"{addr}:{_served.port}".encode()
+        except Exception as exc:  # noqa: BLE001 - every rank must hear why
+            failure = exc
+            body = b"\1" + f"{type(exc).__name__}: {exc}".encode()[:len(buf) - 1]
+        buf[:len(body)] = body
+    _mpi_wait(comm.Ibcast([buf, MPI.BYTE], root=0), deadline, "the store-address broadcast",
+              rank)
+    if failure is not None:
+        raise failure
+    msg = bytes(buf[1:]).rstrip(b"\0").decode("utf-8", "replace")
+    if buf[0]:
+        raise RendezvousError(f"rank {rank}: rank 0 could not serve torch's store: {msg}",
+                              rank=rank, peer=0)
+    host, _, port = msg.rpartition(":")
+    _set(le, host, int(port))
     return True
+
+
+def _mpi_wait(req: Any, deadline: float, what: str, rank: int) -> None:
+    # MPI's blocking collectives have no deadline (and across the test bed's hosts
+    # Open MPI's never finished where this polling did).
+    pause = 0.0002
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"rank {rank}: `import ringlet.torch` under MPI timed out "
+                                  f"during {what}: some rank never imported it", rank=rank)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+def _mpi_store_host(environment: Any, hosts: int) -> str:
+    # As ringlet's MPI bootstrap chooses (environment.mpi_bootstrap): loopback
+    # only when every rank shares rank 0's host.
+    ifname = os.environ.get("RINGLET_IFNAME")
+    if ifname and ifname.strip():
+        addr = environment.select_bind_address(None, ifname)
+        if hosts > 1 and environment.is_loopback(addr):
+            raise RendezvousError(f"RINGLET_IFNAME={ifname!r} selects loopback but the job "
+                                  f"spans {hosts} hosts")
+        return addr
+    return environment._routable_address() if hosts > 1 else "127.0.0.1"

@@ -329,7 +329,40 @@ class RingletProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],
                             inputs: List[torch.Tensor], opts: Any = None) -> Any:
-        return self.allgather(output_lists, inputs, opts)
+        # torch's layout: output_lists[q][i] receives rank q's inputs[i] (one list per
+        # rank, the transpose of allgather's), so rank q's block of one all_gather of
+        # the concatenated inputs is output_lists[q] back to back.
+        opts = opts or AllgatherOptions()
+        a = self._async(opts)
+        t = self._t(opts)
+        P = self.size()
+        if len(output_lists) != P:
+            raise ValueError(f"allgather_coalesced: {len(output_lists)} output lists for a "
+                             f"group of {P} ranks (one per rank)")
+        dtypes = {y.dtype for y in inputs}
+        if len(dtypes) > 1:
+            raise TypeError("allgather_coalesced: inputs must share one dtype, got "
+                            f"{sorted(str(d) for d in dtypes)}")
+        for q, outs in enumerate(output_lists):
+            if len(outs) != len(inputs):
+                raise ValueError(f"allgather_coalesced: output list {q} has {len(outs)} "
+                                 f"tensors but there are {len(inputs)} inputs")
+            for i, (o, y) in enumerate(zip(outs, inputs)):
+                if o.dtype != y.dtype:
+                    raise TypeError(f"allgather_coalesced: output_lists[{q}][{i}] is "
+                                    f"{o.dtype} but input {i} is {y.dtype}")
+                if o.numel() != y.numel():
+                    raise ValueError(f"allgather_coalesced: output_lists[{q}][{i}] has "
+                                     f"{o.numel()} elements but input {i} has {y.numel()}")
+        x = _flat(inputs)
+        outs = [o for outs in output_lists for o in outs]
+        flat = _span(outs, x.dtype)
+        after = None
+        if flat is None:  # tensors apart: gathered into a temporary, copied out after
+            flat = torch.empty(P * x.numel(), dtype=x.dtype)
+            after = lambda: _unflat_into(flat, outs)  # noqa: E731
+        w = self._g.all_gather(flat, x, async_op=a, timeout=t)
+        return self._work([w], outs, after)
 
     def reduce_scatter(self, outputs: List[torch.Tensor],
                        input_lists: List[List[torch.Tensor]], opts: Any = None) -> Any:
