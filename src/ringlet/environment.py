@@ -669,14 +669,15 @@ _ID_BYTES = 64  # a same-host identity (ringlet._topology.host_id) is at most 64
 _BCAST_BYTES = 1024
 
 
-def _mpi_wait(req, deadline: float, what: str, rank: int) -> None:
+def _mpi_wait(req, deadline: float, what: str, rank: int, *,
+              step: str = "MPI bootstrap", reached: str = "ringlet.init()") -> None:
     # MPI's blocking collectives have no timeout; a non-blocking one polled
     # against our deadline turns a missing rank into an error, not a hang.
     pause = 0.0002
     while not req.Test():
         if time.monotonic() > deadline:
-            raise RendezvousError(f"rank {rank}: MPI bootstrap timed out during {what}: some "
-                                  f"rank never reached ringlet.init()", rank=rank)
+            raise RendezvousError(f"rank {rank}: {step} timed out during {what}: some "
+                                  f"rank never reached {reached}", rank=rank)
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
 

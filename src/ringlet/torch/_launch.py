@@ -28,6 +28,8 @@ from ringlet.errors import RendezvousError
 _KEY = "ringlet/torch/master_addr"
 _served: Optional[Any] = None  # rank 0's TCPStore, alive for the process
 _log = logging.getLogger("ringlet")
+# How a timed-out MPI exchange of the import reads (environment._mpi_wait).
+_TORCH_WAIT = {"step": "`import ringlet.torch` under MPI", "reached": "it"}
 
 
 def export_env(timeout: float = 300.0) -> bool:
@@ -109,6 +111,7 @@ def _export_from_mpi(le: Any, timeout: float) -> bool:
 
     from ringlet import environment
     from ringlet._topology import host_id
+    from ringlet.environment import _mpi_wait
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -117,7 +120,7 @@ def _export_from_mpi(le: Any, timeout: float) -> bool:
     mine = bytearray(host_id().encode()[:n].ljust(n, b"\0"))
     ids = bytearray(n * size)
     _mpi_wait(comm.Iallgather([mine, MPI.BYTE], [ids, MPI.BYTE]), deadline,
-              "the host identity exchange", rank)
+              "the host identity exchange", rank, **_TORCH_WAIT)
     hosts = len({bytes(ids[i:i + n]) for i in range(0, len(ids), n)})
     buf = bytearray(environment._BCAST_BYTES)
     failure: Optional[BaseException] = None
@@ -132,7 +135,7 @@ def _export_from_mpi(le: Any, timeout: float) -> bool:
             body = b"\1" + f"{type(exc).__name__}: {exc}".encode()[:len(buf) - 1]
         buf[:len(body)] = body
     _mpi_wait(comm.Ibcast([buf, MPI.BYTE], root=0), deadline, "the store-address broadcast",
-              rank)
+              rank, **_TORCH_WAIT)
     if failure is not None:
         raise failure
     msg = bytes(buf[1:]).rstrip(b"\0").decode("utf-8", "replace")
@@ -142,18 +145,6 @@ def _export_from_mpi(le: Any, timeout: float) -> bool:
     host, _, port = msg.rpartition(":")
     _set(le, host, int(port))
     return True
-
-
-def _mpi_wait(req: Any, deadline: float, what: str, rank: int) -> None:
-    # MPI's blocking collectives have no deadline (and across the test bed's hosts
-    # Open MPI's never finished where this polling did).
-    pause = 0.0002
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"rank {rank}: `import ringlet.torch` under MPI timed out "
-                                  f"during {what}: some rank never imported it", rank=rank)
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
 
 
 def _mpi_store_host(environment: Any, hosts: int) -> str:
