@@ -667,3 +667,115 @@ def _gather_and_all_to_all_buffers(rank, n, ranks):
 @pytest.mark.parametrize("n,ranks", [(2, None), (3, None), (3, [2, 0, 1])])
 def test_gather_and_all_to_all_use_the_arrays_in_place(n, ranks):
     assert all(run_world(_gather_and_all_to_all_buffers, n, args=(ranks,)))
+
+
+def _mixed_partials(rank, n):
+    # Partial on two mesh dimensions with different ops.  With pieces x[a][b], SUM
+    # over "a" and MAX over "b" is max_b(sum_a x) or sum_a(max_b x) by which
+    # dimension is reduced first.  Before, both were accepted: full_tensor() reduced
+    # "a" first, redistribute([Partial(SUM), Replicate()]) reduced "b" first, and
+    # [Replicate(), Partial(SUM)] -> [Partial(PROD), Partial(SUM)] filled ones that
+    # the SUM over "b" then added up: values silently wrong.
+    mesh = DeviceMesh((2, 2), ("a", "b"))
+    a, b = mesh.coordinate
+    pieces = np.arange(4 * 15, dtype=np.float64).reshape(2, 2, 5, 3) % 7 - 3
+    mine = pieces[a, b].copy()
+    S, M, N, P, A = (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD, ReduceOp.AVG)
+    for ops in ((S, M), (M, S), (M, N), (P, S), (A, P), (A, M)):
+        ps = [Partial(ops[0]), Partial(ops[1])]
+        with pytest.raises(ValueError, match="do not commute") as info:
+            DTensor.from_local(mine, mesh, ps)
+        assert all(op.name in str(info.value) for op in ops), str(info.value)
+        with pytest.raises(ValueError, match="do not commute"):
+            DTensor.from_local(mine, mesh, ps, shape=(5, 3))
+        with pytest.raises(ValueError, match="do not commute"):
+            DTensor(mine, mesh, ps, (5, 3))
+        with pytest.raises(ValueError, match="do not commute"):
+            distribute(pieces[0, 0], mesh, ps)
+        with pytest.raises(ValueError, match="do not commute"):
+            distribute(pieces[0, 0] if rank == 0 else None, mesh, ps, src=0, timeout=10)
+        x = DTensor.from_local(mine, mesh, [Partial(ops[0]), Replicate()])
+        with pytest.raises(ValueError, match="do not commute"):
+            x.redistribute(ps)
+    # Ops that commute: the same op twice, or SUM with AVG.  numpy oracle: reduce the
+    # piece grid over "a" with the first op, then over "b" with the second; every
+    # redistribution (through either order) must give that value.
+    red = {S: np.sum, A: np.mean, M: np.max, N: np.min, P: np.prod}
+    count = 0
+    for ops in ((S, A), (A, S), (A, A), (M, M), (N, N), (P, P)):
+        want = red[ops[1]](red[ops[0]](pieces, axis=0), axis=0)
+        x = DTensor.from_local(mine, mesh, [Partial(ops[0]), Partial(ops[1])])
+        np.testing.assert_allclose(x.full_tensor(), want, rtol=1e-12)
+        choices = [Shard(0), Shard(1), Replicate(), Partial(ops[0]), Partial(ops[1])]
+        for dst in itertools.product(choices, repeat=2):
+            y = x.redistribute(dst)
+            np.testing.assert_allclose(y.full_tensor(), want, rtol=1e-12, err_msg=str(dst))
+            count += 1
+        # From the logical value: distribute fills each Partial dimension with op's rule.
+        z = distribute(want, mesh, [Partial(ops[0]), Partial(ops[1])])
+        np.testing.assert_allclose(z.full_tensor(), want, rtol=1e-12)
+    return count
+
+
+def test_partial_ops_that_do_not_commute_are_refused():
+    # 25 targets per op pair, all allowed: each Partial op in `choices` commutes.
+    assert run_world(_mixed_partials, 4, timeout=120) == [6 * 25] * 4
+
+
+def _given_shape(rank, n):
+    mesh = DeviceMesh((2, 2), ("a", "b"))
+    a, b = mesh.coordinate
+    ps = [Shard(0), Shard(1)]
+    piece = expected_piece(GLOBAL, mesh.shape, ps, mesh.coordinate)   # uneven: (4|3, 3|2)
+    # A shape the pieces do not fit: the error names this rank, its piece, the
+    # placements and the shape (before, neither the rank nor its coordinate).
+    with pytest.raises(ValueError) as info:
+        DTensor.from_local(piece.copy(), mesh, ps, shape=(9, 5))
+    msg = str(info.value)
+    for part in (f"world rank {rank} (mesh coordinate ({a}, {b}))",
+                 f"local array has shape {piece.shape}", "(Shard(0), Shard(1))", "(9, 5)"):
+        assert part in msg, msg
+    with pytest.raises(ValueError, match="negative"):
+        DTensor.from_local(np.zeros((0, 5)), mesh, [Replicate(), Replicate()], shape=(-1, 5))
+    # Valid uneven and empty pieces are accepted, checked or not.
+    for check in (False, True):
+        x = DTensor.from_local(piece.copy(), mesh, ps, shape=(7, 5), run_check=check)
+        np.testing.assert_array_equal(x.full_tensor(), GLOBAL)
+        tiny = GLOBAL[:1, :3]   # 1 row over 2 ranks, then 3 cols: some pieces are empty
+        tp = expected_piece(tiny, mesh.shape, [Shard(0), Shard(0)], mesh.coordinate)
+        y = DTensor.from_local(tp.copy(), mesh, [Shard(0), Shard(0)], shape=(1, 3),
+                               run_check=check)
+        np.testing.assert_array_equal(y.full_tensor(), tiny)
+    # Each rank computing the shape from its own piece: (8, 5) on b=0, (6, 5) on b=1.
+    # Each fits its own rank; run_check finds that the ranks disagree.
+    rows = expected_piece(GLOBAL, mesh.shape, [Replicate(), Shard(0)], mesh.coordinate)
+    own = (rows.shape[0] * 2, 5)
+    with pytest.raises(ValueError) as info:
+        DTensor.from_local(rows.copy(), mesh, [Replicate(), Shard(0)], shape=own,
+                           run_check=True, timeout=10)
+    msg = str(info.value)
+    assert "different global shapes" in msg, msg
+    assert "world ranks [0, 2]: shape (8, 5), float64" in msg, msg
+    assert "world ranks [1, 3]: shape (6, 5), float64" in msg, msg
+    # Dtypes differing along a Replicate dimension: the inferred shape compares
+    # nothing there; run_check does.
+    dt = np.float32 if rank == 3 else np.float64
+    with pytest.raises(ValueError) as info:
+        DTensor.from_local(np.zeros((2, 3), dt), mesh, [Replicate(), Replicate()],
+                           run_check=True, timeout=10)
+    assert "world ranks [3]: shape (2, 3), float32" in str(info.value), str(info.value)
+    # One rank's piece does not fit: with run_check every rank raises, naming it.
+    bad = np.zeros((9, 9)) if rank == 2 else piece.copy()
+    with pytest.raises(ValueError) as info:
+        DTensor.from_local(bad, mesh, ps, shape=(7, 5), run_check=True, timeout=10)
+    msg = str(info.value)
+    assert "world rank 2 (mesh coordinate (1, 0)): local array has shape (9, 9)" in msg, msg
+    assert "every rank of the mesh raises" in msg, msg
+    # Nothing stale is left: a good checked call right after agrees everywhere.
+    x = DTensor.from_local(piece.copy(), mesh, ps, shape=(7, 5), run_check=True, timeout=10)
+    np.testing.assert_array_equal(x.full_tensor(), GLOBAL)
+    return True
+
+
+def test_from_local_with_a_given_shape():
+    assert all(run_world(_given_shape, 4, timeout=60))

@@ -237,6 +237,30 @@ def test_bad_arguments_raise_before_any_group():
     assert all(run_world(_bad, 4))
 
 
+def _ragged(rank, n):
+    # Before, numpy's "inhomogeneous shape" error named neither ranks nor the rows.
+    with pytest.raises(ValueError, match=r"ranks is a ragged nested list \(ranks\[0\] has 3 "
+                                         r"entries but ranks\[1\] has 1 entry\).*shape \(2, 2\)"):
+        DeviceMesh((2, 2), ranks=[[0, 1, 2], [3]])
+    with pytest.raises(ValueError, match=r"ragged.*ranks\[0\]\[0\] has 2 entries but "
+                                         r"ranks\[0\]\[1\] has 1 entry"):
+        DeviceMesh((1, 2, 2), ranks=[[[0, 1], [2]]])
+    with pytest.raises(ValueError, match=r"ragged.*ranks\[0\] is a single rank but ranks\[1\] "
+                                         r"has 2 entries"):
+        DeviceMesh((4,), ranks=(0, (1, 2), 3))
+    # Rows of numpy arrays are nested lists too; a well-formed grid still builds.
+    with pytest.raises(ValueError, match=r"ragged.*ranks\[1\] has 1 entry"):
+        DeviceMesh((2, 2), ranks=[np.array([0, 1]), np.array([3])])
+    mesh = DeviceMesh((2, 2), ranks=[np.array([3, 1]), (0, 2)])
+    assert mesh.mesh.tolist() == [[3, 1], [0, 2]]
+    mesh.close()
+    return True
+
+
+def test_ragged_ranks_name_the_rows():
+    assert all(run_world(_ragged, 4))
+
+
 def test_mesh_desync_is_detected():
     # Rank 1 builds a different layout: new_group reports the mismatch.
     def fn(rank, n):

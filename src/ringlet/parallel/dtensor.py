@@ -14,7 +14,11 @@ along that dimension:
 * ``Partial(op)``: every rank holds an array of the full (piece) shape and
   the logical value is their reduction with ``op`` (SUM by default; PROD,
   MIN, MAX and AVG too).  Partial sums are what a row-parallel matmul
-  leaves before its all-reduce.
+  leaves before its all-reduce.  Several mesh dimensions may be Partial
+  with the same op, or with SUM and AVG mixed (linear, so the order of
+  reduction does not matter); other mixes (SUM with MAX, MIN with MAX,
+  PROD with anything else) are refused with ``ValueError``, since their
+  value would depend on which mesh dimension is reduced first.
 
 Several mesh dimensions may shard the same tensor dimension; they nest in
 mesh-dimension order (mesh dimension 0 cuts the array, dimension 1 cuts
@@ -65,6 +69,9 @@ __all__ = ["Placement", "Shard", "Replicate", "Partial", "DTensor", "distribute"
            "shard_sizes"]
 
 _PARTIAL_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)
+# Partial ops that may differ between mesh dimensions: both linear, so reducing the
+# dimensions in either order (and filling with SUM's zeros) gives the same value.
+_COMMUTING_OPS = {ReduceOp.SUM, ReduceOp.AVG}
 
 
 class Placement:
@@ -350,6 +357,14 @@ def _check_placements(placements: Any, mesh: DeviceMesh, ndim: int, *,
             elif strict:
                 raise ValueError(f"{p!r} is out of range for a {ndim}-D array")
         out.append(p)
+    ops = sorted({p.op for p in out if isinstance(p, Partial)})
+    if len(ops) > 1 and not set(ops) <= _COMMUTING_OPS:
+        raise ValueError(f"placements {tuple(out)} mix Partial reductions "
+                         f"{' and '.join(op.name for op in ops)} on different mesh dimensions: "
+                         f"they do not commute, so the logical value would depend on the order "
+                         f"in which the mesh dimensions are reduced.  Use one reduction for "
+                         f"every Partial dimension (SUM and AVG may mix), or reduce the partial "
+                         f"values along one mesh dimension first")
     return tuple(out)
 
 
@@ -389,10 +404,9 @@ class DTensor:
             shape = tuple(int(s) for s in shape)
             placements = _check_placements(placements, mesh, len(shape))
             mesh._require_member("DTensor")
-            want = _local_shape(shape, mesh, placements, mesh.coordinate)
-            if tuple(local.shape) != want:
-                raise ValueError(f"local array has shape {local.shape}, but placements "
-                                 f"{placements} of a global {shape} give this rank {want}")
+            problem = _fit_problem(local, mesh, placements, shape)
+            if problem is not None:
+                raise ValueError(f"DTensor: {problem}")
             local = np.asarray(local, order="C")  # ascontiguousarray would make 0-d 1-d
         self._local = local
         self.mesh = mesh
@@ -402,7 +416,7 @@ class DTensor:
     # ---- construction --------------------------------------------------------------
     @classmethod
     def from_local(cls, local: np.ndarray, mesh: DeviceMesh, placements: Sequence[Placement],
-                   *, shape: Optional[Sequence[int]] = None,
+                   *, shape: Optional[Sequence[int]] = None, run_check: bool = False,
                    timeout: Optional[float] = None) -> "DTensor":
         """Wrap this rank's piece ``local`` as a DTensor (no data is copied between ranks).
 
@@ -410,25 +424,39 @@ class DTensor:
             local: this rank's piece (for Partial dimensions, its partial value).
             mesh: the mesh.
             placements: one per mesh dimension.
-            shape: the global shape, trusted as given (each rank checks only
-                that its own piece fits it; nothing is communicated).  When
+            shape: the global shape.  Each rank checks that its own piece is
+                its ``numpy.array_split`` piece of it (uneven and empty pieces
+                included); nothing is communicated, so ranks that pass
+                different shapes go unnoticed unless ``run_check``.  When
                 omitted it is inferred collectively: along each sharded mesh
                 dimension the pieces' sizes (and a digest of their dtype and
                 other sizes) are all-gathered, 24 bytes per rank; on a mesh of
                 more than one dimension every rank then learns, with one
                 8-byte all-reduce per mesh dimension, whether any line failed.
-            timeout: for that inference.
+            run_check: also check, collectively over the whole mesh, that
+                every rank has the same global shape, dtype and placements and
+                that every rank's piece fits: one 24-byte all-reduce per mesh
+                dimension (one all-gather of the ranks' arguments per mesh
+                dimension more, on failure only, to name them).  Off by
+                default: passing ``shape`` is the way to wrap without
+                communicating.
+            timeout: for the inference and the check.
         Returns:
             The ``DTensor``.
         Raises:
-            TypeError / ValueError: bad arguments; without ``shape``, pieces
+            TypeError / ValueError: bad arguments; a piece that does not fit
+                the given ``shape`` (naming the world rank, its local shape,
+                the placements and the shape; with ``run_check`` every rank of
+                the mesh raises); with ``run_check``, ranks that disagree on
+                the shape, dtype or placements (every rank raises, naming them
+                all); without ``shape``, pieces
                 whose sizes do not follow ``numpy.array_split`` or that differ
                 in ndim, dtype or the sizes of the other tensor dimensions
                 (every rank of the mesh raises ``ValueError``; the ranks whose
                 line failed name each piece's world rank and sizes, which takes
                 one more all-gather of those shapes on that line, the others
                 name the first such world rank).  Along Replicate and Partial
-                dimensions nothing is compared.
+                dimensions the inference compares nothing (``run_check`` does).
             RingletError: the mesh was closed.
 
         Example::
@@ -441,19 +469,23 @@ class DTensor:
             raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
         if not isinstance(local, np.ndarray):
             raise TypeError(f"local must be a numpy.ndarray, got {type(local).__name__}")
-        # With the shape inferred, a Shard dim outside this rank's piece (ranks passing
-        # pieces of different ndim) is found with the others: raising here would leave
-        # them waiting in the inference's all-gather.
-        ps = _check_placements(placements, mesh, local.ndim, strict=shape is not None)
+        # With the shape inferred, or checked collectively, a Shard dim outside this
+        # rank's piece (ranks passing pieces of different ndim) is found with the others:
+        # raising here would leave them waiting in a collective.
+        ps = _check_placements(placements, mesh, local.ndim,
+                               strict=shape is not None and not run_check)
         mesh._require_member("from_local")
         mesh._check_open("from_local")
+        problem: Optional[str] = None
         if shape is None:
             shape = _infer_shape(local, mesh, ps, timeout)
         else:
             shape = tuple(int(s) for s in shape)
-            if len(shape) != local.ndim:
-                raise ValueError(f"shape {shape} has {len(shape)} dimensions, the local array "
-                                 f"{local.ndim}")
+            problem = _fit_problem(local, mesh, ps, shape)
+            if problem is not None and not run_check:
+                raise ValueError(f"from_local: {problem}")
+        if run_check:
+            _check_across_mesh(local, mesh, ps, shape, problem, timeout)
         return cls(local, mesh, ps, shape)
 
     # ---- accessors -----------------------------------------------------------------
@@ -635,6 +667,69 @@ def _local_extent(shape, mesh, placements, coord) -> Tuple[Tuple[int, ...], Tupl
 
 def _local_shape(shape, mesh, placements, coord) -> Tuple[int, ...]:
     return _local_extent(shape, mesh, placements, coord)[1]
+
+
+def _fit_problem(local: np.ndarray, mesh: DeviceMesh, ps: Tuple[Placement, ...],
+                 shape: Tuple[int, ...]) -> Optional[str]:
+    """Why ``local`` is not this rank's piece of a global ``shape`` under ``ps``, or None."""
+    me = f"world rank {mesh._me} (mesh coordinate {mesh.coordinate})"
+    if any(s < 0 for s in shape):
+        return f"{me}: the global shape {shape} has a negative size"
+    if len(shape) != local.ndim:
+        return (f"{me}: the global shape {shape} has {len(shape)} dimensions, the local "
+                f"array of shape {tuple(local.shape)} {local.ndim}")
+    for p in ps:
+        if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
+            return f"{me}: {p!r} is out of range for the {len(shape)}-D global shape {shape}"
+    want = _local_shape(shape, mesh, ps, mesh.coordinate)
+    if tuple(local.shape) != want:
+        return (f"{me}: local array has shape {tuple(local.shape)}, but placements {ps} of "
+                f"the global shape {shape} give this rank {want} (numpy.array_split pieces)")
+    return None
+
+
+def _check_across_mesh(local: np.ndarray, mesh: DeviceMesh, ps: Tuple[Placement, ...],
+                       shape: Tuple[int, ...], problem: Optional[str],
+                       timeout: Optional[float]) -> None:
+    """``from_local(run_check=True)``: ValueError on every rank of the mesh unless every
+    rank passed the same global shape, dtype and placements and no rank has a ``problem``.
+
+    One all-reduce(MIN) of three int64 per mesh dimension covers the grid: a digest of
+    the arguments and its negation (equal everywhere iff min == -max), and the smallest
+    world rank with a problem.  Only on failure are the arguments all-gathered, dimension
+    by dimension, so that every rank names them all in the same message.
+    """
+    dt = local.dtype.name if local.dtype.isnative else local.dtype.str
+    text = f"{list(shape)}/{local.dtype.str}/{dt}/{ps!r}".encode()
+    d = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+    big = np.iinfo(np.int64).max
+    v = np.array([d, -d, mesh._me if problem is not None else big], np.int64)
+    for k in range(mesh.ndim):
+        if mesh.shape[k] > 1:
+            mesh.get_group(k).all_reduce(v, ReduceOp.MIN, timeout=timeout)
+    if v[0] == -v[1] and v[2] == big:
+        return
+    entries = [[mesh._me, list(shape), dt, repr(ps), problem]]
+    for k in reversed(range(mesh.ndim)):  # innermost first: lines, then planes, ...
+        if mesh.shape[k] > 1:
+            got = mesh.get_group(k).all_gather_object(entries, timeout=timeout)
+            entries = [e for part in got for e in part]
+    entries.sort(key=lambda e: e[0])
+    kinds: dict = {}
+    for r, shp, dtn, pl, _ in entries:
+        kinds.setdefault((tuple(shp), dtn, pl), []).append(r)
+    msgs = []
+    if len(kinds) > 1:
+        msgs.append("the ranks passed different global shapes, dtypes or placements ("
+                    + "; ".join(f"world ranks {rs}: shape {s}, {dtn}, placements {pl}"
+                                for (s, dtn, pl), rs in kinds.items())
+                    + "); every rank of the mesh must pass the same")
+    bad = [e for e in entries if e[4] is not None]
+    if bad:
+        more = f" (and {len(bad) - 1} more ranks' pieces do not fit)" if len(bad) > 1 else ""
+        msgs.append(bad[0][4] + more)
+    raise ValueError("from_local(run_check=True): " + "; ".join(msgs)
+                     + "; every rank of the mesh raises")
 
 
 def _digest(dtype: np.dtype, dims: Sequence[int]) -> int:

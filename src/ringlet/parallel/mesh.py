@@ -47,6 +47,35 @@ def _int(v: Any, what: str) -> int:
     return int(v)
 
 
+def _nested_shape(x: Any, where: str) -> Tuple[Optional[Tuple[int, ...]], Optional[str]]:
+    """(shape, None) of nested lists/tuples, or (None, which entries disagree) when ragged.
+
+    numpy refuses ragged lists with a message that names neither the argument nor the rows.
+    """
+    if isinstance(x, np.ndarray):
+        return tuple(x.shape), None
+    if not isinstance(x, (list, tuple)):
+        return (), None
+    first: Optional[Tuple[int, ...]] = None
+    for i, e in enumerate(x):
+        s, bad = _nested_shape(e, f"{where}[{i}]")
+        if bad is not None:
+            return None, bad
+        if first is None:
+            first = s
+        elif s != first:
+            return None, (f"{where}[0] {_describe(first)} but {where}[{i}] {_describe(s)}")
+    return (len(x),) + (first or ()), None
+
+
+def _describe(shape: Tuple[int, ...]) -> str:
+    if not shape:
+        return "is a single rank"
+    if len(shape) == 1:
+        return f"has {shape[0]} entr{'y' if shape[0] == 1 else 'ies'}"
+    return f"has shape {shape}"
+
+
 class _Shared:
     """State shared by a mesh and every sub-mesh taken from it."""
 
@@ -180,10 +209,14 @@ class DeviceMesh:
 
     @staticmethod
     def _check_ranks(ranks: Any, shape: Tuple[int, ...], parent_ranks: List[int]) -> np.ndarray:
+        n = int(np.prod(shape))
+        _, ragged = _nested_shape(ranks, "ranks")
+        if ragged is not None:
+            raise ValueError(f"DeviceMesh: ranks is a ragged nested list ({ragged}); the mesh "
+                             f"needs {n} ranks, flat or nested as a grid of shape {shape}")
         arr = np.asarray(ranks)
         if arr.dtype.kind not in "iu":
             raise TypeError(f"DeviceMesh: ranks must be integers, got dtype {arr.dtype}")
-        n = int(np.prod(shape))
         if arr.size != n or (arr.ndim > 1 and arr.shape != shape):
             raise ValueError(f"DeviceMesh: ranks has shape {arr.shape}; the mesh needs {n} "
                              f"ranks, flat or of shape {shape}")
