@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -408,3 +409,71 @@ def test_span_finds_back_to_back_views_only():
     assert _span(list(out.chunk(4)), torch.float64) is None               # another dtype
     assert _span(list(m.chunk(3, dim=1)), torch.float32) is None          # non-contiguous
     assert _span([torch.zeros(0)], torch.float32) is None                 # nothing to span
+
+
+# ---- the in-place tensor forms: output sharing memory with input -----------------------------
+# reduce_scatter_single with output = input.chunk(P)[rank] (in place, as NCCL and gloo take
+# it) and all_to_all_single with one tensor on both sides were refused ("output must not
+# overlap input").  Checked against numpy, the reduce_scatter also against gloo.
+
+def _gloo(store, rank, P):
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, P, timedelta(seconds=60))
+
+
+def _in_place(rank, P, store):
+    pg, seen = _pg()
+    gloo = _gloo(store, rank, P)
+    for dt in _REDUCE_DTYPES:
+        for asynchronous in (True, False):
+            what = (dt, asynchronous)
+            ropts = dist.ReduceScatterOptions()
+            ropts.asyncOp = asynchronous
+            # rank r's block q is _block(r + q); rank q's result is their sum over r.
+            inp = torch.cat([_block(rank + q, 4, dt)[1] for q in range(P)])
+            want = sum(_block(r + rank, 4, dt)[0] for r in range(P))
+            ref = inp.clone()
+            pg.reduce_scatter_single(inp.chunk(P)[rank], inp, ropts).wait()
+            np.testing.assert_array_equal(_f64(inp.chunk(P)[rank]), want, err_msg=str(what))
+            gloo._reduce_scatter_base(ref.chunk(P)[rank], ref, ropts).wait()
+            np.testing.assert_array_equal(_f64(ref.chunk(P)[rank]), want, err_msg=f"gloo {what}")
+            # Coalesced, one pair in place, one apart: only the first through a temporary.
+            inp = torch.cat([_block(rank + q, 4, dt)[1] for q in range(P)])
+            other = inp.clone()
+            apart = torch.zeros(4, dtype=dt)
+            pg.reduce_scatter_single_coalesced([inp.chunk(P)[rank], apart], [inp, other],
+                                               ropts).wait()
+            assert seen.last("reduce_scatter")[0] == _storage(apart), what
+            for o in (inp.chunk(P)[rank], apart):
+                np.testing.assert_array_equal(_f64(o), want, err_msg=str(what))
+            # An output overlapping the input elsewhere than its own block.
+            buf = torch.cat([_block(rank + q, 4, dt)[1] for q in range(P)])
+            pg.reduce_scatter_single(buf[2:6], buf, ropts).wait()
+            np.testing.assert_array_equal(_f64(buf[2:6]), want, err_msg=str(what))
+
+            # all_to_all in place: rank s's block j is _block(s * P + j), rank j keeps it as
+            # block s.  Against numpy only: gloo's in-place all_to_all overwrites blocks
+            # before it sends them.
+            aopts = dist.AllToAllOptions()
+            aopts.asyncOp = asynchronous
+            want = np.concatenate([_block(s * P + rank, 3, dt)[0] for s in range(P)])
+            buf = torch.cat([_block(rank * P + j, 3, dt)[1] for j in range(P)])
+            pg.all_to_all_single(buf, buf, None, None, aopts).wait()
+            assert seen.last("all_to_all")[0] == _storage(buf), what  # the output in place
+            np.testing.assert_array_equal(_f64(buf), want, err_msg=str(what))
+            # Uneven splits (rows of 2), in place: rank s sends (s + j) % P + 1 rows to j,
+            # each row (10 s + j, j); as many rows come in as go out.
+            rows = [(rank + j) % P + 1 for j in range(P)]
+            buf = torch.cat([torch.tensor([[10 * rank + j, j]] * rows[j], dtype=dt)
+                             for j in range(P)])
+            want = np.concatenate([np.array([[10 * s + rank, rank]] * rows[s], np.float64)
+                                   for s in range(P)]).reshape(-1)
+            pg.all_to_all_single(buf, buf, rows, rows, aopts).wait()
+            np.testing.assert_array_equal(_f64(buf), want, err_msg=str(what))
+    return True
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_in_place_reduce_scatter_and_all_to_all_single(P):
+    assert run_world(_in_place, P, timeout=180, args=(dist.HashStore(),)) == [True] * P

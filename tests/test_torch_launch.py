@@ -142,6 +142,48 @@ def test_mpirun_replaces_stale_master_env(tmp_path):
         [f"OK rank={r} size=2 sum=3" for r in range(2)]
 
 
+# ---- a RANK / WORLD_SIZE left from an earlier session ---------------------------------------
+# One RANK for every rank: honoured, each rank of `ringlet run -n 2` became rank 0 of a world of
+# one (or, with a stale MASTER_*, waited on it), training copies apart.
+STALE_RANK = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+STALE_RANK_JOB = textwrap.dedent("""
+    import os
+    import ringlet.torch
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == \\
+        (os.environ["RINGLET_RANK"], os.environ["RINGLET_WORLD_SIZE"]), os.environ["RANK"]
+""") + BACKEND
+
+
+@pytest.mark.parametrize("left", ["by-hand", "torchrun"])
+def test_ringlet_run_replaces_stale_rank(tmp_path, left):
+    # "torchrun": its markers left too; `ringlet run`'s RINGLET_RANK still wins, as for
+    # ringlet.init (docs/launching.md, "Which launcher wins").
+    stale = dict(STALE_RANK, **STALE)
+    if left == "torchrun":
+        stale.update(TORCHELASTIC_RUN_ID="old", GROUP_RANK="0")
+    script = tmp_path / "job.py"
+    script.write_text(STALE_RANK_JOB)
+    out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
+                         env=dict(_env(), **stale), capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(re.findall(r"OK rank=\d size=\d sum=\d", out.stdout)) == \
+        [f"OK rank={r} size=2 sum=3" for r in range(2)]
+
+
+def test_mpirun_refuses_a_disagreeing_stale_rank(tmp_path):
+    # As ringlet.init under mpirun: a RANK / WORLD_SIZE without torchrun's markers that
+    # disagrees with mpirun's is named, not taken (torch took it: both ranks rank 5 of 7).
+    script = tmp_path / "job.py"
+    script.write_text(BACKEND)
+    env = openmpi_env(RINGLET_SECRET="torchrun-test-secret-0123456789",
+                      OMPI_MCA_rmaps_base_oversubscribe="1", RANK="5", WORLD_SIZE="7")
+    out = subprocess.run([openmpi_mpirun(), "-n", "2", "--oversubscribe", sys.executable,
+                          str(script)], env=env, capture_output=True, text=True, timeout=150)
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "conflicting launcher variables: OMPI_COMM_WORLD_RANK=" in out.stderr, out.stderr
+    assert "RANK=5, WORLD_SIZE=7" in out.stderr, out.stderr
+
+
 HAND_JOB = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     import ringlet.torch
@@ -266,3 +308,62 @@ def test_ringlet_run_hosts_rank0_off_the_launchers_host(bed2, tmp_path):
     assert r.returncode == 0, text[-4000:]
     assert _oks_on(text, bed.addr("h2")) == [f"OK rank={q} size=2 sum=3 master="
                                             f"{bed.addr('h2')}" for q in range(2)], text[-3000:]
+
+
+# torch's own rendezvous across hosts: init_method="tcp://h1:port" gave ringlet no address
+# (MASTER_ADDR is env://'s), so rank 0 served ringlet's store on loopback and bound every
+# rank there; a file:// store names no host at all.
+URL_JOB = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import ringlet.torch
+    rank, url, limit = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    dist.init_process_group("ringlet", init_method=url, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=limit))
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.all(t == 3), t
+    print(f"OK rank={rank} sum={t[0].item():g}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _url_job(bed, tmp_path, url, limit, env):
+    script = tmp_path / "job.py"
+    script.write_text(URL_JOB)
+    return [bed.popen(h, [sys.executable, str(script), str(r), url, str(limit)], env,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r, h in enumerate(("h1", "h2"))]
+
+
+@pytest.mark.parametrize("method", ["tcp", "file"])
+def test_torch_init_method_across_hosts(bed2, tmp_path, method):
+    bed = bed2()
+    env = clean_env(RINGLET_SECRET="torchrun-test-secret-0123456789")
+    if method == "tcp":
+        url = f"tcp://{bed.addr('h1')}:29531"  # each bed host is a fresh network namespace
+    else:
+        url = f"file://{tmp_path / 'store'}"   # the hosts share this file system
+        env["RINGLET_IFNAME"] = "eth0"
+    procs = _url_job(bed, tmp_path, url, 60, env)
+    outs = [p.communicate(timeout=HOSTS_DEADLINE_S) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for _, e in outs]
+    assert [o.strip() for o, _ in outs] == ["OK rank=0 sum=3", "OK rank=1 sum=3"]
+
+
+def test_file_init_across_hosts_without_an_address_is_named(bed2, tmp_path):
+    # Nothing names a host: the rank off rank 0's host says so at once (it waited for a
+    # loopback store to its timeout and reported a rank that never joined).
+    bed = bed2()
+    env = clean_env(RINGLET_SECRET="torchrun-test-secret-0123456789")
+    procs = _url_job(bed, tmp_path, f"file://{tmp_path / 'store'}", HOSTS_DEADLINE_S, env)
+    try:
+        _, err = procs[1].communicate(timeout=HOSTS_DEADLINE_S - 30)
+    finally:
+        procs[0].kill()
+        procs[0].communicate()
+    assert procs[1].returncode != 0
+    assert "rank 1: torch's store (FileStore) names no host and this rank runs on another " \
+        "host than rank 0" in err, err[-3000:]
+    assert "RINGLET_IFNAME" in err, err[-3000:]

@@ -8,10 +8,16 @@ every rank then sets the variables with TORCHELASTIC_USE_AGENT_STORE=True, so
 torch's rank 0 joins that store as a client instead of binding another, as
 under torchrun.
 
-RANK set means torchrun (or the user) set torch's variables: they are left
-alone.  A MASTER_ADDR / MASTER_PORT without RANK is replaced: neither launcher
-sets them, so they are left from an earlier torchrun session, and kept they
-would send torch's rendezvous to a stale address (``ringlet.environment``
+Which variables count is ringlet's own rule (``environment.detect``,
+docs/launching.md "Which launcher wins"): torchrun's RANK (its markers beside
+it), or a RANK a script set that agrees with mpirun's, is left alone with
+the rest of torch's variables.  Under ``ringlet run`` its RINGLET_RANK wins
+and a RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT there is replaced:
+``ringlet run`` sets none of them, so they are left from an earlier session
+(one RANK for every rank), and kept they would give every rank one number or
+send torch's rendezvous to a stale address.  Under mpirun a RANK that
+disagrees with its numbering raises the ``ValueError`` ``init`` raises, and
+a MASTER_ADDR / MASTER_PORT without RANK is replaced (``ringlet.environment``
 passes them over under mpirun and srun for the same reason).
 """
 
@@ -36,22 +42,24 @@ def export_env(timeout: float = 300.0) -> bool:
     """Set torch's env:// variables from ``ringlet run``'s; True when it did.
 
     Under mpirun (with mpi4py) the same, with MPI carrying the address.
-    Does nothing elsewhere, when RANK is already set (torchrun, or by hand),
-    or without a store served before ``init`` (RINGLET_EXTERNAL_STORE=1, as
-    ``ringlet run`` sets).  A MASTER_ADDR / MASTER_PORT is replaced (logged at
-    debug level).
+    Does nothing elsewhere, when torch's RANK counts (torchrun's, or one set by
+    hand that agrees with mpirun's), or without a store served before ``init``
+    (RINGLET_EXTERNAL_STORE=1, as ``ringlet run`` sets).  A variable replaced
+    is logged at debug level.
+
+    Raises:
+        ValueError: under mpirun, a RANK / WORLD_SIZE without torchrun's markers
+            that disagrees with mpirun's numbering (as ``ringlet.init``).
     """
     global _served
     env = os.environ
-    if "RANK" in env:
-        return False
     if "RINGLET_RANK" not in env and "OMPI_COMM_WORLD_RANK" not in env \
             and "PMI_RANK" not in env:
         return False
     from ringlet import environment
     from ringlet.store import Store
 
-    le = environment.detect()
+    le = environment.detect()  # "torchrun" when RANK counts; raises on an MPI conflict
     if le is not None and le.source in ("openmpi", "mpich"):
         return _export_from_mpi(le, timeout)
     # Without ringlet run's store (RINGLET_* set by hand) nobody serves one until
@@ -84,11 +92,12 @@ def export_env(timeout: float = 300.0) -> bool:
 
 
 def _set(le: Any, addr: str, port: int) -> None:
-    stale = [f"{n}={os.environ[n]}" for n in ("MASTER_ADDR", "MASTER_PORT") if n in os.environ]
+    stale = [f"{n}={os.environ[n]}" for n in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+             if n in os.environ]
     if stale:
-        _log.debug("ringlet: rank %d: %s replaced by %s:%d (torch's store, served by rank 0 "
-                   "under %s); MASTER_ADDR/MASTER_PORT are torchrun's, often left from an "
-                   "earlier job", le.rank, ", ".join(stale), addr, port,
+        _log.debug("ringlet: rank %d: %s replaced by rank %d of %d, %s:%d (torch's store, "
+                   "served by rank 0 under %s); these are torchrun's, often left from an "
+                   "earlier job", le.rank, ", ".join(stale), le.rank, le.world_size, addr, port,
                    "ringlet run" if le.source == "ringlet" else le.source)
     os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size),
                       LOCAL_RANK=str(le.local_rank), LOCAL_WORLD_SIZE=str(le.local_world_size),

@@ -38,6 +38,7 @@ _OPS = {_T.SUM: ReduceOp.SUM, _T.AVG: ReduceOp.AVG, _T.PRODUCT: ReduceOp.PROD,
         _T.BOR: ReduceOp.BOR, _T.BXOR: ReduceOp.BXOR}
 _BY_VALUE = {int(k): v for k, v in _OPS.items()}  # pybind enums hash slowly
 _COMM_KEY = "ringlet/comm_id"
+_HOST_KEY = "ringlet/host0"  # rank 0's host identity, where torch's store names no host
 
 
 def _op(opts: Any) -> ReduceOp:
@@ -121,6 +122,13 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     pa, pb = a.data_ptr(), b.data_ptr()
     return pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+def _apart(output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    # ``output``, or a temporary for it when it shares memory with ``input`` (the
+    # in-place form output = input.chunk(P)[rank], which NCCL and gloo accept):
+    # ringlet's reduce_scatter refuses overlap, so the result is copied in after.
+    return torch.empty_like(output) if _overlaps(output, input) else output
 
 
 def _check_list(op: str, what: str, tensors: Sequence[torch.Tensor], P: int, n: int,
@@ -382,9 +390,9 @@ class RingletProcessGroup(dist.ProcessGroup):
                               opts: Any = None) -> Any:
         opts = opts or dist.ReduceScatterOptions()
         a = self._async(opts)
-        w = self._g.reduce_scatter(output, input, _op(opts), async_op=a,
-                                   timeout=self._t(opts))
-        return self._work([w], [output])
+        o = _apart(output, input)
+        w = self._g.reduce_scatter(o, input, _op(opts), async_op=a, timeout=self._t(opts))
+        return self._work([w], [output], None if o is output else lambda: output.copy_(o))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -393,9 +401,14 @@ class RingletProcessGroup(dist.ProcessGroup):
         opts = opts or dist.ReduceScatterOptions()
         a = self._async(opts)
         op, t = _op(opts), self._t(opts)
-        works = [self._g.reduce_scatter(o, i, op, async_op=a, timeout=t)
-                 for o, i in zip(outputs, inputs)]
-        return self._work(works, outputs)
+        works, copies = [], []
+        for o, i in zip(outputs, inputs):
+            tmp = _apart(o, i)
+            if tmp is not o:
+                copies.append((o, tmp))
+            works.append(self._g.reduce_scatter(tmp, i, op, async_op=a, timeout=t))
+        after = (lambda: [o.copy_(tmp) for o, tmp in copies]) if copies else None
+        return self._work(works, outputs, after)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -406,6 +419,8 @@ class RingletProcessGroup(dist.ProcessGroup):
         a = self._async(opts)
         t = self._t(opts)
         P = self.size()
+        if _overlaps(output, input):  # in place: ringlet's all_to_all refuses overlap
+            input = input.clone()
         if not output_split_sizes and not input_split_sizes:
             w = self._g.all_to_all(output, input, async_op=a, timeout=t)
             return self._work([w], [output])
@@ -564,7 +579,7 @@ def create_process_group(opts: Any, backend_options: Any = None) -> RingletProce
     if not ranks:  # the default group
         if not ringlet.is_initialized():
             ringlet.init(rank=opts.group_rank, world_size=opts.group_size, timeout=timeout,
-                         master_addr=os.environ.get("MASTER_ADDR") or "127.0.0.1",
+                         master_addr=_master_addr(opts.store, opts.group_rank, opts.group_size),
                          _torch_store=opts.store)
         g = _world_group()
         if g.size != opts.group_size or g.rank != opts.group_rank:
@@ -589,6 +604,47 @@ def create_process_group(opts: Any, backend_options: Any = None) -> RingletProce
         comm_id = int(opts.store.get(_COMM_KEY).decode())
     g = world.make_group(comm_id, ranks, timeout)  # torch's order: group rank = index
     return RingletProcessGroup(g, timeout)
+
+
+def _master_addr(store: Any, rank: int, size: int) -> str:
+    """The rendezvous host ringlet's world routes to, so that every rank binds (and
+    rank 0 serves ringlet's store) where the others reach it.
+
+    The host of torch's TCPStore (``tcp://``, ``env://``, torchrun's agent store),
+    as MASTER_ADDR is for env://; else MASTER_ADDR; else (``file://``, a store
+    passed in) RINGLET_IFNAME's address; else loopback, which only ranks on
+    rank 0's host can use: a rank elsewhere fails at once, naming the remedies.
+    """
+    from ringlet import environment
+
+    s, inner = store, store
+    while s is not None and not isinstance(s, dist.TCPStore):
+        inner, s = s, getattr(s, "underlying_store", None)  # torch wraps it in PrefixStores
+    host = s.host if s is not None else None
+    if host and host not in ("0.0.0.0", "::"):
+        return host
+    host = os.environ.get("MASTER_ADDR")
+    if host:
+        return host
+    ifname = os.environ.get("RINGLET_IFNAME")
+    if ifname and ifname.strip():
+        return environment.select_bind_address(None, ifname)
+    if size > 1:
+        from ringlet._topology import host_id
+
+        mine = host_id()
+        if rank == 0:
+            store.set(_HOST_KEY, mine)
+        elif store.get(_HOST_KEY).decode() != mine:
+            from ringlet.errors import RendezvousError
+
+            raise RendezvousError(
+                f"rank {rank}: torch's store ({type(inner).__name__}) names no host and "
+                f"this rank runs on another host than rank 0, so ringlet's rendezvous "
+                f"would be on loopback; set RINGLET_IFNAME to the interface the hosts "
+                f"share (or MASTER_ADDR to rank 0's host), or use init_method='tcp://...'",
+                rank=rank, peer=0)
+    return "127.0.0.1"
 
 
 def _world_group_or_none() -> Optional["ringlet.ProcessGroup"]:
