@@ -170,6 +170,19 @@ class UnpicklableHere:
         return (_refuse_unpickling, ())
 
 
+@rpc.register
+def unpicklable_result(n):
+    """A pickled value the caller cannot unpickle, then an out-of-band array after it."""
+    return [UnpicklableHere(), np.arange(n, dtype=np.float64)]
+
+
+@rpc.register
+def rref_count(creator, seq):
+    """[count, waiting requests] of an owned RRef entry, or None once it is freed."""
+    entry = current_agent().owned._entries.get((creator, seq))
+    return None if entry is None else [entry.count, len(entry.waiters)]
+
+
 # ---- calls ------------------------------------------------------------------------------
 
 def _all_pairs(rank, n):
@@ -564,6 +577,32 @@ def test_a_call_whose_deadline_passes_before_sending_leaves_the_others_alone():
     assert run_world(_deadline_before_sending, 2, timeout=60)[0] == ("CollectiveTimeout", "other")
 
 
+def _undecodable_reply(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20, allow_pickle=True)
+    out = None
+    if rank == 0:
+        other = rpc.rpc_async(1, wait_for, args=("undecodable-go", 15.0, "other"))
+        conn = current_agent()._out[1]
+        # w1 pickles a value w0 cannot unpickle, then 800 kB out of band after it.
+        with pytest.raises(ProtocolError, match="could not unpickle") as ei:
+            rpc.rpc_sync(1, unpicklable_result, args=(100_000,))
+        rpc.rpc_sync(1, set_event, args=("undecodable-go",))
+        exc = other.exception(timeout=20)
+        out = (str(ei.value), other.result() if exc is None else repr(exc),
+               rpc.rpc_sync(1, scale, args=(np.arange(3.0), 2.0)).tolist(), current_agent()._out[1] is conn)
+    rpc.shutdown()
+    return out
+
+
+def test_an_undecodable_reply_fails_only_its_own_call():
+    # The reader dropped the connection for a reply it could not decode, and
+    # every other call in flight on it failed with that reply's error.
+    _events.pop("undecodable-go", None)
+    msg, other, after, same_conn = run_world(_undecodable_reply, 2, timeout=60)[0]
+    assert other == "other" and after == [0.0, 2.0, 4.0] and same_conn, (other, after, same_conn)
+    assert "unpicklable_result" in msg and "'w0'" in msg, msg
+
+
 def _raw_connect(info, key, claim=b"0"):
     from ringlet._auth import client_handshake
 
@@ -775,6 +814,70 @@ def _rref_errors(rank, n):
 
 def test_rref_errors_and_pending_values():
     assert run_world(_rref_errors, 2, timeout=60)[0] == ([1, "x"], 1, "v")
+
+
+def _refused_requests_with_rrefs(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20, allow_pickle=True)
+    out = None
+    if rank == 0:
+        theirs = rpc.remote("w2", Counter, args=(7,))
+        assert theirs.confirmed(timeout=10)
+        key = list(theirs._key)
+        mine = rpc.RRef([1, 2])
+        # w1 refuses the frame (it cannot unpickle an argument) with the RRefs
+        # after the value it fails on, then before it; then a name it does not know.
+        for arg in ([UnpicklableHere(), theirs, mine], [theirs, mine, UnpicklableHere()]):
+            with pytest.raises(ProtocolError, match="could not unpickle"):
+                rpc.rpc_sync("w1", whoami, args=(arg,))
+        with pytest.raises(rpc.RemoteError, match="no function registered"):
+            rpc.rpc_sync("w1", "no_such_function", args=(theirs, mine))
+        gc.collect()
+        # Every count made for w1 is released, and none twice: only ours is left.
+        poll_until(lambda: rpc.rpc_sync("w2", rref_count, args=key) == [1, 0], 10, "w2's count back to 1")
+        poll_until(lambda: rpc.rpc_sync("w0", rref_count, args=list(mine._key)) == [1, 0], 10,
+                   "w0's count back to 1")
+        out = [theirs.rpc_sync().get(), mine.local_value()]
+        del theirs, mine, arg
+        gc.collect()
+        poll_until(lambda: rpc.rpc_sync("w2", owned_rrefs) == 0 and rpc.debug_info()["owned_rrefs"] == 0,
+                   10, "both values freed")
+    rpc.shutdown()
+    return out
+
+
+def test_rrefs_in_a_refused_request_are_released():
+    # The caller counted each RRef argument for the callee, which refused the
+    # frame before it had decoded them: their values lived until shutdown.
+    assert run_world(_refused_requests_with_rrefs, 3, timeout=90)[0] == [7, [1, 2]]
+
+
+def _temporary_rref(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=20)
+    out = None
+    if rank == 0:
+        r = rpc.remote("w1", wait_for, args=("temporary-ready", 15.0, [4, 4, 5]))
+        key = list(r._key)
+        fut = r.rpc_async(timeout=10).count(4)
+        poll_until(lambda: (rpc.rpc_sync(1, rref_count, args=key) or [0, 0])[1] == 1, 10,
+                   "the method call waiting on the owner")
+        before = rpc.rpc_sync(1, rref_count, args=key)
+        del r  # as a temporary RRef would be: rpc.remote(...).rpc_async().count(4)
+        gc.collect()
+        poll_until(lambda: rpc.rpc_sync(1, rref_count, args=key) != before, 10, "the owner reading the release")
+        rpc.rpc_sync(1, set_event, args=("temporary-ready",))
+        exc = fut.exception(timeout=20)
+        out = fut.result() if exc is None else repr(exc)
+        poll_until(lambda: rpc.rpc_sync(1, rref_count, args=key) is None, 10, "the value freed once answered")
+    rpc.shutdown(timeout=30)
+    return out
+
+
+def test_a_call_on_an_rref_dropped_right_after_it_is_answered():
+    # The release freed the value while the call still waited for it: the
+    # call got no reply and timed out (or, with the value ready, saw None),
+    # and graceful shutdown waited for that reply until its timeout.
+    _events.pop("temporary-ready", None)
+    assert run_world(_temporary_rref, 2, timeout=90)[0] == 2
 
 
 # ---- pickle --------------------------------------------------------------------------------
@@ -1092,6 +1195,46 @@ def test_a_callback_raising_system_exit_does_not_skip_the_others():
     # their then() returned never completed (a wait without timeout hung).
     _events.pop("exit-go", None)
     assert run_world(_then_after_system_exit, 2, timeout=60)[0] == (5, [4])
+
+
+def _then_deadline(rank, n):
+    rpc.init_rpc(f"w{rank}", rpc_timeout=3)
+    out = None
+    if rank == 0:
+        release = threading.Event()
+
+        def stuck_cb(f):
+            release.wait(30)
+            return f.value()
+
+        fut = rpc.rpc_async(1, whoami, args=(1,), timeout=2)
+        stuck = fut.then(stuck_cb)
+        after = stuck.then(lambda f: f.value()[1] + 1)
+        t0 = time.monotonic()
+        try:
+            stuck.wait()
+            out = ("returned", time.monotonic() - t0)
+        except CollectiveTimeout as exc:
+            out = (str(exc), time.monotonic() - t0)
+        try:
+            after.wait()
+            out += ("returned",)
+        except CollectiveTimeout as exc:
+            out += (str(exc),)
+        release.set()
+        out += (stuck.wait(timeout=20), after.wait(timeout=20))
+    rpc.shutdown(timeout=60)
+    return out
+
+
+def test_a_wait_on_a_then_future_whose_callback_never_returns_has_a_deadline():
+    # A future from then() had no deadline: a wait without a timeout hung for as
+    # long as the callback (or one queued before it) did not return.
+    msg, took, after_msg, value, after = run_world(_then_deadline, 2, timeout=120)[0]
+    assert ".then(" in msg and "stuck_cb" in msg and "has not returned" in msg, msg
+    assert 4.5 < took < 20, took  # the call's 2 s deadline, 3 s for the callback, 5 s grace
+    assert "has not returned" in after_msg and "<lambda>" in after_msg, after_msg
+    assert value == [1, 1] and after == 2  # still pending, then completed
 
 
 def _shutdown_took(timeout):

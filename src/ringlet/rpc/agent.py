@@ -59,7 +59,7 @@ from .protocol import (_ARG_SLOTS, _MAX_HANDSHAKES, AUTH_PURPOSE, HANDSHAKE_TIME
 from .refcounts import _RefCounts
 from .rref import OwnedTable, RRef, RRefKey
 from .timers import _Timers
-from .transport import POLL_INTERVAL, Connection, Stopped, configure_socket
+from .transport import POLL_INTERVAL, Connection, Stopped, UndecodableFrame, configure_socket
 
 _log = logging.getLogger("ringlet.rpc")
 
@@ -244,6 +244,7 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         deadline = time.monotonic() + timeout
         fut = Future(desc, rank=self.rank, peer=dst)
         fut._deadline = deadline
+        fut._link_s = max(timeout, self.rpc_timeout)
         fut._runner = self._run_callbacks
         transferred: List[Tuple[int, RRefKey]] = []
         try:
@@ -268,6 +269,8 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
             self._pending[rid] = _Pending(fut, conn, desc, dst, timeout)
             conn.pending_ids.add(rid)
             conn.unanswered.add(rid)
+            if transferred:
+                conn.carried[rid] = transferred
             self._n_sent += 1
             self._sent_to[dst] += 1
         with self._tcond:
@@ -282,6 +285,8 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
                 if rid in conn.unanswered:  # else the reader has uncounted it (_uncount_lost)
                     conn.unanswered.discard(rid)
                     self._sent_to[dst] -= 1
+                # Unless the callee refused the frame and the reader released them already.
+                transferred = conn.carried.pop(rid, [])
             self._release_transferred(transferred)
             if isinstance(e, RingletError):
                 err: BaseException = type(e)(f"{desc}: {e}", rank=self.rank, peer=dst, op="rpc")
@@ -414,16 +419,28 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
         err: Optional[BaseException] = None
         try:
             while True:
-                header, value = conn.recv_frame(limits=self.limits, allow_pickle=self.allow_pickle,
-                                                ext_decode=self._ext_decode)
+                try:
+                    header, value = conn.recv_frame(limits=self.limits, allow_pickle=self.allow_pickle,
+                                                    ext_decode=self._ext_decode, skip_undecodable=True)
+                except UndecodableFrame as bad:
+                    if not bad.in_sync or bad.header.kind not in (K_RESULT, K_ERROR):
+                        raise
+                    self._undecodable_reply(conn, bad)
+                    continue
                 if header.kind in (K_RESULT, K_ERROR):
                     with self._plock:
                         conn.unanswered.discard(header.req_id)
+                        conn.carried.pop(header.req_id, None)  # the callee holds those counts now
                 if header.kind == K_RESULT:
                     self._complete(header.req_id, value=value)
                 elif header.kind == K_ERROR:
                     self._remote_error(header.req_id, value)
                 elif header.kind == K_CLOSE:
+                    # Its request id names the request it refused without keeping any
+                    # RRef in it (0: none): the counts made for them are this side's to drop.
+                    with self._plock:
+                        refused = conn.carried.pop(header.req_id, []) if header.req_id else []
+                    self._release_transferred(refused)
                     err = ProtocolError(f"{self._label(conn.peer_rank)} dropped the connection: {value}",
                                         rank=self.rank, peer=conn.peer_rank, op="rpc")
                     return
@@ -454,6 +471,24 @@ class Agent(_Listener, _Dispatch, _Timers, _RefCounts):
                     del self._out[conn.peer_rank]
             self._uncount_lost(conn)
             self._fail_conn(conn, err)
+
+    def _undecodable_reply(self, conn: Connection, bad: UndecodableFrame) -> None:
+        """Fail the one call whose reply could not be decoded here (e.g. a class
+        this worker cannot unpickle, or a limit stricter than the callee's).
+
+        The frame was read to its declared end, so the connection and the
+        other calls on it carry on.
+        """
+        rid = bad.header.req_id
+        with self._plock:
+            conn.unanswered.discard(rid)
+            conn.carried.pop(rid, None)
+            p = self._pending.get(rid)
+        if p is None:
+            return  # timed out already
+        self._complete(rid, exc=ProtocolError(
+            f"{p.desc}: its reply could not be decoded on worker {self.name!r}: {bad}",
+            rank=self.rank, peer=p.dst, op="rpc"))
 
     def _uncount_lost(self, conn: Connection) -> None:
         """Stop counting as sent the requests a closed connection never answered.

@@ -127,8 +127,18 @@ class _Dispatch:
         self._pool.submit(job)
 
     def _when_ready(self, key: RRefKey, job: Callable[[Any], None]) -> None:
+        # The request holds a count until it is answered: the caller may drop
+        # its RRef right after sending it (a temporary), and that release, read
+        # next on this connection, must not free the value this request uses.
+        def run(entry: Any) -> None:
+            try:
+                job(entry)
+            finally:
+                self.owned.decref(key)
+
         try:
-            self.owned.when_ready(key, lambda entry: self._pool.submit(lambda: job(entry)))  # type: ignore[union-attr]
+            self.owned.incref(key)
+            self.owned.when_ready(key, lambda entry: self._pool.submit(lambda: run(entry)))  # type: ignore[union-attr]
         except KeyError:
             raise _BadRequest(f"RRef {key} is not (or no longer) held by worker {self.name!r}") from None
 

@@ -72,7 +72,7 @@ class Future:
     """
 
     __slots__ = ("_desc", "_rank", "_peer", "_event", "_lock", "_value", "_exc", "_callbacks",
-                 "_deadline", "_runner")
+                 "_deadline", "_runner", "_link_s", "_follows")
 
     def __init__(self, description: str = "rpc", *, rank: Optional[int] = None, peer: Optional[int] = None) -> None:
         self._desc = description
@@ -90,6 +90,11 @@ class Future:
         # Where done-callbacks run, set by the agent: off the RPC I/O threads,
         # whose replies a callback's own blocking call would wait for.
         self._runner: Optional[Callable[[Callable[[], None]], None]] = None
+        # Seconds a then() callback gets past this future's deadline, set by the
+        # agent; a future from then() has a deadline of its own with it.
+        self._link_s: Optional[float] = None
+        # Name of the then() callback that completes this future, if any.
+        self._follows: Optional[str] = None
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._exc is not None else "done")
@@ -109,6 +114,13 @@ class Future:
         if late:
             timeout = max(0.0, self._deadline - t0) + _TIMER_GRACE_S
         if not self._event.wait(timeout):
+            if late and self._follows is not None:
+                raise CollectiveTimeout(
+                    f"{self._desc}: no result {_TIMER_GRACE_S:g} s past its deadline (the deadline "
+                    f"of the future it follows plus {self._link_s:g} s): the callback "
+                    f"{self._follows!r}, or a callback queued before it, has not returned "
+                    f"(the future stays pending; wait(timeout=...) waits longer)",
+                    rank=self._rank, peer=self._peer, op=self._desc, waited=time.monotonic() - t0)
             if late:
                 raise CollectiveTimeout(
                     f"{self._desc}: no result {_TIMER_GRACE_S:g} s past the call's deadline "
@@ -125,7 +137,9 @@ class Future:
 
         Args:
             timeout: seconds to wait; None waits until the call completes
-                (bounded by the call's own deadline).
+                (bounded by the call's own deadline; for a future from
+                :meth:`then`, by the deadline of the future it follows plus
+                the longer of that call's timeout and ``rpc_timeout``).
 
         Returns:
             The remote function's return value.
@@ -133,7 +147,8 @@ class Future:
         Raises:
             RemoteError: the remote function raised.
             CollectiveTimeout: the call passed its deadline, or ``timeout``
-                elapsed first (the call then stays pending).
+                elapsed first (the call then stays pending), or a ``then``
+                callback had not returned by its future's deadline (see above).
             PeerClosedError: the callee died or closed the connection.
             ValueError: ``timeout`` is negative or not a number.
         """
@@ -217,6 +232,12 @@ class Future:
         done, and waited for by graceful ``shutdown``.  Chained futures' own
         callbacks run on the callback threads too.
 
+        The new future has a deadline: this one's, plus the longer of the
+        call's timeout and ``rpc_timeout`` for ``callback`` to run.  A
+        :meth:`wait` without a timeout ends there with ``CollectiveTimeout``
+        naming ``callback`` if it (or a callback queued before it) has not
+        returned; the future stays pending.
+
         Args:
             callback: called with this future as its only argument.
 
@@ -239,6 +260,11 @@ class Future:
         # The child's callbacks go to the same pool: running them inline here
         # would nest one call frame per link of a long chain.
         child._runner = self._runner
+        child._follows = name
+        if self._deadline is not None and self._link_s is not None:
+            # A callback that never returns must not make a wait on the chain hang.
+            child._deadline = self._deadline + self._link_s
+            child._link_s = self._link_s
 
         def chain(parent: "Future") -> None:
             try:

@@ -11,14 +11,14 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from ringlet.errors import PeerClosedError, ProtocolError, RingletError
 
 from .._wire import codec as ser
 from .current import _tls
 from .protocol import _MAX_ERROR_TEXT, _MAX_HANDSHAKES, AUTH_PURPOSE, HANDSHAKE_TIMEOUT, K_CLOSE
-from .transport import Connection, Stopped, configure_socket
+from .transport import Connection, Stopped, UndecodableFrame, configure_socket
 
 _log = logging.getLogger("ringlet.rpc")
 
@@ -109,14 +109,31 @@ class _Listener:
                 return
             self._in.add(conn)
         err: Optional[BaseException] = None
+        decoded: List[Any] = []  # the RRefs of the frame being decoded
+
+        def ext_decode(code: int, v: Any) -> Any:
+            r = self._ext_decode(code, v)
+            decoded.append(r)
+            return r
+
         try:
             while True:
-                header, value = conn.recv_frame(limits=self.limits, allow_pickle=self.allow_pickle,
-                                                ext_decode=self._ext_decode)
+                try:
+                    header, value = conn.recv_frame(limits=self.limits, allow_pickle=self.allow_pickle,
+                                                    ext_decode=ext_decode)
+                except UndecodableFrame:
+                    for r in decoded:
+                        r._released = True  # the caller releases the counts of a request refused here
+                    raise
+                finally:
+                    decoded.clear()
                 self._dispatch(conn, header, value)
                 value = None  # the pool job holds what it needs; do not pin args while idle
         except Stopped:
             pass
+        except UndecodableFrame as e:
+            err = e
+            self._reject_frame(conn, e, e.header.req_id)
         except ProtocolError as e:
             err = e
             self._reject_frame(conn, e)
@@ -133,12 +150,19 @@ class _Listener:
             with self._clock:
                 self._in.discard(conn)
 
-    def _reject_frame(self, conn: Connection, err: BaseException) -> None:
+    def _reject_frame(self, conn: Connection, err: BaseException, refused: int = 0) -> None:
+        """Drop ``conn`` after a frame it cannot use, telling the caller why.
+
+        ``refused`` is the request id of a frame whose payload did not decode:
+        this worker kept none of the RRefs in it, so the caller releases the
+        counts it made for them (0: none).
+        """
         with self._clock:
             self.rejected_frames += 1
         _log.warning("rpc: worker %r dropped the connection from %s: %s", self.name, self._label(conn.peer_rank), err)
         try:  # tell the caller why, so its pending calls fail with the reason (best effort)
-            conn.send_frame(K_CLOSE, 0, ser.encode(str(err)[:_MAX_ERROR_TEXT]), deadline=time.monotonic() + 1.0)
+            conn.send_frame(K_CLOSE, refused, ser.encode(str(err)[:_MAX_ERROR_TEXT]),
+                            deadline=time.monotonic() + 1.0)
             # Half-close and discard what the peer still sends (bounded): closing
             # with unread input would send a reset that can destroy the notice.
             conn.sock.shutdown(socket.SHUT_WR)

@@ -14,8 +14,11 @@ Reference counting (the rule that keeps it race-free, see docs/rpc.md):
   ``RREF_INC`` round trip to the owner that completes *before* the message
   carrying the RRef is sent.  The sender's own count is untouched, so it may
   drop its RRef at once; the receiver's count already exists when the
-  receiver (or anyone) can release it.  If the send fails, the new count is
-  released again.
+  receiver (or anyone) can release it.  If the send fails, or the receiver
+  refuses the frame without decoding it (its CLOSE names the request), the
+  new count is released again.
+* A request for an RRef's value or method holds a count on the owner from
+  its arrival until it is answered, so the caller may drop its RRef at once.
 * When an RRef object is garbage collected, its count is released: queued
   (from ``__del__``, via a reentrant-safe queue) and sent to the owner by the
   agent's release thread.

@@ -33,6 +33,21 @@ class Stopped(Exception):
     """Internal: the agent is shutting down; the I/O loop should exit quietly."""
 
 
+class UndecodableFrame(ProtocolError):
+    """A frame whose header was valid but whose payload did not decode.
+
+    Attributes:
+        header: the frame's header (kind, request id, lengths).
+        in_sync: the rest of the payload was read past, so the stream is at the
+            next frame; False when it was not (the connection must be dropped).
+    """
+
+    def __init__(self, message: str, header: ser.Header, in_sync: bool, *, peer: int) -> None:
+        super().__init__(message, peer=peer, op="rpc")
+        self.header = header
+        self.in_sync = in_sync
+
+
 def configure_socket(sock: socket.socket) -> None:
     """Low latency for small calls, poll-interval timeouts for every blocking call."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -188,6 +203,10 @@ class Connection:
         # (caller side; guarded by the agent): what graceful shutdown stops
         # waiting for once the connection is gone.
         self.unanswered: set = set()
+        # Request id -> the RRef counts made for that request's receiver, until
+        # its reply arrives (caller side; guarded by the agent): released if the
+        # callee refuses the request without keeping them.
+        self.carried: dict = {}
 
     def __repr__(self) -> str:
         return f"<rpc Connection peer={self.peer_name!r} rank={self.peer_rank} closed={self.closed}>"
@@ -229,17 +248,25 @@ class Connection:
         finally:
             self.send_lock.release()
 
-    def recv_frame(self, *, limits: ser.Limits, allow_pickle: bool, ext_decode: Any = None):
+    def recv_frame(self, *, limits: ser.Limits, allow_pickle: bool, ext_decode: Any = None,
+                   skip_undecodable: bool = False):
         """Wait (without deadline, but stoppable) for the next frame and decode it.
 
         Once its header has started arriving the whole frame must arrive
         within ``frame_timeout``.
 
+        Args:
+            skip_undecodable: when a payload does not decode, read the rest of
+                it (its length is the header's) so the stream stays in sync.
+
         Returns:
             ``(header, value)``.
 
         Raises:
-            ProtocolError: malformed or oversized frame (drop the connection).
+            UndecodableFrame: a valid header, but the payload did not decode
+                (a ProtocolError; with ``skip_undecodable`` the stream is at
+                the next frame).
+            ProtocolError: malformed or oversized header (drop the connection).
             PeerClosedError, CollectiveTimeout: see :func:`recv_exact_into`.
             Stopped: the agent is shutting down.
         """
@@ -250,12 +277,31 @@ class Connection:
         header = ser.parse_header(bytes(head), limits)
         deadline = time.monotonic() + self.frame_timeout
 
-        def read_into(dst: memoryview) -> None:
-            recv_exact_into(self.sock, dst, deadline=deadline, stop=self.stop, peer=self.peer_rank, what=who)
+        got = 0
 
-        value = ser.decode_payload(header, read_into, limits=limits, allow_pickle=allow_pickle,
-                                   ext_decode=ext_decode)
-        return header, value
+        def read_into(dst: memoryview) -> None:
+            nonlocal got
+            recv_exact_into(self.sock, dst, deadline=deadline, stop=self.stop, peer=self.peer_rank, what=who)
+            got += dst.nbytes
+
+        reason = ""
+        try:
+            return header, ser.decode_payload(header, read_into, limits=limits, allow_pickle=allow_pickle,
+                                              ext_decode=ext_decode)
+        except ProtocolError as e:
+            # The decoder refused bytes it had read whole (a failed read raises
+            # PeerClosedError, CollectiveTimeout or Stopped instead).  Only the
+            # text is kept: the traceback would pin what was decoded (RRefs too).
+            reason = str(e)
+        if skip_undecodable:
+            left = header.payload_len - got
+            scratch = memoryview(bytearray(min(left, 1 << 20)))
+            while left:
+                n = min(left, len(scratch))
+                recv_exact_into(self.sock, scratch[:n], deadline=deadline, stop=self.stop,
+                                peer=self.peer_rank, what=who)
+                left -= n
+        raise UndecodableFrame(reason, header, skip_undecodable, peer=self.peer_rank)
 
     def _close_locked(self, reason: Optional[BaseException]) -> None:
         if self.closed:
@@ -292,4 +338,4 @@ def is_connection_refused(exc: BaseException) -> bool:
         errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
 
 
-__all__ += ["Stopped", "ProtocolError", "is_connection_refused"]
+__all__ += ["Stopped", "ProtocolError", "UndecodableFrame", "is_connection_refused"]
