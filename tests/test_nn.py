@@ -1,5 +1,6 @@
-"""ringlet.nn: every backward against central finite differences (float64), hooks,
-multi-forward context queues, no_grad, state dicts and argument checking."""
+"""ringlet.nn: every backward against central finite differences (float64), float16
+layers against float64 ones, hooks, multi-forward context queues, no_grad, state dicts
+and argument checking."""
 
 from __future__ import annotations
 
@@ -325,6 +326,111 @@ def test_float32_default_and_float64_flow():
         layer.eval()
         assert layer(x).dtype == np.float64
         layer.clear_context()
+
+
+# ---- float16: computed in float32 inside, like torch --------------------------------------
+# Oracle: the same layer in float64 on the float16 values (inputs, parameters and
+# gradients cast up exactly), so only the layer's own arithmetic is compared.
+def close16(got, want, what, atol=None):
+    """Within 4 float16 ulps (eps 2**-10) of each value, plus ``atol`` (default: 4 ulps of
+    the array's largest magnitude, for entries that are differences of large terms)."""
+    assert got.dtype == np.float16, what
+    want = np.asarray(want, np.float64)
+    if atol is None:
+        atol = 4e-3 * float(np.max(np.abs(want)))
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=4e-3, atol=atol, err_msg=what)
+
+
+def _twin64(layer16, layer64):
+    for (name, p16), (_, p64) in zip(layer16.named_parameters(), layer64.named_parameters()):
+        p64.data[...] = p16.data
+    return layer64
+
+
+def _vs_float64(layer16, layer64, x, g):
+    """Forward and backward both layers; compare outputs and every gradient.  Internal
+    overflow or an invalid operation raises (a float16 intermediate past 65504 did)."""
+    with np.errstate(over="raise", invalid="raise"):
+        y = layer16(x)
+        gx = layer16.backward(g)
+    y64 = layer64(x.astype(np.float64))
+    gx64 = layer64.backward(g.astype(np.float64))
+    close16(y, y64, "forward")
+    close16(gx, gx64, "input gradient")
+    for (name, p16), (_, p64) in zip(layer16.named_parameters(), layer64.named_parameters()):
+        close16(p16.grad, p64.grad, f"{name} gradient")
+
+
+def test_gelu_float16_computes_in_float32():
+    """In float16 the derivative's x^2 term overflowed past |x| ~ 700, giving 0 * inf,
+    a NaN gradient where the true one is 0 or 1, and 1 - tanh^2 lost its digits."""
+    x = np.concatenate([np.linspace(-8, 8, 321),
+                        [-65504, -3e4, -1e3, -300, 300, 1e3, 3e4, 65504]]).astype(np.float16)
+    g = RNG.standard_normal(x.shape).astype(np.float16)
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    F = nn.functional
+    with np.errstate(over="raise", invalid="raise"):
+        layer = nn.GELU()
+        y = layer(x)
+        gx = layer.backward(g)
+        fy, fg = F.gelu(x), F.gelu_grad(x)
+    close16(y, F.gelu(x64), "GELU forward", atol=2e-3)
+    close16(gx, g64 * F.gelu_grad(x64), "GELU input gradient", atol=2e-3)
+    close16(fy, F.gelu(x64), "functional.gelu", atol=2e-3)
+    close16(fg, F.gelu_grad(x64), "functional.gelu_grad", atol=2e-3)
+
+
+# Gradients near 0.3 summed over 4096 rows in float16 stalled (at 1024: adding less than
+# half an ulp changes nothing); scale 300: squared deviations past 256 overflowed and the
+# variance became inf.
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_layernorm_float16_computes_in_float32(scale):
+    ln = nn.LayerNorm(8, dtype=np.float16)
+    ln.weight.data[...] = RNG.uniform(0.5, 1.5, 8)
+    ln.bias.data[...] = RNG.uniform(-1, 1, 8)
+    x = (RNG.standard_normal((64, 64, 8)) * scale + 0.2 * scale).astype(np.float16)
+    g = RNG.uniform(0.2, 0.4, x.shape).astype(np.float16)
+    _vs_float64(ln, _twin64(ln, nn.LayerNorm(8, dtype=np.float64)), x, g)
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_batchnorm_float16_computes_in_float32(scale):
+    bn = nn.BatchNorm1d(3, dtype=np.float16)
+    bn.weight.data[...] = RNG.uniform(0.5, 1.5, 3)
+    bn.bias.data[...] = RNG.uniform(-1, 1, 3)
+    ref = _twin64(bn, nn.BatchNorm1d(3, dtype=np.float64))
+    # 4096 values a channel
+    x = (RNG.standard_normal((64, 3, 64)) * scale + 0.2 * scale).astype(np.float16)
+    g = RNG.uniform(0.2, 0.4, x.shape).astype(np.float16)
+    _vs_float64(bn, ref, x, g)
+    close16(bn.running_mean, ref.running_mean, "running_mean")
+    close16(bn.running_var, ref.running_var, "running_var")
+    bn.eval()
+    ref.eval()
+    bn.zero_grad()
+    ref.zero_grad()
+    _vs_float64(bn, ref, x, g)  # normalised by the running statistics
+
+
+def test_linear_float16_bias_gradient_sums_in_float32():
+    # The bias gradient, a sum over 4096 rows of values near 0.3, stalled in float16.
+    fc = nn.Linear(8, 4, dtype=np.float16, rng=0)
+    x = RNG.standard_normal((4096, 8)).astype(np.float16)
+    g = RNG.uniform(0.2, 0.4, (4096, 4)).astype(np.float16)
+    _vs_float64(fc, _twin64(fc, nn.Linear(8, 4, dtype=np.float64, rng=0)), x, g)
+
+
+def test_embedding_float16_repeated_rows_sum_in_float32():
+    # A row looked up 4096 times: its gradient, summed in float16, stalled.
+    emb = nn.Embedding(5, 4, dtype=np.float16, rng=0)
+    idx = RNG.permutation(np.concatenate([np.full(4096, 1), np.arange(5)])).reshape(1367, 3)
+    g = RNG.uniform(0.2, 0.4, idx.shape + (4,)).astype(np.float16)
+    emb(idx)
+    assert emb.backward(g) is None
+    want = np.zeros((5, 4))
+    np.add.at(want, idx.reshape(-1), g.reshape(-1, 4).astype(np.float64))
+    assert emb.weight.grad.dtype == np.float16
+    close16(emb.weight.grad, want, "weight gradient")
 
 
 def test_linear_init_like_torch():

@@ -9,7 +9,8 @@ the reference's, since each rank's are local sums).  Ranks hold different
 batch sizes, including zero and one sample.  float64, tolerance 1e-10
 relative plus 1e-10 of the array's largest magnitude: the fused statistics
 use ``E[x^2] - E[x]^2`` in float64 where the reference uses
-``mean((x - mean)^2)``.
+``mean((x - mean)^2)``.  A float16 layer is compared with the float64
+reference on the same values, within a few float16 ulps.
 """
 
 from __future__ import annotations
@@ -182,3 +183,49 @@ def _eval_untracked_alone(rank, n):
 
 def test_eval_without_running_stats_uses_local_batch_and_no_collective():
     assert all(run_world(_eval_untracked_alone, 2))
+
+
+def close16(got, want, what):
+    # Float16 against the float64 oracle: 4 float16 ulps (eps 2**-10) of each value,
+    # plus 4 ulps of the array's largest magnitude.
+    want = np.asarray(want, np.float64)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=4e-3,
+                               atol=4e-3 * float(np.max(np.abs(want))), err_msg=what)
+
+
+def _sync_float16(rank, n, scale):
+    # Rank 0 holds 2560 values a channel, rank 1 1536.  In float16 the backward's
+    # local sums of gradients near 0.3 stalled (scale 1), and a variance past 65504
+    # became inf when cast to float16 (scale 300).
+    sizes = (40, 24)
+    bn = SyncBatchNorm(C, dtype=np.float16)
+    ref = nn.BatchNorm1d(C, dtype=np.float64)
+    rng = np.random.default_rng(1)
+    bn.weight.data[:] = rng.uniform(0.5, 1.5, C)
+    bn.bias.data[:] = rng.uniform(-1, 1, C)
+    ref.weight.data[:] = bn.weight.data
+    ref.bias.data[:] = bn.bias.data
+    x = (rng.standard_normal((sum(sizes), C, 64)) * scale + 0.2 * scale).astype(np.float16)
+    g = rng.uniform(0.2, 0.4, x.shape).astype(np.float16)
+    lo, hi = (0, sizes[0]) if rank == 0 else (sizes[0], sum(sizes))
+    with np.errstate(over="raise", invalid="raise"):
+        y = bn(x[lo:hi])
+        gx = bn.backward(g[lo:hi])
+    # Parameter gradients are local sums: their sum over ranks is the reference.
+    pg = np.concatenate([bn.weight.grad, bn.bias.grad]).astype(np.float64)
+    ringlet.all_reduce(pg)
+    y_ref = ref(x.astype(np.float64))
+    gx_ref = ref.backward(g.astype(np.float64))
+    assert y.dtype == gx.dtype == bn.weight.grad.dtype == np.float16
+    close16(y, y_ref[lo:hi], "forward")
+    close16(gx, gx_ref[lo:hi], "input gradient")
+    close16(pg[:C], ref.weight.grad, "weight gradient")
+    close16(pg[C:], ref.bias.grad, "bias gradient")
+    close16(bn.running_mean, ref.running_mean, "running_mean")
+    close16(bn.running_var, ref.running_var, "running_var")
+    return True
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_sync_batchnorm_float16_computes_in_float32(scale):
+    assert all(run_world(_sync_float16, 2, args=(scale,)))

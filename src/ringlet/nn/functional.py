@@ -26,13 +26,24 @@ def gelu(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (torch's ``approximate="tanh"``).
 
     ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))``; it differs from
-    the exact erf form by less than 1e-3 everywhere.
+    the exact erf form by less than 1e-3 everywhere.  Float16 is computed in
+    float32 and returned as float16, as torch does.
     """
+    if getattr(x, "dtype", None) == np.float16:
+        return gelu(x.astype(np.float32)).astype(np.float16)
     return 0.5 * x * (1.0 + _gelu_tanh(x))
 
 
 def gelu_grad(x: np.ndarray, t: np.ndarray = None) -> np.ndarray:
-    """d gelu(x) / dx for the tanh approximation; ``t`` is ``tanh(u)`` if already known."""
+    """d gelu(x) / dx for the tanh approximation; ``t`` is ``tanh(u)`` if already known.
+
+    Float16 is computed in float32 and returned as float16: in float16 the
+    ``x^2`` term overflows for |x| above about 700 (a NaN gradient) and
+    ``1 - t*t`` loses its digits.
+    """
+    if getattr(x, "dtype", None) == np.float16:
+        t32 = None if t is None else t.astype(np.float32)
+        return gelu_grad(x.astype(np.float32), t32).astype(np.float16)
     if t is None:
         t = _gelu_tanh(x)
     du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x * x)

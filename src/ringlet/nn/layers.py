@@ -2,9 +2,15 @@
 
 Every layer takes inputs of shape (batch, features) or (batch, ..., features)
 (``BatchNorm1d``: (N, C) or (N, C, L) like torch) and computes in the dtype of
-its parameters (float32 by default, float64 allowed).  Backward formulas are
-the textbook ones; each is checked against central finite differences in
+its parameters (float32 by default, float64 or float16 allowed).  Like torch,
+float16 layers compute GELU, normalisation statistics and every sum over the
+batch in float32 inside and return float16.  Backward formulas are the
+textbook ones; each is checked against central finite differences in
 ``tests/test_nn.py``.
+
+Layers keep references to arrays, not copies: an array passed to or returned
+by a forward must not be modified in place before that forward's backward
+(docs/nn.md, "Saved arrays are references").
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ def _float_input(x: Any, what: str, dtype: Optional[np.dtype] = None) -> np.ndar
     if x.dtype.kind != "f":
         raise TypeError(f"{what}: input must be a floating array, got dtype {x.dtype}")
     return x
+
+
+def _compute_dtype(dt: np.dtype) -> np.dtype:
+    """Where a layer of dtype ``dt`` sums and normalises: float32 for float16 (as torch:
+    float16 overflows past 65504 and stops counting past 2048), else ``dt`` itself."""
+    return np.promote_types(dt, np.float32)
 
 
 def _grad_like(g: Any, shape: Tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
@@ -133,7 +145,7 @@ class Linear(Module):
         if self.weight.requires_grad:
             self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features))
         if self.bias is not None and self.bias.requires_grad:
-            self.bias.accumulate_grad(g2.sum(axis=0))
+            self.bias.accumulate_grad(g2.sum(axis=0, dtype=_compute_dtype(g2.dtype)))
         return g @ w
 
 
@@ -168,6 +180,10 @@ class GELU(Module):
 
     def forward(self, x: Any) -> np.ndarray:
         x = _float_input(x, "GELU")
+        if x.dtype == np.float16:
+            # Computed in float32; backward recomputes t from x in float32.
+            self._save((x, None))
+            return F.gelu(x)
         t = F._gelu_tanh(x)
         self._save((x, t))
         return 0.5 * x * (1.0 + t)
@@ -276,20 +292,24 @@ class LayerNorm(Module):
             raise ValueError(f"LayerNorm: input's trailing axes must be "
                              f"{self.normalized_shape}, got shape {x.shape}")
         axes = tuple(range(x.ndim - k, x.ndim))
-        mu = x.mean(axis=axes, keepdims=True)
-        xc = x - mu
+        xw = x.astype(_compute_dtype(dt), copy=False)  # a copy for float16 only
+        mu = xw.mean(axis=axes, keepdims=True)
+        xc = xw - mu
         var = np.mean(xc * xc, axis=axes, keepdims=True)
         rstd = 1.0 / np.sqrt(var + self.eps)
         xhat = xc * rstd
-        y = xhat
+        # Kept in the layer's dtype, rstd in the compute dtype (one value a row).
+        y = xhat_s = xhat.astype(dt, copy=False)
         if self.weight is not None:
-            y = xhat * self.weight.data + self.bias.data
-        self._save((xhat, rstd, axes), (self.weight, self.bias))
+            y = (xhat * self.weight.data + self.bias.data).astype(dt, copy=False)
+        self._save((xhat_s, rstd, axes), (self.weight, self.bias))
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
-        xhat, rstd, axes = self._pop()
-        g = _grad_like(grad_output, xhat.shape, xhat.dtype, "LayerNorm")
+        xhat_s, rstd, axes = self._pop()
+        ct = _compute_dtype(xhat_s.dtype)
+        g = _grad_like(grad_output, xhat_s.shape, ct, "LayerNorm")
+        xhat = xhat_s.astype(ct, copy=False)
         lead = tuple(range(xhat.ndim - len(axes)))
         if self.weight is not None:
             if self.weight.requires_grad:
@@ -302,7 +322,7 @@ class LayerNorm(Module):
         # d xhat/dx applied to gxhat: rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat))
         m1 = gxhat.mean(axis=axes, keepdims=True)
         m2 = np.mean(gxhat * xhat, axis=axes, keepdims=True)
-        return rstd * (gxhat - m1 - xhat * m2)
+        return (rstd * (gxhat - m1 - xhat * m2)).astype(xhat_s.dtype, copy=False)
 
 
 class Embedding(Module):
@@ -452,31 +472,38 @@ class BatchNorm1d(Module):
         axes = (0,) if x.ndim == 2 else (0, 2)
         bshape = (1, self.num_features) + ((1,) if x.ndim == 3 else ())
         use_batch = self.training or not self.track_running_stats
+        ct = _compute_dtype(dt)
+        xw = x.astype(ct, copy=False)  # a copy for float16 only
         if use_batch:
             n = x.size // self.num_features
             if n <= 1:
                 raise ValueError(f"BatchNorm1d: training needs more than one value per "
                                  f"channel, got input shape {x.shape}")
-            mean = x.mean(axis=axes)
-            xc = x - mean.reshape(bshape)
+            mean = xw.mean(axis=axes)
+            xc = xw - mean.reshape(bshape)
             var = np.mean(xc * xc, axis=axes)
         else:
             mean, var = self.running_mean, self.running_var
-            xc = x - mean.reshape(bshape)
-        rstd = (1.0 / np.sqrt(var + self.eps)).astype(dt, copy=False).reshape(bshape)
+            xc = xw - mean.reshape(bshape)
+        rstd = (1.0 / np.sqrt(var.astype(ct, copy=False) + self.eps)).astype(
+            ct, copy=False).reshape(bshape)
         xhat = xc * rstd
-        y = xhat
+        # Kept in the layer's dtype, rstd in the compute dtype (one value a channel).
+        y = xhat_s = xhat.astype(dt, copy=False)
         if self.weight is not None:
-            y = xhat * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+            y = (xhat * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+                 ).astype(dt, copy=False)
         if use_batch and self.training and self.track_running_stats:
             # Last, once nothing else can raise: a failed forward leaves the statistics alone.
             _update_running_stats(self, mean, var * (n / (n - 1)))
-        self._save((xhat, rstd, axes, bshape, use_batch), (self.weight, self.bias))
+        self._save((xhat_s, rstd, axes, bshape, use_batch), (self.weight, self.bias))
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
-        xhat, rstd, axes, bshape, use_batch = self._pop()
-        g = _grad_like(grad_output, xhat.shape, xhat.dtype, "BatchNorm1d")
+        xhat_s, rstd, axes, bshape, use_batch = self._pop()
+        ct = _compute_dtype(xhat_s.dtype)
+        g = _grad_like(grad_output, xhat_s.shape, ct, "BatchNorm1d")
+        xhat = xhat_s.astype(ct, copy=False)
         if self.weight is not None:
             if self.weight.requires_grad:
                 self.weight.accumulate_grad(np.sum(g * xhat, axis=axes))
@@ -486,10 +513,10 @@ class BatchNorm1d(Module):
         else:
             gxhat = g
         if not use_batch:  # running stats are constants
-            return gxhat * rstd
+            return (gxhat * rstd).astype(xhat_s.dtype, copy=False)
         m1 = gxhat.mean(axis=axes, keepdims=True)
         m2 = np.mean(gxhat * xhat, axis=axes, keepdims=True)
-        return rstd * (gxhat - m1 - xhat * m2)
+        return (rstd * (gxhat - m1 - xhat * m2)).astype(xhat_s.dtype, copy=False)
 
 
 class Sequential(Module):

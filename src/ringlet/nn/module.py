@@ -222,6 +222,13 @@ class Parameter:
         if not self.requires_grad:
             return
         self._before_accumulate()
+        if self.data.dtype == np.float16:
+            # Repeated rows are summed in float32 first: a float16 running sum of
+            # terms of similar size stalls after about 2048 of them.
+            index, where = np.unique(index, return_inverse=True)
+            acc = np.zeros((index.size,) + rows.shape[1:], np.float32)
+            np.add.at(acc, where.reshape(-1), rows)
+            rows = acc
         if self.grad is None:
             self.grad = np.zeros_like(self.data, order="C")
         np.add.at(self.grad, index, rows.astype(self.data.dtype, copy=False))
@@ -614,7 +621,8 @@ class Module:
     def _save(self, ctx: Any, params: Sequence[Optional[Parameter]] = ()) -> None:
         """Keep ``ctx`` for backward and count a use of each trainable parameter in ``params``.
 
-        Does nothing under ``no_grad()``.
+        Arrays in ``ctx`` are kept by reference, not copied (docs/nn.md, "Saved
+        arrays are references").  Does nothing under ``no_grad()``.
         """
         if not _mode.enabled:
             return

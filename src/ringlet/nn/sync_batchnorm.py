@@ -13,6 +13,8 @@ gets the unbiased ``var * N/(N-1)``).
 Sums are taken in float64 whatever the layer's dtype, so the
 ``E[x^2] - E[x]^2`` form keeps its precision for activations of ordinary
 scale.  A rank may hold zero samples; the global count must exceed one.
+A float16 layer normalises, and sums in backward, in float32 (as
+``BatchNorm1d`` does) and returns float16.
 
 Backward needs two per-channel sums over the whole batch, ``sum(dy)`` and
 ``sum(dy * xhat)``; they are packed with a flag (the number of ranks that
@@ -49,7 +51,8 @@ import numpy as np
 import ringlet
 
 from .._timeout import seconds
-from .layers import BatchNorm1d, _float_input, _grad_like, _update_running_stats
+from .layers import (BatchNorm1d, _compute_dtype, _float_input, _grad_like,
+                     _update_running_stats)
 from .module import Module
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -137,6 +140,7 @@ class SyncBatchNorm(BatchNorm1d):
         axes = (0,) if x.ndim == 2 else (0, 2)
         bshape = (1, C) + ((1,) if x.ndim == 3 else ())
         use_batch = self.training or not self.track_running_stats
+        ct = _compute_dtype(dt)
         n_global = 0
         if use_batch:
             # One fused all-reduce: [sum x (C), sum x^2 (C), count, ranks refusing their
@@ -158,20 +162,23 @@ class SyncBatchNorm(BatchNorm1d):
                                  f"shape {x.shape})")
             mean64 = stats[:C] / n_global
             var64 = np.maximum(stats[C:2 * C] / n_global - mean64 * mean64, 0.0)
-            mean = mean64.astype(dt)
-            var = var64.astype(dt)
+            mean = mean64.astype(ct)
+            var = var64.astype(ct)
         else:
             mean, var = self.running_mean, self.running_var
-        xc = x - mean.reshape(bshape)
-        rstd = (1.0 / np.sqrt(var + self.eps)).astype(dt, copy=False).reshape(bshape)
+        xc = x.astype(ct, copy=False) - mean.reshape(bshape)  # a copy for float16 only
+        rstd = (1.0 / np.sqrt(var.astype(ct, copy=False) + self.eps)).astype(
+            ct, copy=False).reshape(bshape)
         xhat = xc * rstd
-        y = xhat
+        # Kept in the layer's dtype, rstd in the compute dtype (one value a channel).
+        y = xhat_s = xhat.astype(dt, copy=False)
         if self.weight is not None:
-            y = xhat * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+            y = (xhat * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+                 ).astype(dt, copy=False)
         if use_batch and self.training and self.track_running_stats:
             # Last, once nothing else can raise: a failed forward leaves the statistics alone.
             _update_running_stats(self, mean64, var64 * (n_global / (n_global - 1)))
-        self._save((xhat, rstd, axes, bshape, use_batch, sync, n_global),
+        self._save((xhat_s, rstd, axes, bshape, use_batch, sync, n_global),
                    (self.weight, self.bias))
         return y
 
@@ -218,14 +225,16 @@ class SyncBatchNorm(BatchNorm1d):
                 # backward's all-reduce: join it, flagged, and every rank raises now.
                 self._backward_failed(_NO_CONTEXT, e)  # raises
             raise
-        xhat, rstd, axes, bshape, use_batch, sync, n_global = ctx
+        xhat_s, rstd, axes, bshape, use_batch, sync, n_global = ctx
         communicates = use_batch and sync
+        ct = _compute_dtype(xhat_s.dtype)
         try:
-            g = _grad_like(grad_output, xhat.shape, xhat.dtype, "SyncBatchNorm")
+            g = _grad_like(grad_output, xhat_s.shape, ct, "SyncBatchNorm")
         except (TypeError, ValueError) as e:
             if communicates:  # flagged, as in forward
                 self._backward_failed(_REFUSED_GRAD, e)
             raise
+        xhat = xhat_s.astype(ct, copy=False)
         sum_g = g.sum(axis=axes)
         sum_gx = (g * xhat).sum(axis=axes)
         sums = None
@@ -250,15 +259,15 @@ class SyncBatchNorm(BatchNorm1d):
             w = None
         gxhat = g if w is None else g * w
         if not use_batch:  # running statistics are constants
-            return gxhat * rstd
+            return (gxhat * rstd).astype(xhat_s.dtype, copy=False)
         if sums is None:  # batch statistics of this rank alone (evaluation)
             sums = np.concatenate([sum_g, sum_gx]).astype(np.float64, copy=False)
-        m1 = (sums[:C] / n_global).astype(xhat.dtype).reshape(bshape)
-        m2 = (sums[C:2 * C] / n_global).astype(xhat.dtype).reshape(bshape)
+        m1 = (sums[:C] / n_global).astype(ct).reshape(bshape)
+        m2 = (sums[C:2 * C] / n_global).astype(ct).reshape(bshape)
         if w is not None:
             m1 = m1 * w
             m2 = m2 * w
-        return rstd * (gxhat - m1 - xhat * m2)
+        return (rstd * (gxhat - m1 - xhat * m2)).astype(xhat_s.dtype, copy=False)
 
 
 def convert_sync_batchnorm(module: Module, group: Any = None) -> Module:
