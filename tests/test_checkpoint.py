@@ -7,6 +7,7 @@ checked bit for bit against a numpy oracle built from the global tensor.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 import ringlet
 from ringlet.checkpoint import (AsyncCheckpointer, CheckpointError, ShardedTensor, ShardSpec,
                                 load, save, verify)
+from ringlet.checkpoint import _comm as ckcomm
 from ringlet.checkpoint import _region
 from ringlet.checkpoint import commit as commit_mod
 from ringlet.checkpoint import format as ckfmt
@@ -802,6 +804,13 @@ def test_damage_seen_by_one_rank_fails_every_rank(tmp_path):
     assert res[1][0] == "CheckpointError" and "rank00001" in res[1][1].file
     assert res[0][0] == "CheckpointError" and set(res[0][1].failed_ranks) == {1}
     assert "rank 1" in str(res[0][1])
+    # Every rank's error names the failing rank and what was wrong where: the
+    # failing rank's own error said neither (rank=None), the others had no file.
+    mine, other = res[1][1], res[0][1]
+    assert mine.rank == 1 and str(mine).startswith("rank 1: shard file ")
+    assert "is missing" in str(mine) and mine.file in str(mine)
+    assert other.rank == 0 and other.file == mine.file and other.key == mine.key
+    assert mine.file in str(other) and "is missing" in str(other)
 
 
 # ---- keys -------------------------------------------------------------------------------------
@@ -980,6 +989,169 @@ def test_load_refuses_ranks_that_pass_different_strict(tmp_path):
     for kind, exc in res:
         assert kind == "ValueError", (kind, exc)
         assert "different strict: True on rank 0 but False on rank 1" in str(exc)
+
+
+# ---- loading while another job saves to the same path -------------------------------------
+def _gen_state(gen):
+    return {"w": np.full(100, float(gen), np.float32), "v": {"gen": gen}}
+
+
+def _load_gen(path):
+    """The generation a load returns; its tensor and its value must come from one save."""
+    w = np.zeros(100, np.float32)
+    gen = load({"w": w, "v": {"gen": None}}, path).state_dict["v"]["gen"]
+    assert np.all(w == gen), f"tensor data from another save than the values ({gen}): {w}"
+    return gen
+
+
+def _commit_copy(src, path):
+    """Commit a copy of the checkpoint ``src`` to ``path``, as a save's rank 0 does."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-test")
+    shutil.copytree(src, tmp)
+    commit_mod.commit(tmp, path)
+
+
+def test_a_save_committing_before_the_shard_files_are_open_is_no_damage(tmp_path,
+                                                                       monkeypatch):
+    # An evaluator loading "latest" while training saves: the commit lands after the
+    # load read the manifest.  It reported "checksum mismatch ... corrupted".
+    path = str(tmp_path / "ck")
+    save(_gen_state(1), path)
+    real = ckfmt.read_manifest_digest
+    fired = []
+
+    def commit_after_reading(*a, **kw):
+        got = real(*a, **kw)
+        if not fired:
+            fired.append(1)
+            save(_gen_state(2), path)
+        return got
+
+    monkeypatch.setattr(ckfmt, "read_manifest_digest", commit_after_reading)
+    assert _load_gen(path) == 2 and fired  # opened again: the new one, whole
+
+
+def test_a_save_committing_while_a_load_reads_leaves_that_load_whole(tmp_path, monkeypatch):
+    # Two shard files; the commit lands after the first read.  The second file was
+    # opened by name only then: "shard file ... is missing".
+    path = str(tmp_path / "ck")
+    run_world(lambda r, P: save(_gen_state(1), path, split_bytes=64), 2)
+    assert sorted(ckfmt.read_manifest(path)["files"]) == ["rank00000.safetensors",
+                                                         "rank00001.safetensors"]
+    real = ckfmt.pread_into
+    fired = []
+
+    def commit_after_first_read(fd, buf, offset):
+        got = real(fd, buf, offset)
+        if not fired:
+            fired.append(1)
+            save(_gen_state(2), path)  # one file only: rank00001 is gone for good
+        return got
+
+    monkeypatch.setattr(ckfmt, "pread_into", commit_after_first_read)
+    assert _load_gen(path) == 1 and fired  # the checkpoint it opened, not a mix
+    monkeypatch.undo()
+    assert _load_gen(path) == 2 and leftovers(path) == []
+
+
+def test_a_save_committing_at_every_open_gives_a_clear_error(tmp_path, monkeypatch):
+    path = str(tmp_path / "ck")
+    save(_gen_state(1), path)
+    real = ckfmt.read_manifest_digest
+    gens = [1]
+
+    def always_commit(*a, **kw):
+        got = real(*a, **kw)
+        gens.append(gens[-1] + 1)
+        save(_gen_state(gens[-1]), path)
+        return got
+
+    monkeypatch.setattr(ckfmt, "read_manifest_digest", always_commit)
+    with pytest.raises(CheckpointError, match="changed while this rank opened it") as info:
+        _load_gen(path)
+    assert "corrupted" not in str(info.value) and repr(path) in str(info.value)
+    assert len(gens) == 4  # a bounded number of attempts
+    monkeypatch.undo()
+    assert _load_gen(path) == 4
+
+
+def test_a_save_replacing_the_checkpoint_under_an_nfs_read_is_named(tmp_path, monkeypatch):
+    # On NFS another client's delete makes reads of open files fail with ESTALE.
+    path = str(tmp_path / "ck")
+    save(_gen_state(1), path)
+
+    def stale(fd, buf, offset):
+        save(_gen_state(2), path)
+        raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+
+    monkeypatch.setattr(ckfmt, "pread_into", stale)
+    with pytest.raises(CheckpointError, match="was replaced by a save while this rank read "
+                                              "it") as info:
+        _load_gen(path)
+    assert isinstance(info.value.__cause__, OSError) and info.value.file == path
+
+
+def test_ranks_that_open_around_a_commit_all_load_the_new_checkpoint(tmp_path, monkeypatch):
+    # Rank 0 opens generation 1, then a save commits generation 2 before rank 1
+    # opens: "ranks read different checkpoints" although every rank asked for the
+    # latest.  Nothing is filled before the ranks agree, so they open it again.
+    path, nxt = str(tmp_path / "ck"), str(tmp_path / "next")
+    save(_gen_state(1), path)
+    save(_gen_state(2), nxt)
+    rank0_opened = threading.Event()
+    fired = []
+    real_read = ckfmt.read_manifest_digest
+    real_gather = ckcomm.Comm.all_gather_object
+
+    def read(*a, **kw):
+        if ringlet.get_rank() == 1 and not fired:
+            fired.append(1)
+            assert rank0_opened.wait(60), "rank 0 never reached its vote"
+            _commit_copy(nxt, path)
+        return real_read(*a, **kw)
+
+    def gather(self, obj):
+        if ringlet.get_rank() == 0:
+            rank0_opened.set()
+        return real_gather(self, obj)
+
+    monkeypatch.setattr(ckfmt, "read_manifest_digest", read)
+    monkeypatch.setattr(ckcomm.Comm, "all_gather_object", gather)
+    assert run_world(lambda r, P: _load_gen(path), 2) == [2, 2] and fired
+
+
+def test_loads_while_another_process_saves_are_whole_and_in_order(tmp_path):
+    # The evaluator case end to end: a process saves generation after generation
+    # while this one loads; every load is one whole generation, never older than
+    # the last one seen, or a clear error saying a save kept changing it.
+    path = str(tmp_path / "ck")
+    save(_gen_state(0), path)
+    script = (f"import sys\nsys.path.insert(0, {SRC!r})\nimport numpy as np\n"
+              f"from ringlet.checkpoint import save\n"
+              f"for g in range(1, 151):\n"
+              f"    save({{'w': np.full(100, float(g), np.float32), 'v': {{'gen': g}}}}, "
+              f"{path!r})\n")
+    saver = subprocess.Popen([sys.executable, "-c", script], env=clean_env(),
+                             stderr=subprocess.PIPE, text=True)
+    seen, changed = [0], 0
+    try:
+        deadline = time.monotonic() + 120
+        while saver.poll() is None:
+            assert time.monotonic() < deadline, "the saver did not finish"
+            try:
+                gen = _load_gen(path)
+            except CheckpointError as exc:
+                assert "changed while this rank opened it" in str(exc), exc
+                changed += 1
+                continue
+            assert gen >= seen[-1], (gen, seen[-1])
+            seen.append(gen)
+    finally:
+        if saver.poll() is None:
+            saver.kill()
+        err = saver.communicate(timeout=60)[1]
+    assert saver.returncode == 0, err
+    assert _load_gen(path) == 150 and len(seen) > 1, (seen, changed)
 
 
 def _crash_between_steps_2_and_3(path, gen):

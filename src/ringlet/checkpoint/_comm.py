@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from .._timeout import seconds
+from ..errors import RingletError
 from .errors import CheckpointError
 
 
@@ -63,23 +64,33 @@ def agree(comm: Comm, what: str, error: Optional[BaseException], payload: Any = 
     """All-gather (error, payload) from every rank; raise on every rank if any failed.
 
     The failing rank re-raises its own exception (so bad arguments stay a
-    ``TypeError``/``ValueError`` there); every other rank raises a
-    ``CheckpointError`` naming the failing ranks and their messages.
+    ``TypeError``/``ValueError`` there; a ringlet error gets this rank's
+    number); every other rank raises a ``CheckpointError`` naming the failing
+    ranks and their messages, with ``file`` and ``key`` of the lowest one.
 
     Returns:
         The payloads, in rank order, when no rank failed.
     """
-    mine = None if error is None else describe(error)[:2000]
+    mine = None
+    if error is not None:
+        where = (error.file, error.key) if isinstance(error, CheckpointError) else (None, None)
+        mine = [describe(error)[:2000], *where]
     got = comm.all_gather_object([mine, payload])
-    failed: Dict[int, str] = {r: m for r, (m, _) in enumerate(got) if m is not None}
+    failed: Dict[int, str] = {r: m[0] for r, (m, _) in enumerate(got) if m is not None}
     if not failed:
         return [p for _, p in got]
     others = {r: m for r, m in failed.items() if r != comm.rank}
     if error is not None:
+        if isinstance(error, RingletError) and error.rank is None:
+            # Raised below the collectives, which know the rank: name it here.
+            error.rank, error.op = comm.rank, error.op or what
+            if comm.size > 1 and error.args:
+                error.args = (f"rank {comm.rank}: {error.args[0]}",) + error.args[1:]
         if others and hasattr(error, "add_note"):
             error.add_note(f"{what} also failed on rank(s) {sorted(others)}")
         raise error
     lines = "\n".join(f"  rank {r}: {m}" for r, m in sorted(failed.items()))
+    _, file, key = got[min(failed)][0]
     raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)} (this is rank "
                           f"{comm.rank}):\n{lines}", failed_ranks=failed, rank=comm.rank,
-                          op=what)
+                          op=what, file=file, key=key)

@@ -39,7 +39,7 @@ import json
 import os
 import struct
 import warnings
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -188,13 +188,20 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     return read_manifest_digest(directory)[0]
 
 
-def read_manifest_digest(directory: str) -> Tuple[Dict[str, Any], str]:
+def read_manifest_digest(directory: str, dir_fd: Optional[int] = None
+                         ) -> Tuple[Dict[str, Any], str]:
     """``read_manifest``, with the SHA-256 of the file's bytes: equal on two ranks
     exactly when they read the same checkpoint (a version 1 manifest included,
-    whose values need not survive a canonical dump: NaN)."""
+    whose values need not survive a canonical dump: NaN).
+
+    ``dir_fd``: an open descriptor of ``directory``; the manifest is then read
+    from that directory even if a save has since renamed it away.
+    """
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path if dir_fd is None else MANIFEST,
+                     os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+        with open(fd, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint at {directory!r}: {path!r} does not exist") \

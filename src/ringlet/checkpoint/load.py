@@ -10,8 +10,16 @@ are read in windows of at most ``WINDOW_BYTES``, so memory stays bounded
 for huge pieces.
 
 Two agreement collectives (``_comm.agree``) bracket the local work: one after
-reading the manifest and checking the template against it (key sets, dtypes,
-shapes), and one after reading, so an error on any rank raises on every rank.
+reading the manifest, checking the template against it (key sets, dtypes,
+shapes) and opening the shard files, and one after reading, so an error on
+any rank raises on every rank.
+
+Loading while another job saves to the same path: each rank opens the
+directory, its manifest and every shard file it needs before reading data,
+so it reads one committed checkpoint even if a save replaces it meanwhile.
+A commit that lands before the files are open, or between two ranks' opens,
+makes the load open the new one (up to ``_OPEN_ATTEMPTS`` times), never a
+"corrupted" error or a mix of two saves.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import numpy as np
 
 from . import commit as _commit
 from . import format as _fmt
-from ._comm import Comm, agree
+from ._comm import Comm, agree, describe
 from ._region import Region, intersect, numel, overlaps, view
 from ._state import decode_value, flatten, rebuild
 from .errors import CheckpointError
@@ -33,6 +41,8 @@ from .shard import ShardedTensor
 __all__ = ["load", "LoadResult", "verify"]
 
 WINDOW_BYTES = 64 << 20
+# Opens of one load that a save committing to the same path may spoil before it gives up.
+_OPEN_ATTEMPTS = 3
 
 
 class LoadResult:
@@ -94,13 +104,40 @@ def _fmt_keys(keys: List[str], limit: int = 20) -> str:
 
 
 class _Reader:
-    """Shard files opened on demand; sizes checked against the manifest once."""
+    """One checkpoint directory's shard files, opened relative to a descriptor of it.
 
-    def __init__(self, directory: str, manifest: dict) -> None:
+    A save to the same path renames the directory away and then deletes it.
+    ``_open`` opens the directory, its manifest and every shard file this
+    rank needs before reading any data, so the data read after that comes
+    from that one checkpoint. (Open files can still be read after they are
+    deleted on a local filesystem. On NFS, another client's delete makes the
+    reads fail.)
+    """
+
+    def __init__(self, directory: str) -> None:
         self.directory = directory
-        self.files = manifest["files"]
+        self.dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                           | getattr(os, "O_CLOEXEC", 0))
+        self.files: Dict[str, Any] = {}
         self.fds: Dict[str, int] = {}
         self.bytes_read = 0
+
+    def moved(self) -> bool:
+        """Whether ``directory`` no longer names the directory this reader opened
+        (a save replaced the checkpoint, or moved it aside to commit)."""
+        try:
+            now = os.stat(self.directory)
+        except OSError:
+            return True
+        opened = os.fstat(self.dfd)
+        return (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
+
+    def open_for(self, key: str, entry: dict, dest: Region) -> None:
+        """Open every shard file holding a piece of ``key`` that ``dest`` overlaps."""
+        shape = tuple(entry["shape"])
+        for p in entry["pieces"]:
+            if overlaps(dest, _piece_region(p, shape)):
+                self.fd(p["file"], key)
 
     def fd(self, fname: str, key: str) -> int:
         fd = self.fds.get(fname)
@@ -112,7 +149,7 @@ class _Reader:
             raise CheckpointError(f"checkpoint manifest names shard file {fname!r} for tensor "
                                   f"{key!r} but does not list it", file=path, key=key)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(fname, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=self.dfd)
         except FileNotFoundError:
             raise CheckpointError(f"shard file {path!r} is missing (needed for tensor {key!r})",
                                   file=path, key=key) from None
@@ -130,6 +167,9 @@ class _Reader:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        if self.dfd >= 0:
+            os.close(self.dfd)
+            self.dfd = -1
 
     def fill(self, key: str, entry: dict, dest: Region, storage: np.ndarray,
              chunk_bytes: int) -> None:
@@ -192,13 +232,13 @@ class _Reader:
                                   f"rank needs", key=key)
 
 
-def _prepare(template: Any, path: Any
-             ) -> Tuple[str, dict, str, dict, List[str], List[str], dict]:
-    """Local checks before any byte of tensor data is read."""
-    flat = flatten(template, "state_dict_template")
-    p = _check_path(path)
-    directory = _commit.resolve_for_load(p)
-    manifest, digest = _fmt.read_manifest_digest(directory)
+def _check_template(flat: dict, manifest: dict, reader: _Reader
+                    ) -> Tuple[List[str], List[str], dict]:
+    """Check the template against the manifest; open the shard files it needs.
+
+    Returns:
+        (missing keys, checkpoint keys not in the template, decoded values).
+    """
     tensors, values = manifest["tensors"], manifest["values"]
     missing, values_out = [], {}
     for key, leaf in flat.items():
@@ -213,6 +253,8 @@ def _prepare(template: Any, path: Any
             if name != entry["dtype"] or shape != tuple(entry["shape"]):
                 raise ValueError(f"{key!r} is {entry['dtype']}{list(entry['shape'])} in the "
                                  f"checkpoint but {name}{list(shape)} in the template")
+            if region.size and numel(entry["shape"]):
+                reader.open_for(key, entry, region)
         elif key in values:
             if is_tensor:
                 raise ValueError(f"{key!r} is a plain value in the checkpoint but a tensor in "
@@ -221,7 +263,100 @@ def _prepare(template: Any, path: Any
         else:
             missing.append(key)
     not_requested = sorted((set(tensors) | set(values)) - set(flat))
-    return directory, manifest, digest, flat, missing, not_requested, values_out
+    return missing, not_requested, values_out
+
+
+def _open(p: str, flat: dict) -> Tuple[_Reader, dict, str, List[str], List[str], dict]:
+    """Open the checkpoint at ``p`` and every shard file ``flat`` needs from it.
+
+    A save committing to ``p`` meanwhile can move the directory away or delete
+    its files before all are open. That is tried again, up to
+    ``_OPEN_ATTEMPTS`` times, and never reported as damage.
+
+    Returns:
+        (reader, manifest, manifest digest, missing keys, keys not in the
+        template, decoded values).
+    """
+    changed = False  # an attempt found a checkpoint that then went away
+    for attempt in range(_OPEN_ATTEMPTS):
+        directory: Optional[str] = None
+        reader: Optional[_Reader] = None
+        try:
+            directory = _commit.resolve_for_load(p)
+            reader = _Reader(directory)
+            manifest, digest = _fmt.read_manifest_digest(directory, dir_fd=reader.dfd)
+            reader.files = manifest["files"]
+            return (reader, manifest, digest) + _check_template(flat, manifest, reader)
+        except (OSError, CheckpointError) as exc:
+            # Without a directory: no checkpoint, or resolve lost a race with a
+            # commit's renames; trying again tells which.
+            moved = reader.moved() if reader is not None else isinstance(exc, FileNotFoundError)
+            changed = changed or (directory is not None and moved)
+            if reader is not None:
+                reader.close()
+            if not moved or (not changed and attempt + 1 == _OPEN_ATTEMPTS):
+                raise
+            if attempt + 1 == _OPEN_ATTEMPTS:
+                raise CheckpointError(
+                    f"the checkpoint at {p!r} changed while this rank opened it: saves "
+                    f"committed there during all {_OPEN_ATTEMPTS} attempts; load again "
+                    f"once the save is done (last: {describe(exc)})", file=p) from exc
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
+    raise AssertionError("unreachable")
+
+
+def _same_place(a: str, b: str) -> bool:
+    """``a`` and ``b`` are one checkpoint path (or its copy moved aside by a commit)."""
+    return a == b or _commit.old_path(a) == b or _commit.old_path(b) == a
+
+
+def _open_agreed(comm: Comm, what: str, template: Any, path: Any, strict: bool
+                 ) -> Tuple[_Reader, dict, dict, dict, List[Any]]:
+    """Open the checkpoint on every rank (``_open``); agree that all opened the same one.
+
+    Returns:
+        (reader, manifest, flat template, decoded values, every rank's
+        [missing keys, keys not in its template, directory, manifest digest, strict]).
+    """
+    for attempt in range(_OPEN_ATTEMPTS):
+        error: Optional[BaseException] = None
+        payload = None
+        reader: Optional[_Reader] = None
+        try:
+            flat = flatten(template, "state_dict_template")
+            reader, manifest, digest, missing, not_requested, values = _open(
+                _check_path(path), flat)
+            payload = [missing, not_requested, reader.directory, digest, bool(strict)]
+        except Exception as exc:  # noqa: BLE001 - voted so no rank waits on this one
+            error = exc
+        try:
+            got = agree(comm, what, error, payload)
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
+        # Every rank must fill its arrays from one checkpoint (not one rank from the
+        # last step and another from a save committed meanwhile).
+        b = next((r for r, g in enumerate(got) if g[3] != got[0][3]), None)
+        if b is None:
+            return reader, manifest, flat, values, got
+        reader.close()
+        # One path, two manifests: a save committed between the ranks' opens.  No
+        # array is touched yet, so every rank opens it again (all see the same got).
+        same = _same_place(got[0][2], got[b][2])
+        if same and attempt + 1 < _OPEN_ATTEMPTS:
+            continue
+        why = (f"a save committed a new checkpoint there each of the {_OPEN_ATTEMPTS} times "
+               f"the ranks opened it, or the ranks do not share one filesystem; load again "
+               f"once the save is done" if same else "every rank must load the same one")
+        raise CheckpointError(f"{what}: ranks read different checkpoints: rank 0 read "
+                              f"{got[0][2]!r} (manifest {got[0][3][:12]}) but rank {b} read "
+                              f"{got[b][2]!r} (manifest {got[b][3][:12]}); {why}",
+                              rank=comm.rank, op="load")
+    raise AssertionError("unreachable")
 
 
 def load(state_dict_template: Dict[str, Any], path: Any, *, group: Any = None,
@@ -255,8 +390,11 @@ def load(state_dict_template: Dict[str, Any], path: Any, *, group: Any = None,
         FileNotFoundError: no checkpoint at ``path``.
         CheckpointError: a shard file is missing, truncated or fails its
             checksum (``file`` and ``key`` name it); keys mismatch under
-            ``strict`` (``missing_keys``/``unexpected_keys``); or another rank
-            failed (``failed_ranks``).  Arrays may then be partly overwritten.
+            ``strict`` (``missing_keys``/``unexpected_keys``); a save to
+            ``path`` replaced the checkpoint each time this load opened it; or
+            another rank failed (``failed_ranks``).  Arrays may then be partly
+            overwritten.  A save committing to ``path`` during the load is
+            not an error: the load reads one whole committed checkpoint.
 
     Example::
 
@@ -265,59 +403,51 @@ def load(state_dict_template: Dict[str, Any], path: Any, *, group: Any = None,
     """
     comm = Comm(group, timeout)
     what = f"checkpoint load from {path!r}"
-    error: Optional[BaseException] = None
-    payload = None
+    reader, manifest, flat, values, got = _open_agreed(comm, what, state_dict_template, path,
+                                                       strict)
     try:
-        directory, manifest, digest, flat, missing, not_requested, values = _prepare(
-            state_dict_template, path)
-        payload = [missing, not_requested, directory, digest, bool(strict)]
-    except Exception as exc:  # noqa: BLE001 - voted so no rank waits on this one
-        error = exc
-    got = agree(comm, what, error, payload)
-    # Every rank must fill its arrays from one checkpoint (not one rank from the
-    # last step and another from a save committed meanwhile), under one rule.
-    b = next((r for r, g in enumerate(got) if g[3] != got[0][3]), None)
-    if b is not None:
-        raise CheckpointError(f"{what}: ranks read different checkpoints: rank 0 read "
-                              f"{got[0][2]!r} (manifest {got[0][3][:12]}) but rank {b} read "
-                              f"{got[b][2]!r} (manifest {got[b][3][:12]}); every rank must "
-                              f"load the same one", rank=comm.rank, op="load")
-    b = next((r for r, g in enumerate(got) if g[4] != got[0][4]), None)
-    if b is not None:
-        raise ValueError(f"{what}: ranks passed different strict: {got[0][4]} on rank 0 but "
-                         f"{got[b][4]} on rank {b}; every rank must pass the same")
-    unexpected = sorted(set.intersection(*(set(g[1]) for g in got)))
-    missing_by_rank = {r: g[0] for r, g in enumerate(got) if g[0]}
-    if strict and (missing_by_rank or unexpected):
-        parts = [f"rank {r} is missing {_fmt_keys(m)}" for r, m in sorted(missing_by_rank.items())]
-        if unexpected:
-            parts.append(f"unexpected keys (in the checkpoint, in no rank's template): "
-                         f"{_fmt_keys(unexpected)}")
-        raise CheckpointError(f"{what}: the checkpoint does not match the state dict (pass "
-                              f"strict=False to load the common keys): " + "; ".join(parts),
-                              missing_keys=missing_by_rank, unexpected_keys=unexpected,
-                              rank=comm.rank, op="load")
+        b = next((r for r, g in enumerate(got) if g[4] != got[0][4]), None)
+        if b is not None:
+            raise ValueError(f"{what}: ranks passed different strict: {got[0][4]} on rank 0 "
+                             f"but {got[b][4]} on rank {b}; every rank must pass the same")
+        unexpected = sorted(set.intersection(*(set(g[1]) for g in got)))
+        missing_by_rank = {r: g[0] for r, g in enumerate(got) if g[0]}
+        if strict and (missing_by_rank or unexpected):
+            parts = [f"rank {r} is missing {_fmt_keys(m)}"
+                     for r, m in sorted(missing_by_rank.items())]
+            if unexpected:
+                parts.append(f"unexpected keys (in the checkpoint, in no rank's template): "
+                             f"{_fmt_keys(unexpected)}")
+            raise CheckpointError(f"{what}: the checkpoint does not match the state dict (pass "
+                                  f"strict=False to load the common keys): " + "; ".join(parts),
+                                  missing_keys=missing_by_rank, unexpected_keys=unexpected,
+                                  rank=comm.rank, op="load")
 
-    reader = _Reader(directory, manifest)
-    error = None
-    try:
-        chunk = manifest["chunk_bytes"]
-        for key, leaf in flat.items():
-            entry = manifest["tensors"].get(key)
-            if entry is None or not isinstance(leaf, (np.ndarray, ShardedTensor)):
-                continue
-            region, storage, _shape = _dest(key, leaf)
-            if region.size and numel(entry["shape"]):
-                reader.fill(key, entry, region, storage, chunk)
-    except Exception as exc:  # noqa: BLE001 - voted below
-        error = exc
+        error: Optional[BaseException] = None
+        try:
+            chunk = manifest["chunk_bytes"]
+            for key, leaf in flat.items():
+                entry = manifest["tensors"].get(key)
+                if entry is None or not isinstance(leaf, (np.ndarray, ShardedTensor)):
+                    continue
+                region, storage, _shape = _dest(key, leaf)
+                if region.size and numel(entry["shape"]):
+                    reader.fill(key, entry, region, storage, chunk)
+        except Exception as exc:  # noqa: BLE001 - voted below
+            error = exc
+            if isinstance(exc, OSError) and reader.moved():
+                # NFS: another client's save deleted the files this rank holds open.
+                error = CheckpointError(f"the checkpoint at {reader.directory!r} was replaced "
+                                        f"by a save while this rank read it ({describe(exc)}); "
+                                        f"load again once the save is done",
+                                        file=reader.directory)
+                error.__cause__ = exc
     finally:
         reader.close()
     agree(comm, what, error, reader.bytes_read)
     state = rebuild(state_dict_template, values)
     return LoadResult(state, missing_by_rank.get(comm.rank, []), unexpected, reader.bytes_read,
-                      directory)
-
+                      reader.directory)
 
 
 def _verify_file(fpath: str, meta: dict, pieces: List[Tuple[str, dict]], chunk: int) -> None:
