@@ -326,7 +326,10 @@ int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *er
 /* The same for a comm that carries only point-to-point messages. */
 int rl_comm_attach_shm_p2p(rl_comm *c, int fd, size_t size, int create, rl_error *err);
 /* Wait (deadline-bounded) until every rank of the comm has attached, then
- * watch the peers' processes (pidfd) so a killed peer fails waiters fast. */
+ * watch the peers' processes (pidfd) so a killed peer fails waiters fast,
+ * and wait until every rank watches.  Its errors read "shared-memory set-up
+ * timed out" (or "failed") and name the ranks still awaited; a timeout's
+ * peer is the lowest of them. */
 int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms);
 /* 1 when collectives of c run over shared memory. */
 int rl_comm_uses_shm(const rl_comm *c);

@@ -42,6 +42,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <sched.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,7 +61,7 @@
 #include "internal.h"
 
 #define SHM_MAGIC 0x4d48534cu /* "LSHM" */
-#define SHM_VERSION 8u
+#define SHM_VERSION 9u
 #define SHM_MAX_RANKS 1024
 #define SHM_PAGE ((size_t)4096)
 #define SHM_SLICE_NS 50000000LL
@@ -122,7 +123,7 @@ typedef struct {
     uint32_t ack;    /* last step this rank finished reading                */
     uint32_t closed; /* 1: the owner destroyed its comm                     */
     int32_t pid;
-    uint32_t pad0;
+    uint32_t watched; /* set-up: 1 once this rank watches every peer        */
     uint32_t m_ack;  /* medium lane: last step finished reading             */
     uint32_t pad_r[2];
     uint32_t s_ack;  /* small lane: last step finished reading              */
@@ -416,6 +417,70 @@ static int rooted_check(rl_comm *c, const rl_opdesc *op, int q) {
  * time a peer is seen gone was published in time: re-read it before failing
  * (a peer may well finish its part of the last op and leave). */
 static int op_check(rl_comm *c, const rl_opdesc *op, int q);
+
+/* The comm ranks the set-up still waits for, listed in buf ("2, 5"; "" for
+ * none): those that have not attached the segment (*attaching = 1), or once
+ * all have, those that do not watch their peers yet.  Returns the lowest. */
+static int setup_pending(const rl_comm *c, char *buf, size_t n, int *attaching, int *count) {
+    const rl_shm *s = c->shm;
+    int first = -1, cut = 0;
+    size_t len = 0;
+    *attaching = 0;
+    *count = 0;
+    buf[0] = 0;
+    for (int q = 0; q < c->size; q++)
+        if (!__atomic_load_n(&s->ctrl[q].pid, __ATOMIC_ACQUIRE)) *attaching = 1;
+    for (int q = 0; q < c->size; q++) {
+        int late = *attaching ? !__atomic_load_n(&s->ctrl[q].pid, __ATOMIC_ACQUIRE)
+                              : !__atomic_load_n(&s->ctrl[q].watched, __ATOMIC_ACQUIRE);
+        if (!late || q == c->rank) continue;
+        if (first < 0) first = q;
+        if (len + 16 < n && !cut) /* ", " and a rank number fit */
+            len += (size_t)snprintf(buf + len, n - len, "%s%d", *count ? ", " : "", q);
+        else if (!cut && len + 6 < n) {
+            len += (size_t)snprintf(buf + len, n - len, ", ...");
+            cut = 1;
+        }
+        (*count)++;
+    }
+    return first;
+}
+
+/* rl_fail for the waits of ops and of the set-up (rl_comm_shm_ready, an op
+ * without an opcode), whose failures say it was the set-up, not "unknown-op
+ * seq=0", and name the ranks it still waited for; a timeout blames the
+ * lowest of them. */
+static int shm_fail(rl_comm *c, const rl_opdesc *op, int status, int peer, int e,
+                    const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static int shm_fail(rl_comm *c, const rl_opdesc *op, int status, int peer, int e,
+                    const char *fmt, ...) {
+    char detail[RL_ERRMSG_MAX / 2], list[96];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, sizeof detail, fmt, ap);
+    va_end(ap);
+    if (!op || op->opcode != RL_OP_NONE) return rl_fail(c, op, status, peer, e, "%s", detail);
+    int attaching, count, late = setup_pending(c, list, sizeof list, &attaching, &count);
+    const char *plural = count > 1 ? "s" : "";
+    double waited = (rl_now_ns() - op->start_ns) / 1e9;
+    if (status == RL_ERR_TIMEOUT && late >= 0 && attaching)
+        return rl_fail(c, NULL, status, late, e,
+                       "shared-memory set-up timed out after %.3fs: comm rank%s %s did not "
+                       "attach the segment (not at this group's set-up: not started, hung, "
+                       "stopped, or failed before it)", waited, plural, list);
+    if (status == RL_ERR_TIMEOUT && late >= 0)
+        return rl_fail(c, NULL, status, late, e,
+                       "shared-memory set-up timed out after %.3fs: comm rank%s %s attached the "
+                       "segment but did not finish the set-up (hung or stopped)", waited, plural,
+                       list);
+    if (late >= 0 && attaching)
+        return rl_fail(c, NULL, status, peer, e,
+                       "shared-memory set-up failed after %.3fs: %.300s; comm rank%s %s had not "
+                       "attached the segment", waited, detail, plural, list);
+    return rl_fail(c, NULL, status, peer, e, "shared-memory set-up %s after %.3fs: %s",
+                   status == RL_ERR_TIMEOUT ? "timed out" : "failed", waited, detail);
+}
+
 /* The failure a peer's abort record gives this op. */
 static int peer_aborted(rl_comm *c, const rl_opdesc *op) {
     shm_header *h = c->shm->hdr;
@@ -423,8 +488,8 @@ static int peer_aborted(rl_comm *c, const rl_opdesc *op) {
     memcpy(reason, h->abort_reason, sizeof reason);
     reason[sizeof reason - 1] = 0;
     int who = h->abort_rank;
-    return rl_fail(c, op, abort_status_of(h->abort_status), who >= 0 && who < c->size ? who : -1,
-                   0, "peer aborted the operation: [%s]", reason);
+    return shm_fail(c, op, abort_status_of(h->abort_status), who >= 0 && who < c->size ? who : -1,
+                    0, "peer aborted the operation: [%s]", reason);
 }
 
 static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t target,
@@ -450,8 +515,8 @@ static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
         if (q == c->rank || (only >= 0 && q != only)) continue;
         if (__atomic_load_n(&s->ctrl[q].closed, __ATOMIC_ACQUIRE)) {
             SHM_DONE_ANYWAY();
-            return rl_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
-                           "the peer closed its communicator (shared memory)");
+            return shm_fail(c, op, RL_ERR_PEER_CLOSED, q, 0,
+                            "the peer closed its communicator (shared memory)");
         }
     }
     if (s->npidfds) {
@@ -470,9 +535,9 @@ static int check_peers(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
                 SHM_DONE_ANYWAY();
                 for (int i = 0; i < n; i++)
                     if (pf[i].revents)
-                        return rl_fail(c, op, RL_ERR_PEER_CLOSED, idx[i], 0,
-                                       "the peer's process (pid %d) exited or was killed "
-                                       "(shared memory)", (int)s->ctrl[idx[i]].pid);
+                        return shm_fail(c, op, RL_ERR_PEER_CLOSED, idx[i], 0,
+                                        "the peer's process (pid %d) exited or was killed "
+                                        "(shared memory)", (int)s->ctrl[idx[i]].pid);
             }
         }
     }
@@ -493,13 +558,13 @@ static int sleep_check(rl_comm *c, const rl_opdesc *op, uint32_t *flag, uint32_t
         return c->err.status ? c->err.status : RL_ERR_POISONED;
     int64_t now = rl_now_ns();
     if (now >= op->deadline_ns)
-        return rl_fail(c, op, RL_ERR_TIMEOUT, owner, 0,
-                       "timed out (the peer is hung, stopped, or never called this op; "
-                       "shared memory)");
+        return shm_fail(c, op, RL_ERR_TIMEOUT, owner, 0,
+                        "timed out (the peer is hung, stopped, or never called this op; "
+                        "shared memory)");
     if (now - *last_hook >= 90000000LL) {
         *last_hook = now;
         if (rl_call_interrupt_hook())
-            return rl_fail(c, op, RL_ERR_INTERRUPTED, -1, 0, "interrupted");
+            return shm_fail(c, op, RL_ERR_INTERRUPTED, -1, 0, "interrupted");
     }
     return RL_OK;
 }
@@ -973,15 +1038,16 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
     if (!s) return RL_ERR_INVALID;
     rl_opdesc op;
     memset(&op, 0, sizeof op);
+    op.opcode = RL_OP_NONE; /* the set-up: its failures say so (shm_fail) */
     op.start_ns = rl_now_ns();
     op.deadline_ns = rl_deadline_from(op.start_ns, timeout_ms);
     op.seq = c->seq;
     int st = wait_flag(c, &op, &s->hdr->attached, (uint32_t)c->size, -1);
     if (st != RL_OK) return st;
     if (s->hdr->attached != (uint32_t)c->size)
-        return rl_fail(c, &op, RL_ERR_PROTOCOL, -1, 0,
-                       "%u ranks attached the shared-memory segment of a %d-rank communicator",
-                       s->hdr->attached, c->size);
+        return shm_fail(c, &op, RL_ERR_PROTOCOL, -1, 0,
+                        "%u ranks attached the shared-memory segment of a %d-rank communicator",
+                        s->hdr->attached, c->size);
     for (int q = 0; q < c->size; q++) {
         st = q == c->rank ? RL_OK : watch_peer(c, q);
         if (st != RL_OK) {
@@ -995,6 +1061,7 @@ int rl_comm_shm_ready(rl_comm *c, int64_t timeout_ms) {
      * one opened its pidfd, which would then never learn of the exit.  (Nor
      * before every rank probed every peer: the probe word's address is then
      * overwritten by the first big-lane op.) */
+    __atomic_store_n(&s->ctrl[c->rank].watched, 1, __ATOMIC_RELEASE);
     __atomic_fetch_add(&s->hdr->watching, 1, __ATOMIC_SEQ_CST);
     ring_bell(s->hdr);
     st = wait_flag(c, &op, &s->hdr->watching, (uint32_t)c->size, -1);

@@ -1557,6 +1557,39 @@ def test_set_up_fails_at_once_on_a_peer_already_gone(tmp_path):
     assert "checks passed" in res.stdout, res.stdout + res.stderr
 
 
+def _group_rank_2_joins_late(rank, P, failed):
+    # Rank 1 gives up on the group's set-up first (its deadline is the shortest);
+    # rank 2 creates the group only after that, which ends rank 0's wait.
+    if rank == 2:
+        assert failed.wait(60), "rank 1 never gave up on the set-up"
+    try:
+        ringlet.new_group([0, 1, 2], timeout=4 if rank == 1 else 60)
+        return "created"
+    except RingletError as exc:
+        return type(exc).__name__, str(exc), exc.peer
+    finally:
+        if rank == 1:
+            failed.set()
+
+
+def test_a_set_up_timeout_names_the_set_up_and_the_rank_that_never_attached():
+    """A group member that never reaches the shared-memory set-up: the rank whose deadline
+    passes says it was the set-up that timed out and names that member (as its peer), not an
+    op called "unknown-op seq=0"; the others' set-up failures say so too."""
+    import threading
+
+    res = run_world(_group_rank_2_joins_late, 3, mode="thread", timeout=120,
+                    args=(threading.Event(),))
+    kind, msg, peer = res[1]
+    assert kind == "CollectiveTimeout" and peer == 2, res[1]
+    assert "rank 1: peer 2 " in msg and "shared-memory set-up timed out after" in msg, msg
+    assert "comm rank 2 did not attach the segment" in msg, msg
+    for r in (0, 2):  # rank 1 closed its end of the set-up they then finished
+        assert res[r][0] == "PeerClosedError", res[r]
+        assert "shared-memory set-up failed after" in res[r][1], res[r]
+    assert not any("unknown-op" in x[1] for x in res), res
+
+
 def _paged(nbytes, huge):
     # An array whose memory the kernel is asked to back with huge pages or
     # with 4 KiB ones (an idle sender reads the first directly, not the other).
