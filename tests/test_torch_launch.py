@@ -121,10 +121,16 @@ STALE_JOB = textwrap.dedent("""
 def test_ringlet_run_replaces_stale_master_env(tmp_path):
     # `import ringlet.torch` left a stale pair in place whenever MASTER_PORT was set, so
     # torch's env:// found no RANK (or, given ranks, waited on 192.0.2.1 to its timeout).
+    _ringlet_run_two(tmp_path, STALE_JOB, STALE)
+
+
+def _ringlet_run_two(tmp_path, job, stale):
+    # `ringlet run -n 2` of job beside the stale variables: both ranks must finish their
+    # all_reduce as ranks 0 and 1 of 2.
     script = tmp_path / "job.py"
-    script.write_text(STALE_JOB)
+    script.write_text(job)
     out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
-                         env=dict(_env(), **STALE), capture_output=True, text=True, timeout=150)
+                         env=dict(_env(), **stale), capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(re.findall(r"OK rank=\d size=\d sum=\d", out.stdout)) == \
         [f"OK rank={r} size=2 sum=3" for r in range(2)]
@@ -161,13 +167,7 @@ def test_ringlet_run_replaces_stale_rank(tmp_path, left):
     stale = dict(STALE_RANK, **STALE)
     if left == "torchrun":
         stale.update(TORCHELASTIC_RUN_ID="old", GROUP_RANK="0")
-    script = tmp_path / "job.py"
-    script.write_text(STALE_RANK_JOB)
-    out = subprocess.run([sys.executable, "-m", "ringlet.run", "-n", "2", str(script)],
-                         env=dict(_env(), **stale), capture_output=True, text=True, timeout=150)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert sorted(re.findall(r"OK rank=\d size=\d sum=\d", out.stdout)) == \
-        [f"OK rank={r} size=2 sum=3" for r in range(2)]
+    _ringlet_run_two(tmp_path, STALE_RANK_JOB, stale)
 
 
 def test_mpirun_refuses_a_disagreeing_stale_rank(tmp_path):
