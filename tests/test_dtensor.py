@@ -203,15 +203,21 @@ def _integer_dtypes(rank, n):
     mesh = DeviceMesh((n,), ("x",))
     for dt in (np.int32, np.int64, np.float32):
         g = (GLOBAL * 3).astype(dt)
-        for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN):
-            ps = [Shard(0), Shard(1), Replicate(), Partial(op)]
-            for src in ps:
-                x = distribute(g, mesh, [src])
-                for dst in ps:
-                    y = x.redistribute([dst])
-                    assert y.dtype == g.dtype
-                    check_layout(y, g)
+        for y in _every_redistribution(g, mesh):
+            assert y.dtype == g.dtype
+            check_layout(y, g)
     return True
+
+
+def _every_redistribution(g, mesh):
+    # g distributed from, and redistributed to, each of Shard(0), Shard(1), Replicate and
+    # Partial(op) for SUM, MAX and MIN (whose fills are the dtype's identities).
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN):
+        ps = [Shard(0), Shard(1), Replicate(), Partial(op)]
+        for src in ps:
+            x = distribute(g, mesh, [src])
+            for dst in ps:
+                yield x.redistribute([dst])
 
 
 def test_integer_and_float32_dtypes():
@@ -229,18 +235,13 @@ def _half_floats(rank, n, dtype_name):
     # dtype kind "V") had no identity: TypeError on every rank.
     mesh = DeviceMesh((n,), ("x",))
     g = (GLOBAL * 3).astype(dt)   # small integers: exact in both
-    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN):
-        ps = [Shard(0), Shard(1), Replicate(), Partial(op)]
-        for src in ps:
-            x = distribute(g, mesh, [src])
-            for dst in ps:
-                y = x.redistribute([dst])
-                assert y.dtype == dt
-                # Checked in float64 (exact here): the object codec carries no bfloat16.
-                check_layout(DTensor(y.to_local().astype(np.float64), mesh, y.placements,
-                                     y.shape), g.astype(np.float64))
-                np.testing.assert_array_equal(y.full_tensor().astype(np.float64),
-                                              g.astype(np.float64))
+    for y in _every_redistribution(g, mesh):
+        assert y.dtype == dt
+        # Checked in float64 (exact here): the object codec carries no bfloat16.
+        check_layout(DTensor(y.to_local().astype(np.float64), mesh, y.placements,
+                             y.shape), g.astype(np.float64))
+        np.testing.assert_array_equal(y.full_tensor().astype(np.float64),
+                                      g.astype(np.float64))
     return True
 
 
