@@ -261,6 +261,35 @@ def test_chooser_decides_alike_on_every_rank(monkeypatch):
     assert [t for t, _p in res] == [(2, (3, 3), h, j, 3) for h in (0, 1) for j in range(3)]
 
 
+@pytest.mark.parametrize("layout", ["2x2", "2x2-interleaved", "2x3", "3+1", "2+1+2"])
+def test_the_size_floor_never_hides_a_hierarchical_choice(layout):
+    # Below a plan's per-op floor the group skips ``use`` and runs flat; every size
+    # where ``use`` says hierarchical must lie at or above it, for any parameters.
+    ids = LAYOUTS[layout]
+    rng = np.random.default_rng(7)
+    sizes = sorted({int(x) for x in np.geomspace(1, 1 << 31, 400)} | {8, 64, 4096})
+    skipped = 0
+    for trial in range(12):
+        p = cm.ModelParams() if trial == 0 else cm.ModelParams(
+            alpha_intra=10 ** rng.uniform(-7, -4), beta_intra=10 ** rng.uniform(-11, -9),
+            alpha_inter=10 ** rng.uniform(-6, -3), beta_inter=10 ** rng.uniform(-10, -7),
+            gamma=10 ** rng.uniform(-12, -9), phase=10 ** rng.uniform(-7, -5))
+        h = _hier._Hier(None, _hier.Topology(ids, 0), "auto", p)
+        for op in cm.OPS:
+            floor = getattr(h, f"floor_{op}")
+            for n in sizes + [max(0, int(floor) - 1) if math.isfinite(floor) else 0]:
+                for count in (max(1, n // 4), n):
+                    if h.use(op, n, count):
+                        assert n >= floor, (layout, p, op, n, floor)
+                    elif n < floor:
+                        skipped += 1
+        h.algo = "hier"  # forced: no floor where the form applies
+        assert h.floor_all_reduce == 0 and h.use("all_reduce", 64, 16)
+    assert skipped > 0, "the floor should spare the chooser somewhere"
+    h = _hier._Hier(None, _hier.Topology(ids, 0), "auto", cm.ModelParams())
+    assert h.floor_all_reduce > 64 and not h.use("all_reduce", 64, 16)
+
+
 def test_ringlet_algo_is_checked_at_init(monkeypatch):
     monkeypatch.setenv("RINGLET_ALGO", "ring")
     with pytest.raises(ValueError, match=r"RINGLET_ALGO='ring'.*auto, flat, hier"):

@@ -16,6 +16,7 @@ at init, so every rank of a group takes the same decision.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -109,7 +110,6 @@ class _Hier:
     def __init__(self, group: Any, topo: Topology, algo: str, params: cm.ModelParams) -> None:
         self.group = group
         self.topo = topo
-        self.algo = algo  # "auto" or "hier"
         self.params = params
         self.sizes = topo.ranks_per_host
         self.crossing = topo.crossing()
@@ -126,6 +126,23 @@ class _Hier:
         else:
             self.perm = None
             self.perm_is_identity = False
+        self.algo = algo  # "auto" or "hier"; sets the floors below
+
+    @property
+    def algo(self) -> str:
+        return self._algo
+
+    @algo.setter
+    def algo(self, algo: str) -> None:
+        self._algo = algo
+        self._cache.clear()
+        # Per op, the size below which the flat form always wins, so that the
+        # group's small ops decide with one comparison (``use`` stays the rule).
+        self.floor_all_reduce = self._floor("all_reduce")
+        self.floor_broadcast = self._floor("broadcast")
+        self.floor_reduce = self._floor("reduce")
+        self.floor_all_gather = self._floor("all_gather")
+        self.floor_reduce_scatter = self._floor("reduce_scatter")
 
     # ---- the choice ----------------------------------------------------------
     def use(self, op: str, nbytes: int, count: int, root: int = 0) -> bool:
@@ -152,6 +169,31 @@ class _Hier:
         if len(self._cache) < 4096:
             self._cache[key] = ok
         return ok
+
+    def _floor(self, op: str) -> float:
+        """The least ``nbytes`` at which ``use`` can say yes: 0 with ``hier``; with
+        ``auto``, the least at which the flat form's predicted time exceeds the
+        hierarchical form's at 0 bytes (its least: every byte and every further
+        slice adds time), inf where the form never applies."""
+        if not cm.hier_applies(op, self.sizes, 0):
+            return math.inf
+        if self.algo != "auto":
+            return 0
+        least = cm.hier_time(op, 0, self.sizes, self.params)
+        def flat(n: int) -> float:
+            return cm.flat_time(op, n, self.sizes, self.params, self.crossing)
+        lo, hi = 0, 1
+        while not flat(hi) > least:
+            if hi >= 1 << 62:
+                return math.inf
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # flat_time grows with n: the least hi with flat(hi) > least
+            mid = (lo + hi) // 2
+            if flat(mid) > least:
+                hi = mid
+            else:
+                lo = mid
+        return 0 if flat(0) > least else hi
 
     def _slice(self, nbytes: int) -> int:
         return cm.slice_bytes(nbytes, self.sizes, self.params, SLICE_BYTES, SLICE_MIN_BYTES,

@@ -270,8 +270,23 @@ class ProcessGroup:
         if self._hier is not None:
             # Hierarchical ops run on the sub-groups' communicators under the
             # group's lock: flat ones take it too, so one op runs at a time.
-            return self._locked(op, fn, (a, b, c, d) if e is _NO else (a, b, c, d, e),
-                                self._coll)
+            # Inlined while uncontended: a small op pays for every layer.
+            lock = self._lock
+            if not lock.acquire(False):
+                return self._locked(op, fn, (a, b, c, d) if e is _NO else (a, b, c, d, e),
+                                    self._coll)
+            try:
+                if self._failure is not None:
+                    self._raise_poisoned()
+                try:
+                    if e is _NO:
+                        return fn(self._coll, a, b, c, d)
+                    return fn(self._coll, a, b, c, d, e)
+                except BaseException as exc:
+                    self._fail(exc, self._coll)
+                    raise
+            finally:
+                lock.release()
         # No Python lock here: the C communicator runs its collectives one at
         # a time (and gives a waiting thread its deadline).
         if self._failure is not None:
@@ -403,7 +418,8 @@ class ProcessGroup:
         op = 0 if op is _SUM else check_op(op, code, array.dtype)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         h = self._hier
-        if h is not None and h.use("all_reduce", array.nbytes, array.size):
+        if h is not None and array.nbytes >= h.floor_all_reduce \
+                and h.use("all_reduce", array.nbytes, array.size):
             return self._run("all_reduce", h.all_reduce, (array, code, op, ms), (array,),
                              async_op)
         return self._call("all_reduce", async_op, _C.all_reduce, array, code, op, ms)
@@ -418,7 +434,8 @@ class ProcessGroup:
             src = self._peer(src, "src")
         ms = self._default_ms if timeout is None else self._ms(timeout)
         h = self._hier
-        if h is not None and h.use("broadcast", array.nbytes, array.size, src):
+        if h is not None and array.nbytes >= h.floor_broadcast \
+                and h.use("broadcast", array.nbytes, array.size, src):
             return self._run("broadcast", h.broadcast, (array, code, src, ms), (array,),
                              async_op)
         return self._call("broadcast", async_op, _C.broadcast, array, code, src, ms)
@@ -434,7 +451,8 @@ class ProcessGroup:
             dst = self._peer(dst, "dst")
         ms = self._default_ms if timeout is None else self._ms(timeout)
         h = self._hier
-        if h is not None and h.use("reduce", array.nbytes, array.size, dst):
+        if h is not None and array.nbytes >= h.floor_reduce \
+                and h.use("reduce", array.nbytes, array.size, dst):
             return self._run("reduce", h.reduce, (array, code, op, dst, ms), (array,), async_op)
         return self._call("reduce", async_op, _C.reduce, array, code, op, dst, ms)
 
@@ -449,7 +467,8 @@ class ProcessGroup:
         o, i = output, input
         ms = self._default_ms if timeout is None else self._ms(timeout)
         h = self._hier
-        if h is not None and h.use("all_gather", o.nbytes, i.size):
+        if h is not None and o.nbytes >= h.floor_all_gather \
+                and h.use("all_gather", o.nbytes, i.size):
             return self._run("all_gather", h.all_gather, (o, i, code, ms), (o, i), async_op)
         return self._call("all_gather", async_op, _C.all_gather, o, i, code, ms)
 
@@ -503,7 +522,8 @@ class ProcessGroup:
         op = 0 if op is _SUM else check_op(op, code, o.dtype)
         ms = self._default_ms if timeout is None else self._ms(timeout)
         h = self._hier
-        if h is not None and h.use("reduce_scatter", i.nbytes, o.size):
+        if h is not None and i.nbytes >= h.floor_reduce_scatter \
+                and h.use("reduce_scatter", i.nbytes, o.size):
             return self._run("reduce_scatter", h.reduce_scatter, (o, i, code, op, ms), (o, i),
                              async_op)
         return self._call("reduce_scatter", async_op, _C.reduce_scatter, o, i, code, op, ms)
