@@ -9,7 +9,8 @@ of H network namespaces with ``tbf``-shaped links (1 Gbit/s by default), then:
   JSON shape of ``ringlet bench limits``), so the model's parameters come from
   the bed; the intra-host figures come from ``ringlet bench limits`` run on h1
   (once per run, or ``--intra-limits FILE``); the cost of a phase (``phase``)
-  comes from one job timing the flat all_reduce of 8 bytes on the bed (or
+  comes from jobs timing the flat and the hierarchical all_reduce of one element
+  per rank of a host on the bed, five of each, their medians' difference (or
   ``--phase-us``); ``auto`` decides with the parameters fitted from them
   (RINGLET_MODEL), and ``--save-model`` writes them;
 * runs the sweeps on every system, interleaved: rounds of one job per system
@@ -41,6 +42,7 @@ import os
 import re
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,7 @@ TARGET_VS_FLAT = 1.4
 MODEL_TOL = 0.25
 MODEL_MIN = 1 << 20  # below this the model's alpha terms meet the 2-core machine's noise
 PORT = 29500  # each bed host is a fresh network namespace: nothing else listens there
+CALIBRATION_JOBS = 5  # jobs per form timing a small all_reduce, for the phase cost
 _LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
            "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -249,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="`ringlet bench limits --json` from one host (default: measured on h1)")
     p.add_argument("--phase-us", type=float, default=None, metavar="US",
                    help="the cost model's phase cost; default: fitted on the bed from the "
-                        "flat all_reduce of 8 bytes")
+                        "flat and hierarchical all_reduce of one element per local rank")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--json", metavar="FILE", help="write everything measured here")
     p.add_argument("--save-model", metavar="FILE",
@@ -493,17 +496,29 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
         if a.phase_us is not None:
             params = cm.ModelParams(**dict(params.as_dict(), phase=a.phase_us * 1e-6))
         else:
-            # The phase cost is fitted where it is paid: one job timing the flat
-            # all_reduce of 8 bytes, whose messages the model already prices.
-            port += 1
+            # The phase cost is fitted where it is paid: jobs timing the flat
+            # all_reduce of one element per rank of a host, and with more than one
+            # rank per host the hierarchical one too, whose difference is what the
+            # choice weighs (cm.fit_phase).  The median of five jobs of each,
+            # interleaved: one job's time varies by half or more with where the
+            # scheduler puts its ranks.
+            nb = 4 * per_host
             cal = json.dumps({"sweeps": [SweepConfig(
-                op="all_reduce", sizes=[8], iters=a.iters, warmup=a.warmup,
+                op="all_reduce", sizes=[nb], iters=a.iters, warmup=a.warmup,
                 budget_s=a.budget).validate(P).to_json()]})
-            res = _job(bed, "flat", hosts, per_host, cal, port, a.timeout, tmp, model_file)
-            t8 = res.rows[0]["time_us"] * 1e-6
-            params = cm.fit_phase(t8, layout, params)
-            say(f"{hosts}x{per_host}: flat all_reduce of 8 B {t8 * 1e6:.1f} us: phase cost "
-                f"{params.phase * 1e6:.1f} us")
+            forms = ["flat", "hier"] if per_host > 1 else ["flat"]
+            cal_s: Dict[str, List[float]] = {f: [] for f in forms}
+            for _ in range(CALIBRATION_JOBS):
+                for form in forms:
+                    port += 1
+                    res = _job(bed, form, hosts, per_host, cal, port, a.timeout, tmp,
+                               model_file)
+                    cal_s[form].append(res.rows[0]["time_us"] * 1e-6)
+            t = {f: statistics.median(v) for f, v in cal_s.items()}
+            params = cm.fit_phase(t["flat"], layout, params, nbytes=nb, hier_s=t.get("hier"))
+            say(f"{hosts}x{per_host}: all_reduce of {nb} B, " + ", ".join(
+                f"{f} {v * 1e6:.1f} us" for f, v in t.items())
+                + f": phase cost {params.phase * 1e6:.1f} us")
         save(params)
         per_round: Dict[str, List[list]] = {s: [] for s in a.systems}
         loads = []

@@ -429,6 +429,47 @@ def test_the_phase_cost_counts_each_flat_collective_an_algorithm_runs():
         cm.ModelParams(phase=-1.0)
 
 
+def test_the_phase_cost_fitted_from_both_forms_prices_their_difference():
+    # Measured: flat 80 us, hierarchical 150 us, with an alpha that overstates both
+    # forms' messages alike.  The fit gives the hierarchical form's two further
+    # phases what the messages leave of the 70 us between them.
+    m = cm.ModelParams(alpha_intra=40e-6, alpha_inter=45e-6)
+    wire_f = cm.flat_time("all_reduce", 8, [2, 2], m)
+    wire_h = cm.hier_time("all_reduce", 8, [2, 2], m)
+    assert wire_f > 80e-6  # the flat fit alone would give 0
+    assert cm.fit_phase(80e-6, [2, 2], m).phase == 0.0
+    fitted = cm.fit_phase(80e-6, [2, 2], m, hier_s=150e-6)
+    assert fitted.phase == pytest.approx((70e-6 - (wire_h - wire_f)) / 2)
+    gap = (cm.hier_time("all_reduce", 8, [2, 2], fitted)
+           - cm.flat_time("all_reduce", 8, [2, 2], fitted))
+    assert gap == pytest.approx(70e-6)
+    # Then the small reduce_scatter stays flat too (two phases against one).
+    assert (cm.hier_time("reduce_scatter", 64, [2, 2], fitted)
+            > cm.flat_time("reduce_scatter", 64, [2, 2], fitted))
+    # Hierarchical faster than its messages allow: no phase cost, never negative.
+    assert cm.fit_phase(80e-6, [2, 2], m, hier_s=60e-6).phase == 0.0
+    # One rank per host: both forms have one phase; the flat fit stands.
+    wire1 = cm.flat_time("all_reduce", 4, [1, 1], m)
+    assert cm.fit_phase(wire1 + 5e-6, [1, 1], m, nbytes=4, hier_s=1.0).phase == \
+        pytest.approx(5e-6)
+
+
+def test_flat_reduce_scatter_and_all_gather_take_log_steps_where_the_library_does():
+    # Over TCP the library halves recursively (power of two P >= 4, input up to
+    # 16 x 64 KiB) and gathers by Bruck (P >= 3, output up to 64 KiB): log2 P latencies.
+    a = cm.ModelParams(alpha_intra=0, beta_intra=0, alpha_inter=1.0, beta_inter=0, gamma=0)
+    assert cm.flat_time("reduce_scatter", 64, [2, 2], a) == 2.0
+    assert cm.flat_time("reduce_scatter", 64, [2, 2, 2], a) == 5.0  # 6 ranks: the ring
+    assert cm.flat_time("reduce_scatter", 17 * cm.SMALL_BYTES, [2, 2], a) == 3.0
+    assert cm.flat_time("all_gather", 64, [2, 2, 2], a) == 3.0  # ceil(log2 6)
+    assert cm.flat_time("all_gather", cm.SMALL_BYTES + 1, [2, 2], a) == 3.0
+    assert cm.flat_time("all_gather", 64, [1, 1], a) == 1.0
+    # The inter-host phase of the hierarchical forms runs the same code on H ranks.
+    assert cm.hier_time("reduce_scatter", 64, [2, 2, 2, 2], a) == 2.0
+    assert cm.hier_time("all_gather", 64, [2, 2, 2, 2], a) == 2.0
+    assert cm.SMALL_BYTES == _core.get_tuning()["allreduce_small_bytes"]
+
+
 def test_other_ops_and_where_hier_does_not_apply():
     n = 4000.0
     check = cm.flat_time("all_reduce", 16, [2, 2], M)  # the roots compared first
@@ -449,9 +490,10 @@ def test_other_ops_and_where_hier_does_not_apply():
     assert cm.hier_applies("broadcast", [2, 1], root_local=0)
     # One host: the flat form at intra costs.
     assert cm.flat_time("all_gather", n, [4], M) == pytest.approx(3 + 3000 * 0.01)
-    # Ring edges leaving a host share its link.
-    assert cm.flat_time("all_gather", n, [2, 2], M, crossing=2) == pytest.approx(
-        3 * 10 + 3000 * 0.2)
+    # Ring edges leaving a host share its link (beyond Bruck's sizes).
+    big = 4.0 * cm.SMALL_BYTES
+    assert cm.flat_time("all_gather", big, [2, 2], M, crossing=2) == pytest.approx(
+        3 * 10 + 0.75 * big * 0.2)
 
 
 def test_fit_from_limits_figures():

@@ -33,6 +33,10 @@ ALGO_ENV = "RINGLET_ALGO"
 # enough that a slice's own costs do not add up.
 SLICE_BYTES = 1 << 20
 SLICE_MIN_BYTES = 256 << 10
+# The C library's small-message switch point (RINGLET_ALLREDUCE_SMALL_BYTES' default),
+# below which (x16 for reduce_scatter) its flat reduce_scatter and all_gather over
+# TCP take log2 p steps instead of the ring's p - 1.
+SMALL_BYTES = 64 << 10
 MODEL_ENV = "RINGLET_MODEL"
 ALGOS = ("auto", "flat", "hier")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -147,12 +151,29 @@ def fit(intra: Optional[Mapping[str, Any]] = None,
 
 
 def fit_phase(measured_s: float, sizes: Sequence[int], m: ModelParams,
-              nbytes: float = 8, crossing: int = 1) -> ModelParams:
+              nbytes: float = 8, crossing: int = 1,
+              hier_s: Optional[float] = None) -> ModelParams:
     """``m`` with ``phase`` set so that the flat all_reduce of ``nbytes`` (one phase) on
     hosts of ``sizes`` ranks takes ``measured_s`` seconds, as measured there: the cost
     of a phase beyond its messages, fitted where it is paid (0 when the messages
-    already explain the time)."""
-    base = flat_time("all_reduce", nbytes, sizes, replace(m, phase=0.0), crossing)
+    already explain the time).
+
+    With ``hier_s``, the hierarchical all_reduce of the same bytes measured on the
+    same layout, the phase is fitted to the difference between the two forms
+    instead: what the hierarchical form's further phases cost beyond their
+    messages.  That is what the choice weighs, and an error both forms share (an
+    alpha measured while the link was busier) cancels.  Layouts where both forms
+    have as many phases (one rank per host) keep the flat fit."""
+    zero = replace(m, phase=0.0)
+    base = flat_time("all_reduce", nbytes, sizes, zero, crossing)
+    if hier_s is not None:
+        ones = ModelParams(0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+        more = (hier_time("all_reduce", nbytes, sizes, ones)
+                - flat_time("all_reduce", nbytes, sizes, ones, crossing))
+        if more > 0:
+            gap = float(hier_s) - float(measured_s)
+            wire = hier_time("all_reduce", nbytes, sizes, zero) - base
+            return replace(m, phase=max(0.0, (gap - wire) / more))
     return replace(m, phase=max(0.0, float(measured_s) - base))
 
 
@@ -184,6 +205,23 @@ def rd_all_reduce(p: int, n: float, a: float, b: float, g: float) -> float:
 
 def all_reduce_1(p: int, n: float, a: float, b: float, g: float) -> float:
     return min(ring_all_reduce(p, n, a, b, g), rd_all_reduce(p, n, a, b, g))
+
+
+def reduce_scatter_flat(p: int, n: float, a: float, b: float, g: float) -> float:
+    """A flat reduce_scatter over TCP as the C library runs it: halving recursively
+    in log2 p steps for a power of two p >= 4 up to 16 x SMALL_BYTES of input, else
+    the ring."""
+    if p >= 4 and p & (p - 1) == 0 and n <= 16 * SMALL_BYTES:
+        return _log2(p) * a + (p - 1) / p * n * (b + g)
+    return reduce_scatter_1(p, n, a, b, g)
+
+
+def all_gather_flat(p: int, n: float, a: float, b: float) -> float:
+    """A flat all_gather over TCP as the C library runs it: Bruck's algorithm in
+    ceil(log2 p) steps from 3 ranks up to SMALL_BYTES of output, else the ring."""
+    if p > 2 and n <= SMALL_BYTES:
+        return _log2(p) * a + (p - 1) / p * n * b
+    return all_gather_1(p, n, a, b)
 
 
 def reduce_scatter_1(p: int, n: float, a: float, b: float, g: float) -> float:
@@ -296,9 +334,9 @@ def _flat_wire(op: str, n: float, h: int, lmax: int, p: int, m: ModelParams,
         rd = li * tree_step_in + hi * tree_step_out + _log2(p) * n * g
         return min(ring, rd)
     if op == "reduce_scatter":
-        return reduce_scatter_1(p, n, ae, be, g)
+        return reduce_scatter_flat(p, n, ae, be, g)
     if op == "all_gather":
-        return all_gather_1(p, n, ae, be)
+        return all_gather_flat(p, n, ae, be)
     if op == "broadcast":
         chain = (p - 1) * ae + n * be
         tree = li * tree_step_in + hi * (m.alpha_inter + n * m.beta_inter)
@@ -360,10 +398,10 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
     # the next (reduce_scatter) or the previous (all_gather).
     if op == "reduce_scatter":
         inner = reduce_scatter_1(lmax, m_, ai, bi, g) + fi
-        outer = reduce_scatter_1(h, m_ / lmax, ae, lmax * be, g) + fe
+        outer = reduce_scatter_flat(h, m_ / lmax, ae, lmax * be, g) + fe
         return inner + (k - 1) * max(inner, outer) + outer
     if op == "all_gather":
-        outer = all_gather_1(h, m_ / lmax, ae, lmax * be) + fe
+        outer = all_gather_flat(h, m_ / lmax, ae, lmax * be) + fe
         inner = all_gather_1(lmax, m_, ai, bi) + fi
         return outer + (k - 1) * max(inner, outer) + inner
     # Rooted ops first compare the roots: one 16-byte flat all_reduce of the group.
