@@ -159,7 +159,8 @@ int rl_random_bytes(void *buf, size_t n);
     X(shm_chunk_bytes, 256 << 10, "RINGLET_SHM_CHUNK_BYTES",                                        \
       "shared memory: bytes a rank stages per step (two buffers each; at least 4096)")              \
     X(shm_small_bytes, 16 << 10, "RINGLET_SHM_SMALL_BYTES",                                         \
-      "shared memory: up to this, all_reduce and reduce read every rank's whole slot")              \
+      "shared memory: up to this, all_reduce and reduce (of 3 ranks or more: up to a medium "       \
+      "slot) read every rank's whole slot")                                                         \
     X(shm_spin, 4000, "RINGLET_SHM_SPIN",                                                           \
       "shared memory: polls of a flag before sleeping on its futex")                                \
     X(shm_busy_poll_us, 250, "RINGLET_SHM_BUSY_POLL_US",                                            \
@@ -173,8 +174,9 @@ int rl_random_bytes(void *buf, size_t n);
       "shared memory: payload of one small-message slot (at most 1 MiB)")                           \
     X(shm_mid_slots, 16, "RINGLET_SHM_MID_SLOTS",                                                   \
       "shared memory: medium slots per rank (a power of two up to 64; below 2: none) for a "         \
-      "broadcast, scatter or gather larger than a small slot and at most one chunk, so its root "    \
-      "(scatter, broadcast) or leaves (gather) run that many steps ahead")                          \
+      "broadcast, scatter or gather larger than a small slot and at most one chunk, or a reduce "   \
+      "of 2 ranks up to one chunk (more ranks: up to one medium slot), so its root (scatter, "       \
+      "broadcast) or leaves (gather, reduce) run that many steps ahead")                            \
     X(shm_mid_slot_bytes, 64 << 10, "RINGLET_SHM_MID_SLOT_BYTES",                                   \
       "shared memory: payload of one medium slot (at most 1 MiB)")                                  \
     X(shm_p2p_cells, 32, "RINGLET_SHM_P2P_CELLS",                                                   \

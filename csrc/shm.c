@@ -1318,10 +1318,11 @@ static void reduce_slots(rl_comm *c, int lane, uint32_t step, size_t off_bytes, 
 /* root < 0: all_reduce (every rank gets the result); else reduce to root
  * (other ranks' buf is left unchanged).
  *
- * Small (bytes <= small): one step.  Every rank copies buf into its input
- * area and publishes; then each rank that wants the result reduces all P
- * areas in rank order into buf.  Reads P*N bytes, writes 2N.  A reduce's
- * leaves leave at once; in the small lane they run ahead of the root.
+ * Small (bytes <= small; a reduce of 3 or more ranks up to a medium slot):
+ * one step.  Every rank copies buf into its input area and publishes; then
+ * each rank that wants the result reduces all P areas in rank order into buf.
+ * Reads P*N bytes, writes 2N.  A reduce's leaves leave at once; in the small
+ * and medium lanes they run ahead of the root.
  *
  * Chunked, 3 or more ranks (2: reduce_pair): per step, a chunk of up to
  * `chunk` bytes.  Every rank copies its chunk in and publishes; rank r
@@ -1334,34 +1335,38 @@ static void reduce_slots(rl_comm *c, int lane, uint32_t step, size_t off_bytes, 
 /* Two ranks, chunked: every rank that contributes stages its chunk, and every
  * rank that wants the result reduces its own buffer with the peer's staged
  * chunk, in rank order (both ranks of an all_reduce compute the same bits).
- * A reduce's leaf only stages and runs ahead.  Per rank: writes N (in) + N,
- * reads 2N (N of it staged by the peer): no result area and no copy out,
- * which the split reduce below needs (docs/algorithms.md). */
+ * A reduce's leaf only stages and runs ahead: up to one chunk in the medium
+ * lane, whose many slots let it run ops ahead of a root that lost its CPU
+ * (the big lane's two buffers hold it at every op).  Per rank: writes N (in)
+ * + N, reads 2N (N of it staged by the peer): no result area and no copy
+ * out, which the split reduce below needs (docs/algorithms.md). */
 static int reduce_pair(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dtype dt,
                        rl_redop rop, int root) {
     rl_shm *s = c->shm;
     int r = c->rank, peer = 1 - r;
-    size_t esz = rl_dtype_size(dt), ce = s->chunk / esz;
+    size_t esz = rl_dtype_size(dt);
+    int lane = root >= 0 ? lane_rooted(s, count * esz, s->chunk, 2) : BIG;
+    size_t ce = lane_bytes(s, lane) / esz;
     uint32_t step;
     int st;
-    op->algo = "shm_pair";
+    op->algo = lane == MID ? "shm_pair_mid_slot" : "shm_pair";
     for (size_t k = 0, part = 0; k < count; k += ce, part++) {
         size_t n = count - k < ce ? count - k : ce;
         char *base = (char *)buf + k * esz;
-        if ((st = step_begin(c, op, BIG, r != root, &step)) != RL_OK) return st;
+        if ((st = step_begin(c, op, lane, r != root, &step)) != RL_OK) return st;
         if (r != root) { /* an all_reduce (root < 0) stages on both ranks */
-            rl_copy(in_area(s, r, BIG, step), base, n * esz);
-            publish_in(c, op, BIG, step, (uint32_t)part, n * esz);
+            rl_copy(in_area(s, r, lane, step), base, n * esz);
+            publish_in(c, op, lane, step, (uint32_t)part, n * esz);
         }
         if (root < 0 || r == root) {
-            if ((st = wait_in(c, op, BIG, peer, step, (uint32_t)part, n * esz)) != RL_OK)
+            if ((st = wait_in(c, op, lane, peer, step, (uint32_t)part, n * esz)) != RL_OK)
                 return st;
-            const char *theirs = in_area(s, peer, BIG, step);
+            const char *theirs = in_area(s, peer, lane, step);
             if (r == 0) rl_reduce_kernel(base, base, theirs, n, dt, rop);
             else rl_reduce_kernel(base, theirs, base, n, dt, rop);
             if (rop == RL_AVG) rl_scale_kernel(base, n, dt, 0.5);
         }
-        step_ack(c, BIG, step);
+        step_ack(c, lane, step);
     }
     return RL_OK;
 }
@@ -1377,9 +1382,13 @@ int rl_shm_all_reduce(rl_comm *c, rl_opdesc *op, void *buf, size_t count, rl_dty
     uint32_t step;
     int st;
     note_op(c, op);
-    if (bytes <= s->small || lane_for(s, bytes) == SMALL) {
-        int lane = lane_for(s, bytes);
-        op->algo = lane == SMALL ? "shm_slot" : "shm_flat";
+    /* A reduce of 3 or more ranks stays in one step up to a medium slot, where
+     * its leaves run ahead: a busy host's chunked form waits for every rank. */
+    size_t flat_most = s->small;
+    if (root >= 0 && P > 2 && s->pool[MID].bytes > flat_most) flat_most = s->pool[MID].bytes;
+    if (bytes <= flat_most || lane_for(s, bytes) == SMALL) {
+        int lane = root >= 0 ? lane_rooted(s, bytes, s->pool[MID].bytes, P) : lane_for(s, bytes);
+        op->algo = lane == SMALL ? "shm_slot" : lane == MID ? "shm_mid_slot" : "shm_flat";
         if ((st = step_begin(c, op, lane, 1, &step)) != RL_OK) return st;
         rl_copy(in_area(s, r, lane, step), buf, bytes);
         publish_in(c, op, lane, step, 0, bytes);

@@ -904,6 +904,41 @@ def _leaves_run_ahead(rank, P, done):
     return out
 
 
+def _reduce_leaves_run_ahead(rank, P, done, n, ops):
+    # Beyond a small slot a reduce's leaves stage in the medium slots (2 ranks
+    # up to a chunk, more up to a medium slot): they finish `ops` reduces
+    # before the root starts the first, as the small slots let them below.
+    g = _world._current().group
+    if rank != 0:
+        for i in range(ops):
+            ringlet.reduce(np.arange(n) * (rank + 1.0) + i, dst=0, timeout=20)
+        done.release()
+        return "leaf ran ahead"
+    for _ in range(P - 1):
+        assert done.acquire(timeout=30), "a leaf waited for the root"
+    ok = []
+    for i in range(ops):
+        y = np.arange(n) * 1.0 + i
+        ringlet.reduce(y, dst=0, timeout=20)
+        ok.append(bool(np.array_equal(y, np.arange(n) * (P * (P + 1) / 2) + P * i)))
+    return ok, {e["algorithm"] for e in g._coll.trace()[2] if e["op"] == "reduce"}
+
+
+@pytest.mark.parametrize("P,n,ops,algo", [(2, 2048, 8, "shm_mid_slot"),
+                                          (3, 2048, 8, "shm_mid_slot"),
+                                          (4, 6000, 8, "shm_mid_slot"),
+                                          (2, 25000, 4, "shm_pair_mid_slot")])
+def test_reduce_leaves_run_ahead_in_the_medium_slots(monkeypatch, P, n, ops, algo):
+    import threading
+
+    monkeypatch.delenv("RINGLET_TRANSPORT", raising=False)
+    # float64: 16 KiB and 48 KB (one medium slot), 200 KB (four of the 16 per op)
+    res = run_world(_reduce_leaves_run_ahead, P, mode="thread", timeout=90,
+                    args=(threading.Semaphore(0), n, ops))
+    assert res[1:] == ["leaf ran ahead"] * (P - 1), res
+    assert res[0] == ([True] * ops, {algo}), res[0]
+
+
 def _mid_run_ahead(rank, P, gates, n):
     # Beyond a small slot and up to a chunk, rooted ops take the medium slots:
     # the side that writes (scatter's and broadcast's root, gather's leaves)
