@@ -267,37 +267,30 @@ class ProcessGroup:
             args = (a, b, c, d) if e is _NO else (a, b, c, d, e)
             keep = tuple(x for x in args if isinstance(x, np.ndarray))
             return self._run_queued(op, fn, args, keep, async_op)
+        lock = None
         if self._hier is not None:
             # Hierarchical ops run on the sub-groups' communicators under the
             # group's lock: flat ones take it too, so one op runs at a time.
-            # Inlined while uncontended: a small op pays for every layer.
+            # Taken inline while uncontended: a small op pays for every layer.
             lock = self._lock
             if not lock.acquire(False):
                 return self._locked(op, fn, (a, b, c, d) if e is _NO else (a, b, c, d, e),
                                     self._coll)
-            try:
-                if self._failure is not None:
-                    self._raise_poisoned()
-                try:
-                    if e is _NO:
-                        return fn(self._coll, a, b, c, d)
-                    return fn(self._coll, a, b, c, d, e)
-                except BaseException as exc:
-                    self._fail(exc, self._coll)
-                    raise
-            finally:
-                lock.release()
-        # No Python lock here: the C communicator runs its collectives one at
-        # a time (and gives a waiting thread its deadline).
-        if self._failure is not None:
-            self._raise_poisoned()
+        # Without a plan no Python lock: the C communicator runs its collectives
+        # one at a time (and gives a waiting thread its deadline).
         try:
-            if e is _NO:
-                return fn(self._coll, a, b, c, d)
-            return fn(self._coll, a, b, c, d, e)
-        except BaseException as exc:
-            self._fail(exc, self._coll)
-            raise
+            if self._failure is not None:
+                self._raise_poisoned()
+            try:
+                if e is _NO:
+                    return fn(self._coll, a, b, c, d)
+                return fn(self._coll, a, b, c, d, e)
+            except BaseException as exc:
+                self._fail(exc, self._coll)
+                raise
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _call_args(self, op: str, async_op: bool, fn: Callable[..., Any], args: tuple) -> Any:
         """``_call`` for the bindings of more arguments (the v-collectives')."""
