@@ -470,6 +470,32 @@ def test_flat_reduce_scatter_and_all_gather_take_log_steps_where_the_library_doe
     assert cm.SMALL_BYTES == _core.get_tuning()["allreduce_small_bytes"]
 
 
+def test_broadcast_over_tcp_is_priced_as_the_library_sends_it():
+    # bcast.c up to 64 KiB: up to 4 ranks the root sends to every rank itself, else a
+    # binomial tree; a rank's sends leave at once and share its link.
+    a = cm.ModelParams(alpha_intra=1.0, beta_intra=0.001, alpha_inter=10.0, beta_inter=0.1,
+                       gamma=0.0)
+    # 2x2: the root's two sends to the other host share its link: 10 + 2*100*0.1.
+    assert cm.flat_time("broadcast", 100, [2, 2], a) == pytest.approx(30.0)
+    # 4x2 from rank 0: 0 -> {4, 2} across and 1 inside (30), 4 -> 6 across and 5
+    # inside (+20), 6 -> 7 inside (+1.1).
+    assert cm.flat_time("broadcast", 100, [2, 2, 2, 2], a) == pytest.approx(51.1)
+    # Beyond 64 KiB the pipelined chain over every rank.
+    big = 2.0 * cm.SMALL_BYTES
+    assert cm.flat_time("broadcast", big, [2, 2], a) == pytest.approx(3 * 10 + big * 0.1)
+    # The inter-host phase of the hierarchical form is the same code over H ranks.
+    assert cm.broadcast_tcp(4, 100, 10.0, 0.1) == pytest.approx(10 + 3 * 10)
+    # 8 ranks: 0 -> {4, 2, 1} (40), 4 -> {6, 5} (+30), 6 -> 7 (+20).
+    assert cm.broadcast_tcp(8, 100, 10.0, 0.1) == pytest.approx(90.0)
+    check = cm.flat_time("all_reduce", 16, [2, 2, 2, 2], a)
+    assert cm.hier_time("broadcast", 100, [2, 2, 2, 2], a) == pytest.approx(
+        cm.broadcast_tcp(4, 100, 10.0, 0.1) + cm.broadcast_1(2, 100, 1.0, 0.001) + check)
+    # So on 2x2 a broadcast whose bytes dominate runs hierarchically: one crossing
+    # of the host link instead of two.
+    assert cm.hier_time("broadcast", 32768, [2, 2], a) < cm.flat_time(
+        "broadcast", 32768, [2, 2], a)
+
+
 def test_other_ops_and_where_hier_does_not_apply():
     n = 4000.0
     check = cm.flat_time("all_reduce", 16, [2, 2], M)  # the roots compared first

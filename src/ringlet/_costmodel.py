@@ -245,6 +245,44 @@ def broadcast_1(p: int, n: float, a: float, b: float) -> float:
     return min((p - 1) * a + n * b, _log2(p) * (a + n * b))
 
 
+def _bcast_tree(hosts: Sequence[int], n: float, ai: float, bi: float, ae: float,
+                be: float) -> float:
+    """The tree broadcast the C library runs over TCP (bcast.c), from rank 0 of ranks
+    on ``hosts`` (each rank's host index): up to 4 ranks the root sends to every
+    rank itself, else a binomial tree; a rank sends to all its children at once,
+    so its sends share its link (its host's, for the children on other hosts)."""
+    p = len(hosts)
+    if p <= 4:
+        kids = [list(range(1, p))] + [[] for _ in range(p - 1)]
+    else:
+        kids = [[] for _ in range(p)]
+        for v in range(p):
+            low = v & -v if v else 1 << _log2(p)  # the bit v received on; the root none
+            mask = low >> 1
+            while mask:
+                if v + mask < p:
+                    kids[v].append(v + mask)
+                mask >>= 1
+    t = [0.0] * p
+    for v in range(p):  # parents come before their children
+        out = sum(hosts[c] != hosts[v] for c in kids[v])
+        inside = len(kids[v]) - out
+        for c in kids[v]:
+            t[c] = t[v] + (ae + out * n * be if hosts[c] != hosts[v]
+                           else ai + inside * n * bi)
+    return max(t)
+
+
+def broadcast_tcp(p: int, n: float, a: float, b: float) -> float:
+    """A broadcast over TCP among p ranks as the C library runs it: the tree up to
+    SMALL_BYTES (``bcast_small_bytes``' default), else the pipelined chain."""
+    if p <= 1:
+        return 0.0
+    if n <= SMALL_BYTES:
+        return _bcast_tree(list(range(p)), n, a, b, a, b)
+    return (p - 1) * a + n * b
+
+
 def reduce_1(p: int, n: float, a: float, b: float, g: float) -> float:
     if p <= 1:
         return 0.0
@@ -318,12 +356,13 @@ def flat_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
     if h <= 1:
         a, b = m.alpha_intra, m.beta_intra
         return _single(op, p, n, a, b, m.gamma) + _ph(p, m)
-    return _flat_wire(op, n, h, lmax, p, m, crossing) + _ph(p, m)
+    return _flat_wire(op, n, sizes, m, crossing) + _ph(p, m)
 
 
-def _flat_wire(op: str, n: float, h: int, lmax: int, p: int, m: ModelParams,
+def _flat_wire(op: str, n: float, sizes: Sequence[int], m: ModelParams,
                crossing: int) -> float:
     """The flat algorithm's messages and reductions over H >= 2 hosts (no phase cost)."""
+    h, lmax, p, _even = _layout(sizes)
     ae, be = m.alpha_inter, m.beta_inter * max(1, crossing)
     g = m.gamma
     li, hi = _log2(lmax), _log2(h)
@@ -338,9 +377,11 @@ def _flat_wire(op: str, n: float, h: int, lmax: int, p: int, m: ModelParams,
     if op == "all_gather":
         return all_gather_flat(p, n, ae, be)
     if op == "broadcast":
-        chain = (p - 1) * ae + n * be
-        tree = li * tree_step_in + hi * (m.alpha_inter + n * m.beta_inter)
-        return min(chain, tree)
+        if n > SMALL_BYTES:
+            return (p - 1) * ae + n * be
+        hosts = [k for k, size in enumerate(sizes) for _ in range(size)]
+        return _bcast_tree(hosts, n, m.alpha_intra, m.beta_intra, m.alpha_inter,
+                           m.beta_inter)
     if op == "reduce":
         chain = (p - 1) * ae + n * (be + g)
         tree = li * tree_step_in + hi * (m.alpha_inter + n * m.beta_inter) + _log2(p) * n * g
@@ -406,7 +447,7 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
         return outer + (k - 1) * max(inner, outer) + inner
     # Rooted ops first compare the roots: one 16-byte flat all_reduce of the group.
     if op == "broadcast":
-        return (broadcast_1(h, n, ae, be) + broadcast_1(lmax, n, ai, bi) + fe + fi
+        return (broadcast_tcp(h, n, ae, be) + broadcast_1(lmax, n, ai, bi) + fe + fi
                 + flat_time("all_reduce", 16, sizes, m))
     if op == "reduce":
         return (reduce_1(lmax, n, ai, bi, g) + reduce_1(h, n, ae, be, g) + fi + fe
