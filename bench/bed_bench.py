@@ -69,6 +69,10 @@ MODEL_TOL = 0.25
 MODEL_MIN = 1 << 20  # below this the model's alpha terms meet the 2-core machine's noise
 PORT = 29500  # each bed host is a fresh network namespace: nothing else listens there
 CALIBRATION_JOBS = 5  # jobs per form timing a small all_reduce, for the phase cost
+# Before each job: wait (at most SETTLE_S) until the last job's processes are gone and
+# the CPUs idle at least SETTLE_IDLE of a window.
+SETTLE_S = 10.0
+SETTLE_IDLE = 0.9
 _LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
            "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -460,6 +464,51 @@ def _job(bed, system: str, hosts: int, per_host: int, payload: str, port: int,
     return launch.run_commands(f"ringlet-{system}", cmds, timeout=timeout)
 
 
+# Command-line words of a job's processes (ringlet's driver, Open MPI's rank and daemon).
+_JOB_WORDS = (b"ringlet.bench.ringlet_driver", b"ringlet.bench.peers.mpi_peer", b"prted")
+
+
+def leftover_jobs() -> List[int]:
+    """Pids of job processes still alive (any host of any bed: one machine)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if any(w in cmd for w in _JOB_WORDS):
+            pids.append(int(d))
+    return pids
+
+
+def cpu_idle(window_s: float) -> float:
+    """The machine's idle share of CPU time over the next ``window_s`` seconds."""
+    def sample() -> Tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v[:8])  # idle + iowait, all but guest time
+    i0, t0 = sample()
+    time.sleep(window_s)
+    i1, t1 = sample()
+    return (i1 - i0) / (t1 - t0) if t1 > t0 else 1.0
+
+
+def settle(limit_s: float = SETTLE_S, idle: float = SETTLE_IDLE,
+           window_s: float = 0.2) -> float:
+    """Wait until no process of the last job is left and the CPUs have idled through
+    one window (at most ``limit_s``); the seconds waited.  A job that starts while
+    the last one's ranks or daemons still exit ran slower (docs/experiments.md)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if not leftover_jobs() and cpu_idle(window_s) >= idle:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
 def sweep_payload(a: argparse.Namespace, nranks: int) -> str:
     """The driver's ``--config`` for every system: one sweep per op, checked for ``nranks``."""
     return json.dumps({"sweeps": [
@@ -511,6 +560,7 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
             for _ in range(CALIBRATION_JOBS):
                 for form in forms:
                     port += 1
+                    settle()
                     res = _job(bed, form, hosts, per_host, cal, port, a.timeout, tmp,
                                model_file)
                     cal_s[form].append(res.rows[0]["time_us"] * 1e-6)
@@ -521,23 +571,28 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
                 + f": phase cost {params.phase * 1e6:.1f} us")
         save(params)
         per_round: Dict[str, List[list]] = {s: [] for s in a.systems}
-        loads = []
+        loads: List[float] = []
+        settles: List[float] = []
         for k in range(a.rounds):
             order = a.systems[k % len(a.systems):] + a.systems[:k % len(a.systems)]
             for s in order:
                 port += 1  # a fresh store port per job: no wait on the last one's TIME_WAIT
+                waited = settle()
+                settles.append(waited)
                 loads.append(os.getloadavg()[0])
                 t0 = time.monotonic()
                 res = _job(bed, s, hosts, per_host, payload, port, a.timeout, tmp, model_file)
                 per_round[s].append([dict(r, system=s) for r in res.rows])
                 say(f"{hosts}x{per_host} round {k + 1}/{a.rounds}: {s} in "
-                    f"{time.monotonic() - t0:.1f} s (load {loads[-1]:.1f})")
+                    f"{time.monotonic() - t0:.1f} s (load {loads[-1]:.1f}, settled in "
+                    f"{waited:.1f} s)")
     rows = []
     for s in a.systems:
         rows += [{k: v for k, v in r.items() if k != "kind"}
                  for r in report.aggregate(per_round[s])]
     return {"hosts": hosts, "per_host": per_host, "link": link, "intra": intra, "rows": rows,
-            "loads": loads, "round_rows": per_round, "params": params.as_dict()}
+            "loads": loads, "settle_s": settles, "round_rows": per_round,
+            "params": params.as_dict()}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

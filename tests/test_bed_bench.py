@@ -169,3 +169,26 @@ def test_run_commands_starts_each_process_through_the_callers_hook(tmp_path):
         launch.run_commands("demo", cmds, timeout=120)
     with pytest.raises(ValueError):
         launch.run_commands("demo", [], timeout=1)
+
+
+def test_settle_waits_for_the_last_jobs_processes_within_its_limit(monkeypatch):
+    # A process whose command line names an Open MPI daemon stands for the last
+    # job's leftovers: settle waits for it, up to its limit, and not once it is gone.
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); "
+                              "sys.stdin.read()", "prted"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"up\n"  # past exec: its command line is its own
+        assert child.pid in bb.leftover_jobs()
+        waited = bb.settle(limit_s=0.3, idle=0.0)
+        assert 0.3 <= waited < 30
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert child.pid not in bb.leftover_jobs()
+    # Nothing left (other tests' daemons aside) and any idle share will do: one window.
+    monkeypatch.setattr(bb, "leftover_jobs", lambda: [])
+    assert bb.settle(limit_s=30, idle=0.0) < 30
+    assert 0.0 <= bb.cpu_idle(0.05) <= 1.0
