@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-us", type=float, default=None, metavar="US",
                    help="the cost model's phase cost; default: fitted on the bed from the "
                         "flat and hierarchical all_reduce of one element per local rank")
+    p.add_argument("--ringlet-env", action="append", default=[], metavar="RINGLET_X=V",
+                   help="a knob for every ringlet job (repeatable), e.g. to compare a "
+                        "setting across runs")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--json", metavar="FILE", help="write everything measured here")
     p.add_argument("--save-model", metavar="FILE",
@@ -274,6 +277,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if bad:
         p.error(f"--ops: unknown op(s) {bad}; choose from {', '.join(OPS)} or 'hier'")
     a.ops = names
+    knobs = {}
+    for item in a.ringlet_env:
+        k, eq, v = item.partition("=")
+        if not eq or not k.startswith("RINGLET_") or not k[8:]:
+            p.error(f"--ringlet-env: want RINGLET_NAME=VALUE, got {item!r}")
+        knobs[k] = v
+    a.ringlet_env = knobs
     if a.rounds < 1 or a.iters < 1 or a.warmup < 0 or a.batch < 1:
         p.error("--rounds, --iters and --batch must be >= 1, --warmup >= 0")
     try:
@@ -429,7 +439,7 @@ def _mpirun() -> str:
 
 
 def _job(bed, system: str, hosts: int, per_host: int, payload: str, port: int,
-         timeout: float, tmp: str, model_file: str):
+         timeout: float, tmp: str, model_file: str, knobs: Optional[Dict[str, str]] = None):
     from ringlet.bench import launch
 
     def on(host: str) -> Callable[..., subprocess.Popen]:
@@ -458,7 +468,7 @@ def _job(bed, system: str, hosts: int, per_host: int, payload: str, port: int,
         env = _env(RANK=str(r), WORLD_SIZE=str(P), LOCAL_RANK=str(r % per_host),
                    LOCAL_WORLD_SIZE=str(per_host), MASTER_ADDR=bed.addr("h1"),
                    MASTER_PORT=str(port), RINGLET_SECRET=secret, RINGLET_ALGO=system,
-                   RINGLET_MODEL=model_file)
+                   RINGLET_MODEL=model_file, **(knobs or {}))
         cmds.append((f"rank {r}", [sys.executable, "-m", "ringlet.bench.ringlet_driver",
                                    "--config", payload], env, on(host)))
     return launch.run_commands(f"ringlet-{system}", cmds, timeout=timeout)
@@ -562,7 +572,7 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
                     port += 1
                     settle()
                     res = _job(bed, form, hosts, per_host, cal, port, a.timeout, tmp,
-                               model_file)
+                               model_file, a.ringlet_env)
                     cal_s[form].append(res.rows[0]["time_us"] * 1e-6)
             t = {f: statistics.median(v) for f, v in cal_s.items()}
             params = cm.fit_phase(t["flat"], layout, params, nbytes=nb, hier_s=t.get("hier"))
@@ -581,7 +591,8 @@ def run_layout(a: argparse.Namespace, hosts: int, per_host: int, intra: Optional
                 settles.append(waited)
                 loads.append(os.getloadavg()[0])
                 t0 = time.monotonic()
-                res = _job(bed, s, hosts, per_host, payload, port, a.timeout, tmp, model_file)
+                res = _job(bed, s, hosts, per_host, payload, port, a.timeout, tmp, model_file,
+                           a.ringlet_env)
                 per_round[s].append([dict(r, system=s) for r in res.rows])
                 say(f"{hosts}x{per_host} round {k + 1}/{a.rounds}: {s} in "
                     f"{time.monotonic() - t0:.1f} s (load {loads[-1]:.1f}, settled in "

@@ -12,6 +12,8 @@
  * ranks that is one more send at the root in place of a second hop, and a
  * hop costs a scheduling delay when ranks outnumber cores (figures:
  * docs/algorithms.md, "broadcast").  With 3 ranks both shapes are the same.
+ * Across hosts, beyond bcast_flat_bytes, the extra copies over the root's
+ * host link cost more than the hop, and the binomial tree runs.
  *
  * Chain: v receives segments from v-1 and forwards each one to v+1 as soon
  * as it has arrived, so after a fill time of (P-1) segments every link
@@ -54,13 +56,23 @@ static void whole_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
 
 #define RL_BCAST_FLAT_MAX 4
 
+/* Whether the comm's ranks advertised more than one host address (the same
+ * endpoint table on every rank, so every rank answers alike). */
+static int spans_hosts(const rl_comm *c) {
+    const char *first = rl_peer_host(c, 0, NULL);
+    for (int q = 1; q < c->size; q++)
+        if (strcmp(rl_peer_host(c, q, NULL), first) != 0) return 1;
+    return 0;
+}
+
 static int tree_bcast(rl_comm *c, const rl_opdesc *op, char *buf, size_t len, int root) {
     int P = c->size, v = rl_mod(c->rank - root, P);
     chain_bc a = {buf, len, len, NULL};
     rl_stream s[40];
     int n = 0, mask = 1;
     memset(s, 0, sizeof s);
-    if (P <= RL_BCAST_FLAT_MAX) {
+    if (P <= RL_BCAST_FLAT_MAX &&
+        ((int64_t)len <= rl_tune.bcast_flat_bytes || !spans_hosts(c))) {
         if (v) {
             s[0].peer = root;
             s[0].nseg = 1;

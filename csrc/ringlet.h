@@ -133,6 +133,9 @@ int rl_random_bytes(void *buf, size_t n);
       "and all_to_all (all ranks' bytes)")                                                          \
     X(bcast_small_bytes, 64 << 10, "RINGLET_BCAST_SMALL_BYTES",                                     \
       "up to this: broadcast by flat or binomial tree, else pipelined chain")                       \
+    X(bcast_flat_bytes, 8 << 10, "RINGLET_BCAST_FLAT_BYTES",                                        \
+      "broadcast over TCP of at most 4 ranks on more than one host: up to this the root sends to "  \
+      "every rank itself, beyond it a binomial tree (fewer copies over the links between hosts)")  \
     X(reduce_small_bytes, 64 << 10, "RINGLET_REDUCE_SMALL_BYTES",                                   \
       "up to this: reduce by binomial tree, else pipelined chain")                                  \
     X(spin_us, 50, "RINGLET_SPIN_US", "busy-poll this long before blocking in poll(2)")             \

@@ -51,7 +51,13 @@ def test_parse_args_defaults_ops_and_usage_errors(capsys):
     assert a.sizes[0] == 8 and a.sizes[-1] == 64 << 20
     a = bb.parse_args(["--ops", "hier", "-b", "1K", "-e", "1M", "-f", "32"])
     assert a.ops == list(cm.OPS) and a.sizes == [1024, 32768, 1 << 20]
+    assert a.ringlet_env == {}
+    a = bb.parse_args(["--ringlet-env", "RINGLET_SPIN_US=200", "--ringlet-env",
+                       "RINGLET_BCAST_FLAT_BYTES=1=2"])
+    assert a.ringlet_env == {"RINGLET_SPIN_US": "200", "RINGLET_BCAST_FLAT_BYTES": "1=2"}
     for argv, what in ((["--ops", "all_reduce,allreduce"], "allreduce"),
+                       (["--ringlet-env", "SPIN_US=1"], "RINGLET_NAME=VALUE"),
+                       (["--ringlet-env", "RINGLET_SPIN_US"], "RINGLET_NAME=VALUE"),
                        (["--layouts", "1x2"], "layout"), (["--rounds", "0"], "rounds"),
                        (["--batch", "0"], "batch"),
                        (["-b", "1M", "-e", "1K"], "smaller")):

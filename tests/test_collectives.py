@@ -19,8 +19,10 @@ from ringlet.testing import run_world
 
 from _oracle import DTYPES, close, counts_for, data, ops_for, reduce_np, same
 
+# bcast_flat_bytes: across hosts (tests/test_multihost.py) 4 ranks broadcast counts_for's
+# 4 bytes by the flat shape and its 12 and 20 by the binomial tree.
 SMALL_TUNING = dict(segment_bytes=4096, allreduce_small_bytes=256, bcast_small_bytes=256,
-                    reduce_small_bytes=256)
+                    reduce_small_bytes=256, bcast_flat_bytes=8)
 
 
 @pytest.fixture

@@ -477,6 +477,12 @@ def test_broadcast_over_tcp_is_priced_as_the_library_sends_it():
                        gamma=0.0)
     # 2x2: the root's two sends to the other host share its link: 10 + 2*100*0.1.
     assert cm.flat_time("broadcast", 100, [2, 2], a) == pytest.approx(30.0)
+    # Beyond 8 KiB across hosts the binomial tree: 0 -> 2 across (with 0 -> 1 inside at
+    # once), then 2 -> 3 inside.
+    n = 16384.0
+    assert cm.flat_time("broadcast", n, [2, 2], a) == pytest.approx(
+        10 + n * 0.1 + 1 + n * 0.001)
+    assert cm.BCAST_FLAT_BYTES == _core.get_tuning()["bcast_flat_bytes"]
     # 4x2 from rank 0: 0 -> {4, 2} across and 1 inside (30), 4 -> 6 across and 5
     # inside (+20), 6 -> 7 inside (+1.1).
     assert cm.flat_time("broadcast", 100, [2, 2, 2, 2], a) == pytest.approx(51.1)
@@ -485,14 +491,17 @@ def test_broadcast_over_tcp_is_priced_as_the_library_sends_it():
     assert cm.flat_time("broadcast", big, [2, 2], a) == pytest.approx(3 * 10 + big * 0.1)
     # The inter-host phase of the hierarchical form is the same code over H ranks.
     assert cm.broadcast_tcp(4, 100, 10.0, 0.1) == pytest.approx(10 + 3 * 10)
+    # 4 hosts beyond 8 KiB: 0 -> {2, 1} (two sends on its link), then 2 -> 3.
+    assert cm.broadcast_tcp(4, n, 10.0, 0.1) == pytest.approx((10 + 2 * n * 0.1)
+                                                              + (10 + n * 0.1))
     # 8 ranks: 0 -> {4, 2, 1} (40), 4 -> {6, 5} (+30), 6 -> 7 (+20).
     assert cm.broadcast_tcp(8, 100, 10.0, 0.1) == pytest.approx(90.0)
     check = cm.flat_time("all_reduce", 16, [2, 2, 2, 2], a)
     assert cm.hier_time("broadcast", 100, [2, 2, 2, 2], a) == pytest.approx(
         cm.broadcast_tcp(4, 100, 10.0, 0.1) + cm.broadcast_1(2, 100, 1.0, 0.001) + check)
-    # So on 2x2 a broadcast whose bytes dominate runs hierarchically: one crossing
-    # of the host link instead of two.
-    assert cm.hier_time("broadcast", 32768, [2, 2], a) < cm.flat_time(
+    # So on 2x2 both forms cross the host link once beyond 8 KiB, and the flat one,
+    # without the root check and the phases, stays ahead.
+    assert cm.flat_time("broadcast", 32768, [2, 2], a) < cm.hier_time(
         "broadcast", 32768, [2, 2], a)
 
 

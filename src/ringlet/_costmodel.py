@@ -37,6 +37,9 @@ SLICE_MIN_BYTES = 256 << 10
 # below which (x16 for reduce_scatter) its flat reduce_scatter and all_gather over
 # TCP take log2 p steps instead of the ring's p - 1.
 SMALL_BYTES = 64 << 10
+# Its broadcast over TCP of at most 4 ranks on several hosts: the root sends to every
+# rank itself up to this (RINGLET_BCAST_FLAT_BYTES' default), else the binomial tree.
+BCAST_FLAT_BYTES = 8 << 10
 MODEL_ENV = "RINGLET_MODEL"
 ALGOS = ("auto", "flat", "hier")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -249,10 +252,11 @@ def _bcast_tree(hosts: Sequence[int], n: float, ai: float, bi: float, ae: float,
                 be: float) -> float:
     """The tree broadcast the C library runs over TCP (bcast.c), from rank 0 of ranks
     on ``hosts`` (each rank's host index): up to 4 ranks the root sends to every
-    rank itself, else a binomial tree; a rank sends to all its children at once,
-    so its sends share its link (its host's, for the children on other hosts)."""
+    rank itself (on several hosts only up to BCAST_FLAT_BYTES), else a binomial
+    tree; a rank sends to all its children at once, so its sends share its link
+    (its host's, for the children on other hosts)."""
     p = len(hosts)
-    if p <= 4:
+    if p <= 4 and (n <= BCAST_FLAT_BYTES or len(set(hosts)) == 1):
         kids = [list(range(1, p))] + [[] for _ in range(p - 1)]
     else:
         kids = [[] for _ in range(p)]

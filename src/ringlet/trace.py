@@ -74,7 +74,8 @@ def _algorithm_rules(t: Dict[str, int]) -> List[str]:
     # alltoall.c, barrier.c); every op's actual choice is in its trace entry.
     s = t["allreduce_small_bytes"]
     return [f"all_reduce: recursive_doubling up to {s} bytes, else ring",
-            f"broadcast: binomial_tree up to {t['bcast_small_bytes']} bytes, else chain",
+            f"broadcast: binomial_tree up to {t['bcast_small_bytes']} bytes (flat up to 4 "
+            f"ranks; on several hosts up to {t['bcast_flat_bytes']} bytes), else chain",
             f"reduce: binomial_tree up to {t['reduce_small_bytes']} bytes, else chain",
             f"all_gather: bruck up to {s} bytes in all (3+ ranks), else ring",
             f"reduce_scatter: recursive_halving up to {16 * s} bytes in all (power-of-two "
