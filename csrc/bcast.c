@@ -56,57 +56,109 @@ static void whole_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
 
 #define RL_BCAST_FLAT_MAX 4
 
-/* Whether the comm's ranks advertised more than one host address (the same
- * endpoint table on every rank, so every rank answers alike). */
-static int spans_hosts(const rl_comm *c) {
-    const char *first = rl_peer_host(c, 0, NULL);
-    for (int q = 1; q < c->size; q++)
-        if (strcmp(rl_peer_host(c, q, NULL), first) != 0) return 1;
-    return 0;
+/* The children of index v in a binomial tree of n indices rooted at 0 (the
+ * powers of two below v's lowest set bit; the root's: every one below n),
+ * largest subtree first; returns how many, and *parent (-1 for the root). */
+static int binomial(int v, int n, int *parent, int *kids) {
+    int low = 1;
+    while (low < n && !(v & low)) low <<= 1;
+    *parent = v ? v - low : -1;
+    int k = 0;
+    for (int mask = low >> 1; mask > 0; mask >>= 1)
+        if (v + mask < n) kids[k++] = v + mask;
+    return k;
+}
+
+/* The rank of host h that receives from other hosts: the root on its own
+ * host, else the lowest comm rank there. */
+static int host_leader(const rl_comm *c, int h, int root) {
+    return c->host_of[root] == h ? root : c->host_rank[c->host_off[h]];
+}
+
+/* Host h's i-th rank counted from its leader (index 0), wrapping. */
+static int host_member(const rl_comm *c, int h, int root, int i) {
+    int L = c->host_off[h + 1] - c->host_off[h];
+    int from = c->local_idx[host_leader(c, h, root)];
+    return c->host_rank[c->host_off[h] + (from + i) % L];
+}
+
+/* Across hosts (rl_comm_set_hosts): the root sends to each other host's
+ * leader (to every one itself up to RL_BCAST_FLAT_MAX hosts and
+ * bcast_flat_bytes, else by a binomial tree over the hosts numbered from the
+ * root's), and each leader to the rest of its host (every one itself up to
+ * RL_BCAST_FLAT_MAX ranks there, else a binomial tree).  One copy over each
+ * host's link, and a small message crosses between hosts once on its way to
+ * any rank.  Returns the number of children in kids; *parent is -1 at the
+ * root. */
+static int hosts_tree(const rl_comm *c, size_t len, int root, int *parent, int *kids) {
+    int H = c->nhosts, me = c->rank, h = c->host_of[me], hr = c->host_of[root];
+    int n = 0, p, idx[32];
+    *parent = -1;
+    if (me == host_leader(c, h, root)) {
+        int hv = (h - hr + H) % H;
+        if (H <= RL_BCAST_FLAT_MAX && (int64_t)len <= rl_tune.bcast_flat_bytes) {
+            if (hv) *parent = root;
+            else
+                for (int i = 1; i < H; i++) kids[n++] = host_leader(c, (hr + i) % H, root);
+        } else {
+            int k = binomial(hv, H, &p, idx);
+            if (p >= 0) *parent = host_leader(c, (hr + p) % H, root);
+            for (int i = 0; i < k; i++) kids[n++] = host_leader(c, (hr + idx[i]) % H, root);
+        }
+    }
+    int L = c->host_off[h + 1] - c->host_off[h];
+    int v = (c->local_idx[me] - c->local_idx[host_leader(c, h, root)] + L) % L;
+    if (L <= RL_BCAST_FLAT_MAX) {
+        if (v) *parent = host_member(c, h, root, 0);
+        else
+            for (int i = 1; i < L; i++) kids[n++] = host_member(c, h, root, i);
+    } else {
+        int k = binomial(v, L, &p, idx);
+        if (p >= 0) *parent = host_member(c, h, root, p);
+        for (int i = 0; i < k; i++) kids[n++] = host_member(c, h, root, idx[i]);
+    }
+    return n;
+}
+
+/* This rank's place in the tree of a broadcast of len bytes from root: its
+ * parent (-1 at the root) and its children (the return value counts them,
+ * at most RL_TREE_KIDS_MAX).  reduce.c runs it backwards across hosts. */
+int rl_tree_shape(const rl_comm *c, size_t len, int root, int *parent, int *kids) {
+    int P = c->size, v = rl_mod(c->rank - root, P), n = 0;
+    *parent = -1;
+    if (P <= RL_BCAST_FLAT_MAX && ((int64_t)len <= rl_tune.bcast_flat_bytes || c->nhosts <= 1)) {
+        if (v) *parent = root;
+        else
+            for (int k = 1; k < P; k++) kids[n++] = rl_mod(root + k, P);
+        return n;
+    }
+    if (c->nhosts > 1) return hosts_tree(c, len, root, parent, kids);
+    int idx[32];
+    n = binomial(v, P, parent, idx);
+    if (*parent >= 0) *parent = rl_mod(*parent + root, P);
+    for (int k = 0; k < n; k++) kids[k] = rl_mod(idx[k] + root, P);
+    return n;
 }
 
 static int tree_bcast(rl_comm *c, const rl_opdesc *op, char *buf, size_t len, int root) {
-    int P = c->size, v = rl_mod(c->rank - root, P);
     chain_bc a = {buf, len, len, NULL};
-    rl_stream s[40];
-    int n = 0, mask = 1;
+    rl_stream s[RL_TREE_KIDS_MAX];
+    int parent, kids[RL_TREE_KIDS_MAX];
+    int n = rl_tree_shape(c, len, root, &parent, kids);
     memset(s, 0, sizeof s);
-    if (P <= RL_BCAST_FLAT_MAX &&
-        ((int64_t)len <= rl_tune.bcast_flat_bytes || !spans_hosts(c))) {
-        if (v) {
-            s[0].peer = root;
-            s[0].nseg = 1;
-            s[0].where = whole_where;
-            return rl_run_streams(c, op, s, 1, &a);
-        }
-        for (int k = 1; k < P; k++, n++) {
-            s[n].peer = rl_mod(root + k, P);
-            s[n].is_send = 1;
-            s[n].nseg = 1;
-            s[n].where = whole_where;
-        }
-        return rl_run_streams(c, op, s, n, &a);
+    if (parent >= 0) {
+        s[0].peer = parent;
+        s[0].nseg = 1;
+        s[0].where = whole_where;
+        int st = rl_run_streams(c, op, s, 1, &a);
+        if (st != RL_OK) return st;
+        memset(s, 0, sizeof s);
     }
-    while (mask < P) {
-        if (v & mask) {
-            s[0].peer = rl_mod(v - mask + root, P);
-            s[0].nseg = 1;
-            s[0].where = whole_where;
-            int st = rl_run_streams(c, op, s, 1, &a);
-            if (st != RL_OK) return st;
-            break;
-        }
-        mask <<= 1;
-    }
-    memset(s, 0, sizeof s);
-    for (mask >>= 1; mask > 0; mask >>= 1) {
-        if (v + mask < P) {
-            s[n].peer = rl_mod(v + mask + root, P);
-            s[n].is_send = 1;
-            s[n].nseg = 1;
-            s[n].where = whole_where;
-            n++;
-        }
+    for (int k = 0; k < n; k++) {
+        s[k].peer = kids[k];
+        s[k].is_send = 1;
+        s[k].nseg = 1;
+        s[k].where = whole_where;
     }
     return n ? rl_run_streams(c, op, s, n, &a) : RL_OK;
 }
@@ -154,7 +206,9 @@ int rl_broadcast(rl_comm *c, void *buf, size_t count, rl_dtype dt, int root,
     }
     if (c->shm) return rl_end_op(c, &op, rl_shm_broadcast(c, &op, buf, len, root));
     if ((int64_t)len <= rl_tune.bcast_small_bytes) {
-        op.algo = "binomial_tree";
+        int flat = c->size <= RL_BCAST_FLAT_MAX &&
+                   ((int64_t)len <= rl_tune.bcast_flat_bytes || c->nhosts <= 1);
+        op.algo = c->nhosts > 1 && !flat ? "hosts_tree" : "binomial_tree";
         st = tree_bcast(c, &op, buf, len, root);
     } else {
         op.algo = "chain";

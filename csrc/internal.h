@@ -137,6 +137,13 @@ struct rl_comm {
 
     /* shared-memory transport (shm.c), NULL when the comm runs over TCP */
     struct rl_shm *shm;
+
+    /* rl_comm_set_hosts (NULL and 0 until set): hosts numbered 0..nhosts-1
+     * in order of their lowest comm rank; host_of: comm rank -> host;
+     * host_rank[host_off[h] + i]: host h's i-th rank in comm rank order;
+     * local_idx: comm rank -> its i there (one allocation, host_of first) */
+    int *host_of, *host_off, *host_rank, *local_idx;
+    int nhosts;
 };
 
 /* What the running operation is; used to build and check headers and to
@@ -260,6 +267,11 @@ int rl_scratch(rl_comm *c, const rl_opdesc *op, size_t len, const void *near, ch
 /* Building blocks shared between algorithm files (allreduce.c). */
 int rl_exchange(rl_comm *c, const rl_opdesc *op, int to, const void *sbuf,
                 int from, void *rbuf, size_t len, uint32_t tag);
+/* The broadcast's tree (bcast.c): this rank's parent (-1 at the root) and
+ * children, returned as their count: at most RL_TREE_KIDS_MAX (log2 of the
+ * hosts plus log2 of a host's ranks, each at most 31). */
+#define RL_TREE_KIDS_MAX 64
+int rl_tree_shape(const rl_comm *c, size_t len, int root, int *parent, int *kids);
 /* Recursive-doubling all-reduce of buf in place, under `op`'s header; uses
  * the comm's scratch. */
 int rl_rd_all_reduce(rl_comm *c, const rl_opdesc *op, void *buf, size_t count,

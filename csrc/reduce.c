@@ -149,6 +149,64 @@ static int tree_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count,
     return RL_OK;
 }
 
+/* Across hosts (rl_comm_set_hosts): the broadcast's hosts' tree run
+ * backwards (rl_tree_shape).  A rank takes its children's partial results
+ * at once, each into its own scratch block, reduces them into its own in the
+ * order the tree lists them, and sends the sum to its parent: one copy over
+ * each host's link, and a small message from any rank crosses between hosts
+ * once on its way to the root. */
+typedef struct {
+    char *in;
+    const char *out;
+    size_t len;
+    rl_stream *first;
+} hosts_rd;
+
+static void hr_where(void *alg, rl_stream *s, int i, char **p, size_t *l) {
+    hosts_rd *a = alg;
+    (void)i;
+    *p = s->is_send ? (char *)a->out : a->in + (size_t)(s - a->first) * a->len;
+    *l = a->len;
+}
+
+static int hosts_reduce(rl_comm *c, const rl_opdesc *op, char *buf, size_t count,
+                        rl_dtype dt, rl_redop rop, int root) {
+    size_t len = count * rl_dtype_size(dt);
+    int parent, kids[RL_TREE_KIDS_MAX];
+    int n = rl_tree_shape(c, len, root, &parent, kids);
+    rl_stream s[RL_TREE_KIDS_MAX];
+    hosts_rd a = {NULL, buf, len, s};
+    memset(s, 0, sizeof s);
+    if (n) {
+        /* [sum (non-root) | a child's block each] */
+        char *scratch;
+        int st = rl_scratch(c, op, (size_t)(n + (parent >= 0)) * len, buf, &scratch);
+        if (st != RL_OK) return st;
+        a.in = scratch + (parent >= 0 ? len : 0);
+        for (int k = 0; k < n; k++) {
+            s[k].peer = kids[k];
+            s[k].nseg = 1;
+            s[k].where = hr_where;
+        }
+        if ((st = rl_run_streams(c, op, s, n, &a)) != RL_OK) return st;
+        char *sum = parent >= 0 ? scratch : buf; /* non-roots keep their input */
+        const char *acc = buf;
+        for (int k = 0; k < n; k++, acc = sum)
+            rl_reduce_kernel(sum, acc, a.in + (size_t)k * len, count, dt, rop);
+        a.out = sum;
+        memset(s, 0, sizeof s);
+    }
+    if (parent < 0) {
+        if (rop == RL_AVG) rl_scale_kernel(buf, count, dt, 1.0 / c->size);
+        return RL_OK;
+    }
+    s[0].peer = parent;
+    s[0].is_send = 1;
+    s[0].nseg = 1;
+    s[0].where = hr_where;
+    return rl_run_streams(c, op, s, 1, &a);
+}
+
 int rl_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop,
               int root, int64_t timeout_ms) {
     if ((unsigned)dt >= RL_NDTYPES || !rl_op_valid(dt, rop) || root < 0 ||
@@ -164,7 +222,10 @@ int rl_reduce(rl_comm *c, void *buf, size_t count, rl_dtype dt, rl_redop rop,
         return rl_end_op(c, &op, RL_OK);
     }
     if (c->shm) return rl_end_op(c, &op, rl_shm_all_reduce(c, &op, buf, count, dt, rop, root));
-    if ((int64_t)len <= rl_tune.reduce_small_bytes) {
+    if ((int64_t)len <= rl_tune.reduce_small_bytes && c->nhosts > 1) {
+        op.algo = "hosts_tree";
+        st = hosts_reduce(c, &op, buf, count, dt, rop, root);
+    } else if ((int64_t)len <= rl_tune.reduce_small_bytes) {
         op.algo = "binomial_tree";
         st = tree_reduce(c, &op, buf, count, dt, rop, root);
     } else {

@@ -134,8 +134,9 @@ int rl_random_bytes(void *buf, size_t n);
     X(bcast_small_bytes, 64 << 10, "RINGLET_BCAST_SMALL_BYTES",                                     \
       "up to this: broadcast by flat or binomial tree, else pipelined chain")                       \
     X(bcast_flat_bytes, 8 << 10, "RINGLET_BCAST_FLAT_BYTES",                                        \
-      "broadcast over TCP of at most 4 ranks on more than one host: up to this the root sends to "  \
-      "every rank itself, beyond it a binomial tree (fewer copies over the links between hosts)")  \
+      "broadcast and reduce over TCP across hosts: up to this the root sends to (reduce: takes "   \
+      "from) every rank itself (up to 4 ranks) or a rank of every other host (up to 4 hosts); "     \
+      "beyond it trees that send one copy over each host's link")                                   \
     X(reduce_small_bytes, 64 << 10, "RINGLET_REDUCE_SMALL_BYTES",                                   \
       "up to this: reduce by binomial tree, else pipelined chain")                                  \
     X(spin_us, 50, "RINGLET_SPIN_US", "busy-poll this long before blocking in poll(2)")             \
@@ -312,6 +313,14 @@ const rl_error *rl_comm_error(const rl_comm *c);
 uint64_t rl_comm_seq(const rl_comm *c);
 /* Open (or wait for) the connection to comm rank `peer` now. */
 int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms);
+/* Which host each comm rank runs on: host_of[i] in [0, size) for comm rank i,
+ * the same table on every member (equal numbers: one host).  TCP trees that
+ * know the hosts send one copy over each host's link (bcast.c).  Call before
+ * the comm's first collective; without it every rank counts as one host.
+ * RL_ERR_INVALID for a number out of range. */
+int rl_comm_set_hosts(rl_comm *c, const int *host_of);
+/* The number of hosts rl_comm_set_hosts was given (0: never set). */
+int rl_comm_num_hosts(const rl_comm *c);
 
 /* ---- shared memory (shm.c) ------------------------------------------ */
 /* Ranks of one comm on one host can share a segment (a memfd that the

@@ -834,9 +834,45 @@ void rl_comm_destroy(rl_comm *c) {
     if (c->any_efd >= 0) close(c->any_efd);
     free(c->world); free(c->fds); free(c->peer_locks); free(c->send_locks);
     free(c->recv_locks); free(c->p2p_send_seq); free(c->p2p_recv_seq);
-    free(c->unexpected); free(c->scratch);
+    free(c->unexpected); free(c->scratch); free(c->host_of);
     rl_trace_free(c);
     free(c);
+}
+
+int rl_comm_num_hosts(const rl_comm *c) { return c->nhosts; }
+
+int rl_comm_set_hosts(rl_comm *c, const int *host_of) {
+    if (!c || !host_of) return RL_ERR_INVALID;
+    int P = c->size;
+    for (int i = 0; i < P; i++)
+        if (host_of[i] < 0 || host_of[i] >= P) return RL_ERR_INVALID;
+    /* host_of, host_off (P + 1), host_rank, local_idx; then a scratch map */
+    int *m = malloc((size_t)(5 * P + 1) * sizeof *m);
+    if (!m) return RL_ERR_NOMEM;
+    int *of = m, *off = m + P, *members = m + 2 * P + 1, *local = m + 3 * P + 1;
+    int *dense = m + 4 * P + 1, H = 0;
+    for (int i = 0; i < P; i++) dense[i] = -1;
+    for (int i = 0; i < P; i++) {
+        if (dense[host_of[i]] < 0) dense[host_of[i]] = H++;
+        of[i] = dense[host_of[i]];
+    }
+    for (int h = 0; h <= H; h++) off[h] = 0;
+    for (int i = 0; i < P; i++) off[of[i] + 1]++;
+    for (int h = 0; h < H; h++) off[h + 1] += off[h];
+    for (int h = 0; h < H; h++) dense[h] = 0; /* reused: members placed so far */
+    for (int i = 0; i < P; i++) {
+        local[i] = dense[of[i]]++;
+        members[off[of[i]] + local[i]] = i;
+    }
+    pthread_mutex_lock(&c->op_lock); /* not under a running op */
+    free(c->host_of);
+    c->host_of = of;
+    c->host_off = off;
+    c->host_rank = members;
+    c->local_idx = local;
+    c->nhosts = H;
+    pthread_mutex_unlock(&c->op_lock);
+    return RL_OK;
 }
 
 /* Blocking (poll-driven, deadline-bounded) exchange of handshake bytes.

@@ -9,6 +9,8 @@ from tests/c/ together with files of csrc/ and runs it.
   under AddressSanitizer where gcc has it).
 * test_shm_steps.c checks step_begin's wait for the peers' acks after more than
   2^31 read-only steps (it includes csrc/shm.c; with the rest of csrc/, under ASan).
+* test_bcast_tree.c checks the TCP broadcast's tree over ranks on several hosts (it
+  includes csrc/bcast.c; with the rest of csrc/, under ASan).
 * test_transport_waits.c checks that waits for another thread's op end at the
   interrupt hook, and that a stopped listener thread fails a wait for a peer at once.
 * test_connect_partial.c checks that a connector whose HELLO or proof send is cut
@@ -350,6 +352,18 @@ def test_shm_steps_program(tmp_path):
     sources = [CTESTS / "test_shm_steps.c",
                *(p for p in sorted(CSRC.glob("*.c")) if p.name != "shm.c")]
     exe = _compile(tmp_path / "test_shm_steps", sources, "-O2", ("-pthread", *ASAN))
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "checks passed" in res.stdout
+
+
+def test_bcast_tree_program(tmp_path):
+    """The TCP broadcast's tree (csrc/bcast.c, compiled into the program): one tree for every
+    layout of hosts, root and size, one copy over each host's link, and a small message
+    crossing between hosts once on its way to any rank."""
+    sources = [CTESTS / "test_bcast_tree.c",
+               *(p for p in sorted(CSRC.glob("*.c")) if p.name != "bcast.c")]
+    exe = _compile(tmp_path / "test_bcast_tree", sources, "-O2", ("-pthread", *ASAN))
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "checks passed" in res.stdout

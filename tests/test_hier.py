@@ -150,6 +150,51 @@ def test_auto_matches_the_oracle_and_flat_is_flat(layout, monkeypatch, small_seg
     assert not any(used)
 
 
+def _flat_rooted(rank, P, sizes):
+    # Every root and size over TCP between hosts; the comm knows the hosts.
+    g = ringlet._world._require(None)
+    bad = []
+    for n in sizes:
+        for root in range(P):
+            src = data(root, n, np.int32, salt=7)
+            x = src.copy() if rank == root else np.zeros(n, np.int32)
+            ringlet.broadcast(x, root)
+            if not same(x, src):
+                bad.append(f"rank {rank}: broadcast n={n} root={root}: got {x[:4]}")
+            for dt, op in ((np.int32, ReduceOp.SUM), (np.float64, ReduceOp.AVG),
+                           (np.float32, ReduceOp.MAX)):
+                ins = [data(r, n, dt, op, salt=8) for r in range(P)]
+                x = ins[rank].copy()
+                ringlet.reduce(x, root, op)
+                if rank == root and not close(x, reduce_np(ins, op, np.dtype(dt)), op):
+                    bad.append(f"rank {rank}: reduce {op.name} n={n} root={root}: got {x[:4]}")
+                if rank != root and not same(x, ins[rank]):
+                    bad.append(f"rank {rank}: reduce n={n} root={root} changed its input")
+    return bad, g._coll.transport, g._coll.num_hosts
+
+
+@pytest.mark.parametrize("ids", [
+    "aabb", "abab", "aaaaabbbb", "abcdef", "aabbbbbcd",
+], ids=["2x2", "2x2-interleaved", "5+4", "6x1", "2+5+1+1"])
+def test_flat_rooted_ops_across_hosts_run_the_hosts_tree(ids, monkeypatch):
+    # bcast.c's tree across hosts, which reduce.c runs backwards (one copy per host
+    # link; its shape is checked in tests/c/test_bcast_tree.c): 4 bytes take the flat
+    # shape up to 4 ranks, 40 the hosts' tree, 400 the chain.
+    monkeypatch.setenv("RINGLET_ALGO", "flat")
+    monkeypatch.setenv("RINGLET_BCAST_FLAT_BYTES", "16")
+    monkeypatch.setenv("RINGLET_BCAST_SMALL_BYTES", "256")
+    monkeypatch.setenv("RINGLET_REDUCE_SMALL_BYTES", "256")
+    saved = _core.get_tuning()  # the ranks are threads here: init() sets these knobs
+    try:
+        res = run_world(_flat_rooted, len(ids), timeout=120, args=((1, 10, 100),),
+                        host_ids=list(ids))
+    finally:
+        _core.set_tuning(**saved)
+    for bad, transport, hosts in res:
+        assert not bad, "\n".join(bad[:20])
+        assert (transport, hosts) == ("tcp", len(set(ids)))
+
+
 def _hier_equals_flat(rank, P):
     # Same input, both algorithms on the same world: equal to the oracle's
     # tolerance, and AVG scaled once as the flat form does.
@@ -482,10 +527,16 @@ def test_broadcast_over_tcp_is_priced_as_the_library_sends_it():
     n = 16384.0
     assert cm.flat_time("broadcast", n, [2, 2], a) == pytest.approx(
         10 + n * 0.1 + 1 + n * 0.001)
-    assert cm.BCAST_FLAT_BYTES == _core.get_tuning()["bcast_flat_bytes"]
-    # 4x2 from rank 0: 0 -> {4, 2} across and 1 inside (30), 4 -> 6 across and 5
-    # inside (+20), 6 -> 7 inside (+1.1).
-    assert cm.flat_time("broadcast", 100, [2, 2, 2, 2], a) == pytest.approx(51.1)
+    assert cm.BCAST_FLAT_BYTES == {k["name"]: k["default"] for k in _core.knobs()}[
+        "bcast_flat_bytes"]
+    # 4x2 from rank 0: the hosts' tree, 0 -> {2, 4, 6} across (three sends on its link:
+    # 40) and 1 inside, then each host's first rank to its second (+1.1).
+    assert cm.flat_time("broadcast", 100, [2, 2, 2, 2], a) == pytest.approx(41.1)
+    # 5 hosts of 2 beyond 8 KiB: a binomial tree over the hosts' first ranks (0 -> {8,
+    # 4, 2} across, 10 + 3n*0.1; 4 -> 6 across, 10 + n*0.1), then 6 -> 7 inside.
+    big8 = 16384.0
+    assert cm.flat_time("broadcast", big8, [2] * 5, a) == pytest.approx(
+        (10 + 3 * big8 * 0.1) + (10 + big8 * 0.1) + (1 + big8 * 0.001))
     # Beyond 64 KiB the pipelined chain over every rank.
     big = 2.0 * cm.SMALL_BYTES
     assert cm.flat_time("broadcast", big, [2, 2], a) == pytest.approx(3 * 10 + big * 0.1)
@@ -496,6 +547,14 @@ def test_broadcast_over_tcp_is_priced_as_the_library_sends_it():
                                                               + (10 + n * 0.1))
     # 8 ranks: 0 -> {4, 2, 1} (40), 4 -> {6, 5} (+30), 6 -> 7 (+20).
     assert cm.broadcast_tcp(8, 100, 10.0, 0.1) == pytest.approx(90.0)
+    # reduce runs the same tree backwards, each rank taking its children at once:
+    # 3 -> 2 inside (1 + 0.1, then 100*0.01 to add), {2, 4, 6} -> 0 across sharing
+    # the root's link (10 + 3*10) and 1 -> 0 inside; the root adds four blocks.
+    ag = cm.ModelParams(alpha_intra=1.0, beta_intra=0.001, alpha_inter=10.0,
+                        beta_inter=0.1, gamma=0.01)
+    assert cm.flat_time("reduce", 100, [2, 2, 2, 2], ag) == pytest.approx(
+        (1.1 + 1.0) + 40.0 + 4 * 1.0)
+    assert cm.reduce_tcp(4, 100, 10.0, 0.1, 0.01) == pytest.approx(40.0 + 3 * 1.0)
     check = cm.flat_time("all_reduce", 16, [2, 2, 2, 2], a)
     assert cm.hier_time("broadcast", 100, [2, 2, 2, 2], a) == pytest.approx(
         cm.broadcast_tcp(4, 100, 10.0, 0.1) + cm.broadcast_1(2, 100, 1.0, 0.001) + check)

@@ -89,6 +89,8 @@ cdef extern from "ringlet.h" nogil:
     const rl_error *rl_comm_error(const rl_comm *c)
     uint64_t rl_comm_seq(const rl_comm *c)
     int rl_comm_connect(rl_comm *c, int peer, int64_t timeout_ms)
+    int rl_comm_set_hosts(rl_comm *c, const int *host_of)
+    int rl_comm_num_hosts(const rl_comm *c)
     size_t rl_shm_segment_bytes(int nranks)
     int rl_comm_attach_shm(rl_comm *c, int fd, size_t size, int create, rl_error *err)
     size_t rl_shm_p2p_segment_bytes(int nranks)

@@ -707,6 +707,33 @@ cdef class Comm:
         cdef int64_t n = rl_comm_shm_single_copy(self._h(), &rank, &peer, &err)
         return (n, rank, peer, err)
 
+    @property
+    def num_hosts(self):
+        """How many hosts ``set_hosts`` was told of (0: never told: one host)."""
+        return rl_comm_num_hosts(self._h())
+
+    def set_hosts(self, host_of):
+        """Tell the comm which host each comm rank runs on (``host_of[i]``, a number
+        in [0, size) for comm rank i; the same list on every member)."""
+        cdef int n = len(host_of)
+        cdef rl_comm *c = self._enter()
+        cdef int *a = NULL
+        cdef int st, i
+        try:
+            if n != self.size:
+                raise ValueError(f"set_hosts: {n} host numbers for a comm of {self.size} ranks")
+            a = <int *>malloc(sizeof(int) * n)
+            if a == NULL:
+                raise MemoryError()
+            for i in range(n):
+                a[i] = host_of[i]
+            st = rl_comm_set_hosts(c, a)
+        finally:
+            free(a)
+            self._leave()
+        if st != RL_OK:
+            raise ValueError(f"set_hosts: every host number must lie in [0, {n}), got {list(host_of)}")
+
     def connect(self, int peer, int64_t timeout_ms):
         cdef int st
         cdef rl_comm *c = self._enter()

@@ -19,7 +19,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 __all__ = ["ModelParams", "ALGO_ENV", "MODEL_ENV", "ALGOS", "OPS", "algo_from_env",
            "params_from_env", "fit", "fit_phase", "predict", "flat_time", "hier_time",
@@ -248,33 +248,116 @@ def broadcast_1(p: int, n: float, a: float, b: float) -> float:
     return min((p - 1) * a + n * b, _log2(p) * (a + n * b))
 
 
+def _binomial_kids(v: int, n: int) -> list:
+    """Children of index v in a binomial tree of n indices rooted at 0 (bcast.c)."""
+    low = 1
+    while low < n and not v & low:
+        low <<= 1
+    kids, mask = [], low >> 1
+    while mask:
+        if v + mask < n:
+            kids.append(v + mask)
+        mask >>= 1
+    return kids
+
+
+def _bcast_kids(hosts: Sequence[int], n: float) -> list:
+    """Each rank's children in the TCP broadcast from rank 0 of ranks on ``hosts``, as
+    bcast.c builds the tree: up to 4 ranks the root sends to every rank itself (on
+    several hosts only up to BCAST_FLAT_BYTES); across hosts the root sends to one
+    rank per host (every one itself up to 4 hosts and BCAST_FLAT_BYTES, else a binomial
+    tree over the hosts) and that rank to the rest of its host (every one itself up to
+    4 ranks, else a binomial tree); on one host a binomial tree."""
+    p = len(hosts)
+    kids: List[List[int]] = [[] for _ in range(p)]
+    order = list(dict.fromkeys(hosts))  # hosts by their lowest rank; rank 0's first
+    if p <= 4 and (n <= BCAST_FLAT_BYTES or len(order) == 1):
+        kids[0] = list(range(1, p))
+        return kids
+    if len(order) == 1:
+        for v in range(p):
+            kids[v] = _binomial_kids(v, p)
+        return kids
+    members = {h: [r for r in range(p) if hosts[r] == h] for h in order}
+    leaders = [members[h][0] for h in order]
+    nh = len(order)
+    for i, lead in enumerate(leaders):
+        if nh <= 4 and n <= BCAST_FLAT_BYTES:
+            kids[lead] += leaders[1:] if i == 0 else []
+        else:
+            kids[lead] += [leaders[j] for j in _binomial_kids(i, nh)]
+    for h in order:
+        m = members[h]
+        if len(m) <= 4:
+            kids[m[0]] += m[1:]
+        else:
+            for v in range(len(m)):
+                kids[m[v]] += [m[j] for j in _binomial_kids(v, len(m))]
+    return kids
+
+
 def _bcast_tree(hosts: Sequence[int], n: float, ai: float, bi: float, ae: float,
                 be: float) -> float:
-    """The tree broadcast the C library runs over TCP (bcast.c), from rank 0 of ranks
-    on ``hosts`` (each rank's host index): up to 4 ranks the root sends to every
-    rank itself (on several hosts only up to BCAST_FLAT_BYTES), else a binomial
-    tree; a rank sends to all its children at once, so its sends share its link
-    (its host's, for the children on other hosts)."""
+    """The tree broadcast the C library runs over TCP (``_bcast_kids``) from rank 0 of
+    ranks on ``hosts`` (each rank's host index); a rank sends to all its children at
+    once, so its sends share its link (its host's, for the children on other hosts)."""
     p = len(hosts)
-    if p <= 4 and (n <= BCAST_FLAT_BYTES or len(set(hosts)) == 1):
-        kids = [list(range(1, p))] + [[] for _ in range(p - 1)]
-    else:
-        kids = [[] for _ in range(p)]
-        for v in range(p):
-            low = v & -v if v else 1 << _log2(p)  # the bit v received on; the root none
-            mask = low >> 1
-            while mask:
-                if v + mask < p:
-                    kids[v].append(v + mask)
-                mask >>= 1
+    kids = _bcast_kids(hosts, n)
     t = [0.0] * p
-    for v in range(p):  # parents come before their children
+    todo = [0]
+    while todo:
+        v = todo.pop()
         out = sum(hosts[c] != hosts[v] for c in kids[v])
         inside = len(kids[v]) - out
         for c in kids[v]:
             t[c] = t[v] + (ae + out * n * be if hosts[c] != hosts[v]
                            else ai + inside * n * bi)
+            todo.append(c)
     return max(t)
+
+
+def _reduce_tree(hosts: Sequence[int], n: float, ai: float, bi: float, ae: float,
+                 be: float, g: float) -> float:
+    """The tree reduce the C library runs over TCP to rank 0 of ranks on ``hosts``: on
+    one host the binomial tree (a rank takes its children one after another), across
+    hosts the broadcast's tree backwards (reduce.c's hosts_reduce: a rank takes all its
+    children at once, their sends sharing its link), reducing n bytes per child."""
+    p = len(hosts)
+    kids = _bcast_kids(hosts, n)
+    one_host = len(set(hosts)) == 1
+    done = [0.0] * p
+    for v in sorted(range(p), key=lambda r: _depth(kids, r)):  # leaves first
+        arrive = []
+        into = sum(hosts[c] != hosts[v] for c in kids[v])
+        inside = len(kids[v]) - into
+        for c in kids[v]:
+            if hosts[c] != hosts[v]:
+                arrive.append(done[c] + ae + (1 if one_host else into) * n * be)
+            else:
+                arrive.append(done[c] + ai + (1 if one_host else inside) * n * bi)
+        if one_host:  # one child after another
+            t = 0.0
+            for x in arrive:
+                t = max(t, x) + n * g
+            done[v] = t
+        else:
+            done[v] = (max(arrive) if arrive else 0.0) + len(kids[v]) * n * g
+    return done[0]
+
+
+def _depth(kids: Sequence[Sequence[int]], r: int) -> int:
+    """Height of r's subtree (leaves 0): children are finished before their parent."""
+    return 1 + max((_depth(kids, c) for c in kids[r]), default=-1)
+
+
+def reduce_tcp(p: int, n: float, a: float, b: float, g: float) -> float:
+    """A reduce over TCP among p ranks on p hosts, as the C library runs it: the tree up
+    to SMALL_BYTES (``reduce_small_bytes``' default), else the pipelined chain."""
+    if p <= 1:
+        return 0.0
+    if n <= SMALL_BYTES:
+        return _reduce_tree(list(range(p)), n, a, b, a, b, g)
+    return (p - 1) * a + n * (b + g)
 
 
 def broadcast_tcp(p: int, n: float, a: float, b: float) -> float:
@@ -387,9 +470,11 @@ def _flat_wire(op: str, n: float, sizes: Sequence[int], m: ModelParams,
         return _bcast_tree(hosts, n, m.alpha_intra, m.beta_intra, m.alpha_inter,
                            m.beta_inter)
     if op == "reduce":
-        chain = (p - 1) * ae + n * (be + g)
-        tree = li * tree_step_in + hi * (m.alpha_inter + n * m.beta_inter) + _log2(p) * n * g
-        return min(chain, tree)
+        if n > SMALL_BYTES:
+            return (p - 1) * ae + n * (be + g)
+        hosts = [k for k, size in enumerate(sizes) for _ in range(size)]
+        return _reduce_tree(hosts, n, m.alpha_intra, m.beta_intra, m.alpha_inter,
+                            m.beta_inter, g)
     raise ValueError(f"unknown op {op!r}; the model knows {', '.join(OPS)}")
 
 
@@ -454,7 +539,7 @@ def hier_time(op: str, nbytes: float, sizes: Sequence[int], m: ModelParams,
         return (broadcast_tcp(h, n, ae, be) + broadcast_1(lmax, n, ai, bi) + fe + fi
                 + flat_time("all_reduce", 16, sizes, m))
     if op == "reduce":
-        return (reduce_1(lmax, n, ai, bi, g) + reduce_1(h, n, ae, be, g) + fi + fe
+        return (reduce_1(lmax, n, ai, bi, g) + reduce_tcp(h, n, ae, be, g) + fi + fe
                 + flat_time("all_reduce", 16, sizes, m))
     raise ValueError(f"unknown op {op!r}; the model knows {', '.join(OPS)}")
 

@@ -115,6 +115,14 @@ class World:
             try:  # collectives over shared memory when the ranks share a host
                 _shm.setup(self, coll, ranks, setup_timeout or
                            (self.timeout if timeout is None else timeout), p2p)
+                if self.host_ids and coll.transport == "tcp":
+                    # TCP trees send one copy over each host's link (bcast.c)
+                    ids = [self.host_ids[r] for r in ranks]
+                    first: Dict[str, int] = {}
+                    for i, h in enumerate(ids):
+                        first.setdefault(h, i)
+                    if len(first) > 1:
+                        coll.set_hosts([first[h] for h in ids])
             except BaseException:
                 coll.close()
                 p2p.close()

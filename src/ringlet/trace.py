@@ -75,8 +75,10 @@ def _algorithm_rules(t: Dict[str, int]) -> List[str]:
     s = t["allreduce_small_bytes"]
     return [f"all_reduce: recursive_doubling up to {s} bytes, else ring",
             f"broadcast: binomial_tree up to {t['bcast_small_bytes']} bytes (flat up to 4 "
-            f"ranks; on several hosts up to {t['bcast_flat_bytes']} bytes), else chain",
-            f"reduce: binomial_tree up to {t['reduce_small_bytes']} bytes, else chain",
+            f"ranks; on several hosts up to {t['bcast_flat_bytes']} bytes, beyond that "
+            f"hosts_tree), else chain",
+            f"reduce: binomial_tree up to {t['reduce_small_bytes']} bytes (on several hosts "
+            f"hosts_tree), else chain",
             f"all_gather: bruck up to {s} bytes in all (3+ ranks), else ring",
             f"reduce_scatter: recursive_halving up to {16 * s} bytes in all (power-of-two "
             f"4+ ranks), else ring",
