@@ -513,6 +513,15 @@ def test_flat_reduce_scatter_and_all_gather_take_log_steps_where_the_library_doe
     assert cm.hier_time("reduce_scatter", 64, [2, 2, 2, 2], a) == 2.0
     assert cm.hier_time("all_gather", 64, [2, 2, 2, 2], a) == 2.0
     assert cm.SMALL_BYTES == _core.get_tuning()["allreduce_small_bytes"]
+    # Bytes: a step whose partner is on another host crosses with every rank of that
+    # host at once (L * beta_inter); a nearer partner stays inside (beta_intra).
+    b = cm.ModelParams(alpha_intra=0, beta_intra=0.001, alpha_inter=0, beta_inter=0.1,
+                       gamma=0)
+    # 4x2, 800 B: halving to partners 4 and 2 away across (400 + 200 B at 0.2), 1 away
+    # inside (100 B at 0.001); Bruck the other way round.
+    assert cm.flat_time("reduce_scatter", 800, [2, 2, 2, 2], b) == pytest.approx(120.1)
+    assert cm.flat_time("all_gather", 800, [2, 2, 2, 2], b) == pytest.approx(120.1)
+    assert cm.flat_time("reduce_scatter", 800, [2, 2], b) == pytest.approx(80.2)
 
 
 def test_broadcast_over_tcp_is_priced_as_the_library_sends_it():

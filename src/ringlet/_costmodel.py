@@ -210,20 +210,35 @@ def all_reduce_1(p: int, n: float, a: float, b: float, g: float) -> float:
     return min(ring_all_reduce(p, n, a, b, g), rd_all_reduce(p, n, a, b, g))
 
 
-def reduce_scatter_flat(p: int, n: float, a: float, b: float, g: float) -> float:
+def reduce_scatter_flat(p: int, n: float, a: float, b: float, g: float, local: int = 1,
+                        bi: Optional[float] = None) -> float:
     """A flat reduce_scatter over TCP as the C library runs it: halving recursively
     in log2 p steps for a power of two p >= 4 up to 16 x SMALL_BYTES of input, else
-    the ring."""
+    the ring.  ``local``: ranks per host, consecutive; a halving step whose partner is
+    nearer than that stays inside the host (``bi`` per byte), the others cross with
+    all ``local`` ranks of a host sending over its link at once (``local * b``)."""
     if p >= 4 and p & (p - 1) == 0 and n <= 16 * SMALL_BYTES:
-        return _log2(p) * a + (p - 1) / p * n * (b + g)
+        wire = 0.0
+        for k in range(1, _log2(p) + 1):  # partner at p >> k, n >> k bytes each way
+            cross = (p >> k) >= local
+            wire += n / (1 << k) * (local * b if cross or bi is None else bi)
+        return _log2(p) * a + wire + (p - 1) / p * n * g
     return reduce_scatter_1(p, n, a, b, g)
 
 
-def all_gather_flat(p: int, n: float, a: float, b: float) -> float:
+def all_gather_flat(p: int, n: float, a: float, b: float, local: int = 1,
+                    bi: Optional[float] = None) -> float:
     """A flat all_gather over TCP as the C library runs it: Bruck's algorithm in
-    ceil(log2 p) steps from 3 ranks up to SMALL_BYTES of output, else the ring."""
+    ceil(log2 p) steps from 3 ranks up to SMALL_BYTES of output, else the ring.
+    ``local`` and ``bi`` as for ``reduce_scatter_flat``: step k's partner is 2^k
+    ranks away."""
     if p > 2 and n <= SMALL_BYTES:
-        return _log2(p) * a + (p - 1) / p * n * b
+        wire = 0.0
+        for k in range(_log2(p)):  # min(2^k, p - 2^k) blocks of n/p
+            d = 1 << k
+            cross = d >= local
+            wire += min(d, p - d) * n / p * (local * b if cross or bi is None else bi)
+        return _log2(p) * a + wire
     return all_gather_1(p, n, a, b)
 
 
@@ -460,8 +475,12 @@ def _flat_wire(op: str, n: float, sizes: Sequence[int], m: ModelParams,
         rd = li * tree_step_in + hi * tree_step_out + _log2(p) * n * g
         return min(ring, rd)
     if op == "reduce_scatter":
+        if p >= 4 and p & (p - 1) == 0 and n <= 16 * SMALL_BYTES:
+            return reduce_scatter_flat(p, n, ae, m.beta_inter, g, lmax, m.beta_intra)
         return reduce_scatter_flat(p, n, ae, be, g)
     if op == "all_gather":
+        if p > 2 and n <= SMALL_BYTES:
+            return all_gather_flat(p, n, ae, m.beta_inter, lmax, m.beta_intra)
         return all_gather_flat(p, n, ae, be)
     if op == "broadcast":
         if n > SMALL_BYTES:
