@@ -170,7 +170,17 @@ def _flat_rooted(rank, P, sizes):
                     bad.append(f"rank {rank}: reduce {op.name} n={n} root={root}: got {x[:4]}")
                 if rank != root and not same(x, ins[rank]):
                     bad.append(f"rank {rank}: reduce n={n} root={root} changed its input")
-    return bad, g._coll.transport, g._coll.num_hosts
+    hosts = g._coll.num_hosts
+    for wrong in ([0] * (P + 1), [0] * (P - 1) + [P]):  # a length, a host number
+        try:
+            g._coll.set_hosts(wrong)
+            bad.append(f"rank {rank}: set_hosts({wrong}) was accepted")
+        except ValueError as exc:
+            if "set_hosts" not in str(exc):
+                bad.append(f"rank {rank}: set_hosts({wrong}): {exc}")
+    if g._coll.num_hosts != hosts:
+        bad.append(f"rank {rank}: a refused set_hosts changed the hosts to {g._coll.num_hosts}")
+    return bad, g._coll.transport, hosts
 
 
 @pytest.mark.parametrize("ids", [
