@@ -12,8 +12,9 @@
  * ranks that is one more send at the root in place of a second hop, and a
  * hop costs a scheduling delay when ranks outnumber cores (figures:
  * docs/algorithms.md, "broadcast").  With 3 ranks both shapes are the same.
- * Across hosts, beyond bcast_flat_bytes, the extra copies over the root's
- * host link cost more than the hop, and the binomial tree runs.
+ * Across hosts (rl_comm_set_hosts) the tree follows the hosts (hosts_tree);
+ * the flat shape stops at bcast_flat_bytes there, beyond which its extra
+ * copies over the root's host link cost more than a hop.
  *
  * Chain: v receives segments from v-1 and forwards each one to v+1 as soon
  * as it has arrived, so after a fill time of (P-1) segments every link
