@@ -311,58 +311,46 @@ def _bcast_kids(hosts: Sequence[int], n: float) -> list:
     return kids
 
 
+def _top_down(kids: Sequence[Sequence[int]]) -> List[int]:
+    """The ranks of the tree rooted at 0, every parent before its children."""
+    order, i = [0], 0
+    while i < len(order):
+        order += kids[order[i]]
+        i += 1
+    return order
+
+
 def _bcast_tree(hosts: Sequence[int], n: float, ai: float, bi: float, ae: float,
                 be: float) -> float:
     """The tree broadcast the C library runs over TCP (``_bcast_kids``) from rank 0 of
     ranks on ``hosts`` (each rank's host index); a rank sends to all its children at
     once, so its sends share its link (its host's, for the children on other hosts)."""
-    p = len(hosts)
     kids = _bcast_kids(hosts, n)
-    t = [0.0] * p
-    todo = [0]
-    while todo:
-        v = todo.pop()
+    t = [0.0] * len(hosts)
+    for v in _top_down(kids):
         out = sum(hosts[c] != hosts[v] for c in kids[v])
         inside = len(kids[v]) - out
         for c in kids[v]:
             t[c] = t[v] + (ae + out * n * be if hosts[c] != hosts[v]
                            else ai + inside * n * bi)
-            todo.append(c)
     return max(t)
 
 
 def _reduce_tree(hosts: Sequence[int], n: float, ai: float, bi: float, ae: float,
                  be: float, g: float) -> float:
-    """The tree reduce the C library runs over TCP to rank 0 of ranks on ``hosts``: on
-    one host the binomial tree (a rank takes its children one after another), across
-    hosts the broadcast's tree backwards (reduce.c's hosts_reduce: a rank takes all its
-    children at once, their sends sharing its link), reducing n bytes per child."""
-    p = len(hosts)
+    """The tree reduce the C library runs over TCP to rank 0 of ranks on several
+    ``hosts``: the broadcast's tree backwards (reduce.c's hosts_reduce), a rank taking
+    all its children at once (their sends sharing its link) and adding n bytes per
+    child."""
     kids = _bcast_kids(hosts, n)
-    one_host = len(set(hosts)) == 1
-    done = [0.0] * p
-    for v in sorted(range(p), key=lambda r: _depth(kids, r)):  # leaves first
-        arrive = []
+    done = [0.0] * len(hosts)
+    for v in reversed(_top_down(kids)):  # children before their parent
         into = sum(hosts[c] != hosts[v] for c in kids[v])
         inside = len(kids[v]) - into
-        for c in kids[v]:
-            if hosts[c] != hosts[v]:
-                arrive.append(done[c] + ae + (1 if one_host else into) * n * be)
-            else:
-                arrive.append(done[c] + ai + (1 if one_host else inside) * n * bi)
-        if one_host:  # one child after another
-            t = 0.0
-            for x in arrive:
-                t = max(t, x) + n * g
-            done[v] = t
-        else:
-            done[v] = (max(arrive) if arrive else 0.0) + len(kids[v]) * n * g
+        arrive = [done[c] + (ae + into * n * be if hosts[c] != hosts[v]
+                             else ai + inside * n * bi) for c in kids[v]]
+        done[v] = max(arrive, default=0.0) + len(kids[v]) * n * g
     return done[0]
-
-
-def _depth(kids: Sequence[Sequence[int]], r: int) -> int:
-    """Height of r's subtree (leaves 0): children are finished before their parent."""
-    return 1 + max((_depth(kids, c) for c in kids[r]), default=-1)
 
 
 def reduce_tcp(p: int, n: float, a: float, b: float, g: float) -> float:
